@@ -13,6 +13,7 @@ from rankmesh.errors import (
     RankMeshError,
 )
 from rankmesh.mesh import DistGlobalInfo, DistRankInfo, RankGrid, RankMesh
+from rankmesh.layout import Layout, list_layouts, load_layout, validate_layout
 from rankmesh.placement import Placement
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __all__ = [
     "DispatchError",
     "DistGlobalInfo",
     "DistRankInfo",
+    "Layout",
     "LayoutError",
     "MeshError",
     "PaddingError",
@@ -30,4 +32,7 @@ __all__ = [
     "RankGrid",
     "RankMesh",
     "RankMeshError",
+    "list_layouts",
+    "load_layout",
+    "validate_layout",
 ]

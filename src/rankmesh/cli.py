@@ -1,0 +1,402 @@
+"""The ``rankmesh`` command line: inspect, validate and draw parallel layouts.
+
+Subcommands are registered, not hard-wired, so other modules can add their own::
+
+    from rankmesh.cli import add_command
+
+    def setup(parser):                       # an argparse parser for `rankmesh demo`
+        parser.add_argument("--steps", type=int, default=3)
+        parser.set_defaults(handler=run)     # run(args) -> exit code
+
+    add_command("demo", setup, help="run the CPU demo")
+
+A module named in :data:`COMMAND_MODULES` is imported when the parser is built (if it exists), so
+registering there is enough; keep its top level light (import Ray inside the handler).
+
+Every error a user can cause ends as one line ``rankmesh: error: ...`` on stderr and exit code 2
+(``layout validate`` exits 1 when the layout has errors); never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from typing import Any, Callable, Sequence
+
+from rankmesh.errors import MeshError, RankMeshError
+from rankmesh.layout import Layout, LayoutError, LayoutNotFoundError, RoleSpec, find_layout, list_layouts, load_layout
+from rankmesh.mesh import DEFAULT_ORDER, RankMesh, check_size
+
+log = logging.getLogger(__name__)
+
+PROG = "rankmesh"
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+
+Setup = Callable[[argparse.ArgumentParser], None]
+"""Configures a subcommand's parser and sets ``handler=fn`` with ``fn(args) -> int``."""
+
+COMMAND_MODULES: tuple[str, ...] = ("rankmesh.demo",)
+"""Optional modules imported when the parser is built; they call :func:`add_command`."""
+
+_COMMANDS: dict[str, tuple[Setup, str]] = {}
+
+
+class UsageError(RankMeshError):
+    """Bad command-line input (argparse's complaints included): exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors raise instead of printing usage and exiting: main prints one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def add_command(name: str, setup: Setup, help: str = "") -> None:
+    """Register ``rankmesh NAME``; registering the same setup twice is harmless."""
+    existing = _COMMANDS.get(name)
+    if existing is not None and existing[0] is not setup:
+        raise ValueError(f"rankmesh command {name!r} is already registered by {existing[0]!r}")
+    _COMMANDS[name] = (setup, help)
+
+
+def _import_command_modules() -> None:
+    for module in COMMAND_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            log.debug("optional command module %s is not installed", module)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rankmesh import __version__
+
+    _import_command_modules()
+    parser = _Parser(prog=PROG, description="Drive Megatron-parallel worker groups: layout tools.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more diagnostics on stderr")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (setup, help_text) in _COMMANDS.items():
+        setup(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (the console script passes it to sys.exit)."""
+    package_log = logging.getLogger("rankmesh")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
+    old_level = package_log.level
+    package_log.addHandler(handler)
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help and --version
+            return exc.code if isinstance(exc.code, int) else EXIT_OK
+        package_log.setLevel(logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose else logging.WARNING)
+        return int(args.handler(args))
+    except RankMeshError as exc:
+        return _fail(exc, EXIT_USAGE)
+    except BrokenPipeError:  # e.g. `rankmesh layout show ... | head`
+        return EXIT_OK
+    finally:
+        package_log.removeHandler(handler)
+        package_log.setLevel(old_level)
+
+
+def _fail(exc: BaseException | str, code: int) -> int:
+    message = " ".join(str(exc).split("\n"))
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+# ----- rankmesh layout ...  ---------------------------------------------------------------------
+
+
+def _setup_layout(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="layout_command", metavar="ACTION", required=True)
+
+    p = sub.add_parser("list", help="list the shipped layouts", description="List the layouts found by name.")
+    p.set_defaults(handler=_cmd_list)
+
+    p = sub.add_parser(
+        "show",
+        help="print every rank's coordinates and the groups",
+        description="Show a layout (name or file) or explicit sizes as a rank table, or as JSON.",
+    )
+    _add_source_args(p)
+    p.add_argument("--rank", type=int, help="show only this rank (and its groups)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=_cmd_show)
+
+    p = sub.add_parser(
+        "validate",
+        help="check layouts; exit 1 on errors",
+        description="List every problem of the layouts; exit 1 if any is an error.",
+    )
+    p.add_argument("layouts", nargs="*", metavar="NAME_OR_FILE")
+    p.add_argument("--all", action="store_true", help="validate every layout `layout list` shows")
+    p.add_argument("--strict", action="store_true", help="treat warnings (e.g. tp across nodes) as errors")
+    p.set_defaults(handler=_cmd_validate)
+
+    p = sub.add_parser(
+        "draw",
+        help="draw ranks on nodes to a PNG/SVG/PDF",
+        description="Draw ranks as boxes grouped by node, coloured by dp replica, tp groups outlined.",
+    )
+    _add_source_args(p)
+    p.add_argument("-o", "--output", required=True, help="output file: .png, .svg or .pdf")
+    p.set_defaults(handler=_cmd_draw)
+
+
+def _process_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 4,4, got {text!r}") from None
+    for count in counts:
+        if count <= 0:
+            raise argparse.ArgumentTypeError(f"process counts must be positive, got {text!r}")
+    return counts
+
+
+_SIZE_FLAGS = ("tp", "pp", "cp", "dp", "ep", "etp")
+
+
+def _add_source_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("layout", nargs="?", metavar="NAME_OR_FILE", help="a layout name or a .yaml file")
+    p.add_argument("--role", help="only this role of the layout")
+    sizes = p.add_argument_group("explicit sizes (instead of a layout)")
+    for axis in _SIZE_FLAGS:
+        sizes.add_argument(f"--{axis}", type=int, metavar="N")
+    sizes.add_argument("--order", help=f"megatron order string, fastest axis first (default {DEFAULT_ORDER})")
+    sizes.add_argument("--nodes", type=int, metavar="N", help="number of nodes")
+    sizes.add_argument("--devices-per-node", type=int, metavar="M", help="processes per node")
+    sizes.add_argument("--process-on-nodes", type=_process_counts, metavar="A,B,...", help="processes on each node")
+
+
+def _explicit_given(args: argparse.Namespace) -> bool:
+    names = (*_SIZE_FLAGS, "order", "nodes", "devices_per_node", "process_on_nodes")
+    return any(getattr(args, name) is not None for name in names)
+
+
+def _resolve_layout(args: argparse.Namespace) -> Layout:
+    """The layout named on the command line, or a one-role layout built from explicit sizes."""
+    explicit = _explicit_given(args)
+    if args.layout and explicit:
+        raise UsageError("give either a layout or explicit sizes (--tp/--pp/...), not both")
+    if args.layout:
+        return load_layout(args.layout)
+    if not explicit:
+        raise UsageError("give a layout name or file, or explicit sizes such as --tp 2 --pp 2 --dp 2")
+    if args.role is not None:
+        raise UsageError("--role needs a layout; explicit sizes describe a single mesh")
+    sizes = {axis: getattr(args, axis) for axis in ("tp", "pp", "cp", "ep") if getattr(args, axis) is not None}
+    order = args.order if args.order is not None else DEFAULT_ORDER
+    counts = _explicit_counts(args)
+    if counts is not None and args.dp is None:
+        mesh = RankMesh.for_world(sum(counts), etp=args.etp, order=order, **sizes)
+    else:
+        mesh = RankMesh(dp=1 if args.dp is None else args.dp, etp=args.etp, order=order, **sizes)
+    if counts is None:
+        counts = _counts_for_world(args, mesh.world_size)
+    elif mesh.world_size != sum(counts):
+        raise MeshError(f"the mesh has {mesh.world_size} ranks (tp*cp*dp*pp) but the nodes hold {sum(counts)} processes")
+    return Layout.from_mesh(mesh, counts)
+
+
+def _explicit_counts(args: argparse.Namespace) -> list[int] | None:
+    """Process counts fixed by the flags alone, or None when they depend on the mesh."""
+    if args.process_on_nodes is not None:
+        if args.nodes is not None or args.devices_per_node is not None:
+            raise UsageError("--process-on-nodes cannot be combined with --nodes/--devices-per-node")
+        return args.process_on_nodes
+    if args.nodes is not None and args.devices_per_node is not None:
+        return [check_size("--devices-per-node", args.devices_per_node)] * check_size("--nodes", args.nodes)
+    return None
+
+
+def _counts_for_world(args: argparse.Namespace, world: int) -> list[int]:
+    if args.nodes is not None:
+        nodes = check_size("--nodes", args.nodes)
+        if world % nodes:
+            raise MeshError(f"{world} ranks do not divide evenly over --nodes {nodes}")
+        return [world // nodes] * nodes
+    if args.devices_per_node is not None:
+        per_node = check_size("--devices-per-node", args.devices_per_node)
+        if world % per_node:
+            raise MeshError(f"{world} ranks do not fill whole nodes of --devices-per-node {per_node}")
+        return [per_node] * (world // per_node)
+    return [world]
+
+
+def _selected_roles(layout: Layout, role: str | None) -> list[RoleSpec]:
+    return [layout.role(role)] if role is not None else list(layout.roles.values())
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    names = list_layouts()
+    width = max((len(n) for n in names), default=0)
+    for name in names:
+        try:
+            description = load_layout(name, check=False).description
+        except LayoutError as exc:
+            log.warning("%s", exc)
+            description = "(cannot be loaded; see `rankmesh layout validate`)"
+        print(f"{name:<{width}}  {description}".rstrip())
+    return EXIT_OK
+
+
+def role_report(layout: Layout, role: RoleSpec, rank: int | None = None) -> dict[str, Any]:
+    """Everything ``layout show`` prints about one role, as plain JSON-ready data."""
+    mesh = role.mesh()
+    placement = role.placement()
+    if rank is not None:
+        mesh.dense.check_rank(rank)
+    table = mesh.coord_table()
+    nodes = placement.node_array()
+    collect = set(mesh.collect_ranks())
+    ranks = range(mesh.world_size) if rank is None else [rank]
+    rows = []
+    for r in ranks:
+        place = placement.place(r)
+        row = {"rank": r, "node": role.pool.nodes[int(nodes[r])], "local_rank": place.local_rank}
+        row.update({axis: int(table[axis][r]) for axis in ("tp", "cp", "ep", "dp", "pp", "etp", "edp")})
+        row["collect"] = r in collect
+        rows.append(row)
+    views = {
+        "tp": ("tp", False),
+        "cp": ("cp", False),
+        "dp": ("dp", False),
+        "pp": ("pp", False),
+        "ep": ("ep", True),
+        "etp": ("tp", True),
+        "edp": ("dp", True),
+    }
+    if rank is None:
+        groups = {name: mesh.groups(token, expert=expert) for name, (token, expert) in views.items()}
+    else:
+        groups = {name: [mesh.group_of(rank, token, expert=expert)] for name, (token, expert) in views.items()}
+    return {
+        "role": role.name,
+        "pool": role.pool.name,
+        "nodes": list(role.pool.nodes),
+        "process_on_nodes": list(role.pool.process_on_nodes),
+        "colocate_with": list(role.colocate_with),
+        "mesh": {**mesh.sizes, "order": mesh.order, "world_size": mesh.world_size},
+        "collect_ranks": mesh.collect_ranks(),
+        "ranks": rows,
+        "groups": groups,
+    }
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    layout = _resolve_layout(args)
+    reports = [role_report(layout, role, args.rank) for role in _selected_roles(layout, args.role)]
+    if args.json:
+        document = {"layout": layout.name, "source": layout.source, "roles": reports}
+        print(json.dumps(document, indent=2))
+        return EXIT_OK
+    for i, report in enumerate(reports):
+        if i:
+            print()
+        print(_format_report(layout, report))
+    return EXIT_OK
+
+
+_COLUMNS = (
+    ("rank", "rank"),
+    ("node", "node"),
+    ("local", "local_rank"),
+    ("tp", "tp"),
+    ("cp", "cp"),
+    ("ep", "ep"),
+    ("dp", "dp"),
+    ("pp", "pp"),
+)
+
+
+def _format_report(layout: Layout, report: dict[str, Any]) -> str:
+    mesh = report["mesh"]
+    sizes = " ".join(f"{a}{mesh[a]}" for a in ("tp", "cp", "ep", "dp", "pp") if mesh[a] > 1) or "single rank"
+    if mesh["ep"] > 1:
+        sizes += f" (expert: etp{mesh['etp']} ep{mesh['ep']} edp{mesh['edp']})"
+    head = (
+        f"layout {layout.name} · role {report['role']} · {sizes} · order {mesh['order']} · "
+        f"pool {report['pool']}: {mesh['world_size']} ranks on node(s) {report['nodes']} {report['process_on_nodes']}"
+    )
+    if report["colocate_with"]:
+        head += f" · colocated with {', '.join(report['colocate_with'])}"
+    header = [name for name, _ in _COLUMNS] + ["collect"]
+    body = [[str(row[key]) for _, key in _COLUMNS] + ["*" if row["collect"] else ""] for row in report["ranks"]]
+    widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(header)]
+    lines = [head, "", "  ".join(h.rjust(w) for h, w in zip(header, widths)).rstrip()]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(line, widths)).rstrip() for line in body]
+    lines.append("")
+    shown = [name for name in ("tp", "cp", "dp", "pp", "ep", "etp", "edp") if _group_size(report, name) > 1]
+    if not shown:
+        lines.append("groups: every group has one rank")
+    else:
+        lines.append("groups" + (" (etp/edp/ep from the expert view)" if mesh["ep"] > 1 else ""))
+        width = max(len(name) for name in shown)
+        for name in shown:
+            listed = " ".join(str(g) for g in report["groups"][name])
+            lines.append(f"  {name:<{width}}  {listed}")
+    return "\n".join(lines)
+
+
+def _group_size(report: dict[str, Any], name: str) -> int:
+    if name in ("etp", "edp") and report["mesh"]["ep"] == 1:
+        return 1  # without ep the expert view repeats the dense one
+    return len(report["groups"][name][0])
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    targets = list(args.layouts)
+    if args.all:
+        targets += [name for name in list_layouts() if name not in targets]
+    if not targets:
+        raise UsageError("give at least one layout name or file, or --all")
+    paths = [find_layout(target) for target in targets]  # unknown names are usage errors (exit 2)
+    failed = False
+    for target, path in zip(targets, paths):
+        try:
+            layout = load_layout(path, check=False)
+        except LayoutNotFoundError:
+            raise
+        except LayoutError as exc:
+            _fail(exc, EXIT_INVALID)
+            failed = True
+            continue
+        problems = layout.validate(strict=args.strict)
+        for problem in problems:
+            print(problem)
+        errors = sum(p.severity == "error" for p in problems)
+        warnings = len(problems) - errors
+        failed |= errors > 0
+        status = "ok" if not problems else f"{errors} error(s), {warnings} warning(s)"
+        print(f"{target}: {status}")
+    return EXIT_INVALID if failed else EXIT_OK
+
+
+_DRAW_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _cmd_draw(args: argparse.Namespace) -> int:
+    if not args.output.lower().endswith(_DRAW_SUFFIXES):
+        raise UsageError(f"output {args.output!r} must end in {', '.join(_DRAW_SUFFIXES)}")
+    layout = _resolve_layout(args)
+    roles = [role.name for role in _selected_roles(layout, args.role)]
+    from rankmesh.draw import draw_layout  # matplotlib is imported only here
+
+    path = draw_layout(layout, args.output, roles=roles)
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
+add_command("layout", _setup_layout, help="inspect, validate and draw parallel layouts")
