@@ -1,0 +1,274 @@
+"""Pickle-protocol-5 helpers that let tensors and numeric arrays travel out of band.
+
+Why: Ray (and :func:`dumps` here) pickles with protocol 5 and a ``buffer_callback``; every
+:class:`pickle.PickleBuffer` met on the way is then handed over as raw memory instead of being
+copied into the pickle stream.  ``ray.put`` copies those bytes once into the object store and
+``ray.get`` maps them back without a copy, read-only.  Torch's own tensor pickling (``torch.save``
+into bytes, as verl's DataProto does) defeats that: every byte is copied into the stream and out
+again.  So :func:`reduce_tensor` turns a CPU tensor into a ``PickleBuffer`` over a numpy view of
+its memory (no copy for contiguous tensors) and :func:`rebuild_tensor` turns the buffer back.
+
+Isolation rule, and where the single receive-side copy happens: a receiver must never hold
+tensors that share writable memory with the sender or with another receiver.  The rebuild
+functions get the buffer object exactly as the unpickler supplies it and decide:
+
+* a ``bytearray`` was created by the unpickler for this load alone (in-band data, or the private
+  buffers :func:`loads_private` is given, e.g. freshly read from a file): it is used directly;
+* anything else (a read-only ``ray.get`` view, the sender's own ``PickleBuffer`` handed to
+  :func:`loads`, a ``bytes`` object) may be shared, so :func:`tensor_from_buffer` copies it once.
+
+This module imports nothing from the package except :mod:`rankmesh.errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from rankmesh.errors import DataProtoError
+
+logger = logging.getLogger(__name__)
+
+#: Buffers smaller than this travel in band (as a private ``bytearray``): for tiny tensors the
+#: per-buffer bookkeeping of out-of-band transport costs more than the copy.
+INBAND_MAX_BYTES = 16 * 1024
+
+#: Pickle protocol used by :func:`dumps` (the first one with out-of-band buffers).
+PROTOCOL = 5
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Pickle ``obj`` with protocol 5; return the in-band bytes and the out-of-band buffers.
+
+    The buffers are views of the sender's memory (nothing is copied); :func:`loads` copies them
+    on the receiving side, so the result never aliases the sender.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(obj, protocol=PROTOCOL, buffer_callback=buffers.append)
+    return data, buffers
+
+
+def loads(data: bytes, buffers: Iterable[Any] = ()) -> Any:
+    """Unpickle what :func:`dumps` produced; tensors are rebuilt as private, writable copies.
+
+    Buffers are passed on read-only, so even ``bytearray`` buffers (which the rebuild would
+    otherwise take as private) are copied: calling this twice never yields shared memory.
+    """
+    return pickle.loads(data, buffers=[memoryview(b).toreadonly() for b in buffers])
+
+
+def loads_private(data: bytes, buffers: Iterable[bytearray]) -> Any:
+    """Unpickle with buffers the caller owns exclusively (fresh ``bytearray`` objects).
+
+    The rebuilt tensors and arrays use that memory directly: no receive-side copy.  Only use
+    this when nobody else holds those bytearrays (e.g. they were just read from a file).
+    """
+    bufs = list(buffers)
+    for b in bufs:
+        if type(b) is not bytearray:
+            raise TypeError(f"loads_private needs bytearray buffers, got {type(b).__name__}")
+    return pickle.loads(data, buffers=bufs)
+
+
+def _is_private(buf: Any) -> bool:
+    """True when ``buf`` was made for this one load (see the module docstring)."""
+    return type(buf) is bytearray
+
+
+def _carrier(arr: np.ndarray, protocol: int) -> Any:
+    """What travels for a C-contiguous array: an out-of-band PickleBuffer when large, else bytes.
+
+    The buffer is a flat uint8 view, so consumers never meet exotic buffer formats.
+    """
+    raw = arr.reshape(-1).view(np.uint8)
+    if protocol >= 5 and raw.nbytes > INBAND_MAX_BYTES:
+        return pickle.PickleBuffer(raw)
+    # bytearray(...) copies; unpickling gives a fresh bytearray, which the rebuild may keep.
+    return bytearray(raw.data)
+
+
+def tensor_from_buffer(
+    arr: np.ndarray, writable_copy: bool, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Wrap a numpy array as a tensor; this is where the receive-side copy happens.
+
+    ``writable_copy=True`` (or a read-only ``arr``, as ``ray.get`` returns) copies once so the
+    tensor owns writable memory shared with no one.  ``dtype`` views the result back to a torch
+    dtype numpy lacks (bf16, float8, ...), carried as a same-width integer array.
+    """
+    if writable_copy or not arr.flags.writeable:
+        arr = arr.copy()
+    t = torch.from_numpy(arr)
+    if dtype is not None and t.dtype != dtype:
+        t = t.view(dtype)
+    return t
+
+
+def _numpy_view(t: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """A numpy view of a contiguous CPU tensor; non-numpy dtypes as a same-width integer."""
+    try:
+        return t.numpy(), False
+    except TypeError:
+        width = t.element_size()
+        if width not in _INT_OF_WIDTH:
+            raise
+        return t.view(_INT_OF_WIDTH[width]).numpy(), True
+
+
+def numpy_backed_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory numpy allocated.
+
+    Why: numpy asks the kernel for transparent huge pages for large buffers, torch's CPU
+    allocator does not; first-touch page faults then dominate the cost of filling a fresh
+    buffer of hundreds of MiB (several times a memcpy).  Used for big concat outputs.
+    """
+    try:
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        view_back = False
+    except TypeError:
+        np_dtype = torch.empty(0, dtype=_INT_OF_WIDTH[torch.empty(0, dtype=dtype).element_size()]).numpy().dtype
+        view_back = True
+    t = torch.from_numpy(np.empty(shape, dtype=np_dtype))
+    return t.view(dtype) if view_back else t
+
+
+def reduce_tensor(t: torch.Tensor, protocol: int = PROTOCOL) -> tuple:
+    """State of a tensor for :func:`rebuild_tensor`; contiguous CPU tensors are not copied.
+
+    Non-contiguous tensors are made contiguous (one copy, unavoidable), GPU tensors are copied
+    to the CPU.  Sparse, quantized and nested tensors fall back to torch's own pickling.
+    """
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        return ("torch", t)
+    device = str(t.device)
+    src = t.detach()
+    if src.device.type != "cpu":
+        src = src.cpu()
+    src = src.resolve_conj().resolve_neg().contiguous()
+    nbytes = src.numel() * src.element_size()
+    if nbytes == 0:
+        return ("empty", t.dtype, tuple(t.shape), t.requires_grad, device)
+    arr, _ = _numpy_view(src)
+    return (
+        "buf",
+        _carrier(arr, protocol),
+        arr.dtype,
+        t.dtype,
+        tuple(t.shape),
+        t.requires_grad,
+        device,
+    )
+
+
+def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    """Move a rebuilt tensor back to the sender's device when this process has it."""
+    if device == "cpu":
+        return t
+    try:
+        return t.to(device)
+    except (RuntimeError, AssertionError) as exc:  # e.g. CUDA tensor received on a CPU-only host
+        logger.warning("tensor from %s kept on the CPU: %s", device, exc)
+        return t
+
+
+def rebuild_tensor(state: tuple) -> torch.Tensor:
+    """Inverse of :func:`reduce_tensor`; copies once unless the buffer is private."""
+    kind = state[0]
+    if kind == "torch":
+        return state[1]
+    if kind == "empty":
+        _, dtype, shape, requires_grad, device = state
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        _, buf, np_dtype, dtype, shape, requires_grad, device = state
+        arr = np.frombuffer(buf, dtype=np_dtype)
+        t = tensor_from_buffer(arr, writable_copy=not _is_private(buf), dtype=dtype).reshape(shape)
+    t = _to_device(t, device)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def reduce_ndarray(arr: np.ndarray, protocol: int = PROTOCOL) -> tuple:
+    """State of a numpy array for :func:`rebuild_ndarray`.
+
+    Numeric (object-free) arrays travel as raw buffers, out of band when large; object arrays
+    pickle normally, in band.
+    """
+    if not isinstance(arr, np.ndarray) or arr.dtype.hasobject or type(arr) is not np.ndarray:
+        return ("pickle", arr)
+    src = np.ascontiguousarray(arr)
+    if src.nbytes == 0:
+        return ("empty", arr.dtype, arr.shape)
+    return ("buf", _carrier(src, protocol), arr.dtype, arr.shape)
+
+
+def rebuild_ndarray(state: tuple) -> np.ndarray:
+    """Inverse of :func:`reduce_ndarray`; copies once unless the buffer is private."""
+    kind = state[0]
+    if kind == "pickle":
+        return state[1]
+    if kind == "empty":
+        return np.empty(state[2], dtype=state[1])
+    _, buf, dtype, shape = state
+    arr = np.frombuffer(buf, dtype=dtype)
+    if not _is_private(buf) or not arr.flags.writeable:
+        arr = arr.copy()
+    return arr.reshape(shape)
+
+
+
+# --- files -------------------------------------------------------------------------------------
+# Layout: MAGIC, u64 length of the pickle stream, the stream, u64 buffer count, then per buffer a
+# u64 length and its raw bytes.  Buffers are written straight from the sender's memory and read
+# into fresh bytearrays, so saving copies nothing in memory and loading copies nothing twice.
+
+FILE_MAGIC = b"RANKMESH-P5\n"
+_U64 = 8
+
+
+def _u64(n: int) -> bytes:
+    return int(n).to_bytes(_U64, "little")
+
+
+def dump_to_file(obj: Any, path: str | os.PathLike[str]) -> None:
+    """Write ``obj`` to a plain file with protocol 5, tensors as raw out-of-band buffers."""
+    data, buffers = dumps(obj)
+    with open(path, "wb") as f:
+        f.write(FILE_MAGIC)
+        f.write(_u64(len(data)))
+        f.write(data)
+        f.write(_u64(len(buffers)))
+        for buf in buffers:
+            with buf.raw() as raw:
+                f.write(_u64(raw.nbytes))
+                f.write(raw)
+
+
+def _read_exact(f: Any, n: int, path: Any) -> bytearray:
+    out = bytearray(n)
+    if n and f.readinto(out) != n:
+        raise DataProtoError(f"{path}: file is truncated")
+    return out
+
+
+def load_from_file(path: str | os.PathLike[str]) -> Any:
+    """Read what :func:`dump_to_file` wrote; tensors use the freshly read memory directly."""
+    with open(path, "rb") as f:
+        if f.read(len(FILE_MAGIC)) != FILE_MAGIC:
+            raise DataProtoError(f"{path}: not a rankmesh data file (bad magic header)")
+        data = bytes(_read_exact(f, int.from_bytes(_read_exact(f, _U64, path), "little"), path))
+        count = int.from_bytes(_read_exact(f, _U64, path), "little")
+        buffers = []
+        for _ in range(count):
+            size = int.from_bytes(_read_exact(f, _U64, path), "little")
+            buffers.append(_read_exact(f, size, path))
+    return loads_private(data, buffers)
