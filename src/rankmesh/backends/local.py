@@ -1,0 +1,173 @@
+"""The in-process backend: every rank is an object in the controller's own process.
+
+Ranks run one after the other, in rank order, in the calling thread, so a breakpoint in a worker
+method just works.  Everything else behaves as on Ray: each rank receives its own deep copy of
+its arguments (a worker that writes into its input changes neither the caller's batch nor
+another rank's), outputs are copied when fetched, ranks outside the collect set return nothing,
+and a failing rank surfaces as :class:`~rankmesh.errors.WorkerError` when its output is fetched.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from rankmesh.errors import DispatchError, WorkerError
+from rankmesh.executor import RankCall, Shared
+from rankmesh.group import WorkerGroup
+from rankmesh.mesh import RankMesh
+from rankmesh.worker import WorkerContext, construct, invoke
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class LocalPending:
+    """A finished rank call: its output, or the error it raised.
+
+    Handles are references, never copied themselves (a future that travels to another rank
+    keeps pointing at the same output); :func:`fetch_local` copies what they hold.
+    """
+
+    rank: int
+    value: Any = None
+    error: BaseException | None = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "LocalPending":
+        return self
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return copy.deepcopy(self.value)
+
+
+def fetch_local(handles: Sequence[Any]) -> list[Any]:
+    """The picklable fetch function of local futures: a private copy of each output."""
+    return [_check_handle(h).result() for h in handles]
+
+
+def _check_handle(handle: Any) -> LocalPending:
+    if not isinstance(handle, LocalPending):
+        raise DispatchError(f"the local backend cannot fetch a {type(handle).__name__}")
+    return handle
+
+
+def _private(shared: Shared) -> Any:
+    return shared.ref
+
+
+class LocalExecutor:
+    """:class:`~rankmesh.executor.Executor` over worker objects living in this process.
+
+    ``workers`` maps a role (``None`` for a single-role group) to one worker object per rank.
+    """
+
+    def __init__(self, workers: Mapping[str | None, Sequence[Any]]) -> None:
+        sizes = {role: len(ranks) for role, ranks in workers.items()}
+        if not sizes or len(set(sizes.values())) != 1:
+            raise DispatchError(f"every role needs one worker per rank, got {sizes}")
+        self._workers = {role: list(ranks) for role, ranks in workers.items()}
+        self.world_size = next(iter(sizes.values()))
+
+    @classmethod
+    def start(
+        cls,
+        worker_cls: type,
+        contexts: Sequence[WorkerContext],
+        init_args: tuple[Any, ...] = (),
+        init_kwargs: Mapping[str, Any] | None = None,
+        role: str | None = None,
+    ) -> "LocalExecutor":
+        """Build one ``worker_cls`` per context, in rank order, each seeing its context in ``__init__``."""
+        workers = []
+        for ctx in contexts:
+            args, kwargs = copy.deepcopy((tuple(init_args), dict(init_kwargs or {})))
+            workers.append(construct(worker_cls, ctx, args, kwargs))
+        return cls({role: workers})
+
+    def workers(self, role: str | None = None) -> list[Any]:
+        return list(self._role(role))
+
+    def _role(self, role: str | None) -> list[Any]:
+        try:
+            return self._workers[role]
+        except KeyError:
+            if role is None and len(self._workers) == 1:
+                return next(iter(self._workers.values()))
+            raise DispatchError(f"no role {role!r} here (roles: {sorted(map(str, self._workers))})") from None
+
+    # ----- Executor ----------------------------------------------------------------------------
+
+    def share(self, obj: Any) -> Shared:
+        """Nothing to ship in-process; each rank deep-copies the object when its call runs."""
+        return Shared(obj)
+
+    def submit(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[LocalPending]:
+        """Run every call now, in the given (rank) order; errors are kept for :meth:`fetch`."""
+        workers = self._role(role)
+        pending = []
+        for call in calls:
+            try:
+                args, kwargs = copy.deepcopy((call.args, call.kwargs))
+                value = invoke(workers[call.rank], method, args, kwargs, call.return_output, resolve=_private)
+                pending.append(LocalPending(call.rank, value))
+            except WorkerError as exc:
+                pending.append(LocalPending(call.rank, error=exc))
+            except Exception as exc:  # copying the arguments failed: still the rank's failure
+                err = WorkerError(call.rank, {}, method, f"{type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                pending.append(LocalPending(call.rank, error=err))
+        return pending
+
+    def fetch(self, pending: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        return fetch_local(pending)
+
+    def fetcher(self) -> Callable[[Sequence[Any]], list[Any]]:
+        return fetch_local
+
+
+def _default_mesh(mesh: RankMesh | None, world_size: int | None) -> RankMesh:
+    if mesh is None:
+        return RankMesh(dp=1 if world_size is None else world_size)
+    if world_size is not None and world_size != mesh.world_size:
+        raise DispatchError(f"world_size={world_size} but the mesh {mesh} has {mesh.world_size} ranks")
+    return mesh
+
+
+class LocalWorkerGroup(WorkerGroup):
+    """A worker group whose ranks are objects in this process (same dispatch as every backend).
+
+    ``mesh=None`` gives ``RankMesh(dp=world_size)`` (``world_size`` defaults to 1).
+    """
+
+    def __init__(
+        self,
+        worker_cls: type,
+        mesh: RankMesh | None = None,
+        init_args: tuple[Any, ...] = (),
+        init_kwargs: Mapping[str, Any] | None = None,
+        world_size: int | None = None,
+        meshes: Mapping[str, RankMesh] | None = None,
+    ) -> None:
+        mesh = _default_mesh(mesh, world_size)
+        contexts = [
+            WorkerContext(
+                rank=rank,
+                world_size=mesh.world_size,
+                mesh=mesh,
+                meshes=dict(meshes or {}),
+                local_rank=rank,
+                local_world_size=mesh.world_size,
+            )
+            for rank in range(mesh.world_size)
+        ]
+        executor = LocalExecutor.start(worker_cls, contexts, init_args, init_kwargs)
+        super().__init__(executor, worker_cls, mesh=mesh, meshes=meshes)
+
+    @property
+    def workers(self) -> list[Any]:
+        """The worker objects, by rank (handy in a debugger)."""
+        return self._executor.workers()  # type: ignore[attr-defined]

@@ -1,0 +1,337 @@
+"""WorkerGroup: the controller-side object whose methods fan out to every rank of a group.
+
+Binding happens once, at construction, the same way for every backend: each ``@register``
+method of the worker class becomes a method of the group with the worker method's name, doc
+and signature (minus ``self``), and its dispatch mode is resolved into a plan for the group's
+mesh right then, so bad modes fail early and calls do no planning.
+
+A call flows one way: split the arguments into pieces (:mod:`rankmesh.dispatch.split`), ship
+each distinct object once (``executor.share``), submit one :class:`RankCall` per running rank
+(``return_output`` only for collected ranks), then either fetch and join, or return a future.
+The executor (a backend) never sees dispatch modes; it only ships, runs and fetches.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from rankmesh.data import DataProtoFuture
+from rankmesh.dispatch.modes import DEFAULT_REGISTRY, DispatchMode, DispatchRegistry, Execute, UserMode
+from rankmesh.dispatch.register import MethodSpec, registered_methods
+from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan, MeshSpec
+from rankmesh.dispatch.split import CallSite, join_outputs, output_future, split_call
+from rankmesh.errors import DispatchError
+from rankmesh.executor import Executor, RankCall, Shared
+from rankmesh.mesh import RankMesh
+
+logger = logging.getLogger(__name__)
+
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+
+#: Objects passed inline instead of through ``executor.share`` (small, or handles themselves).
+_INLINE_TYPES = (type(None), bool, int, float, complex, str, enum.Enum, DataProtoFuture, Shared)
+_INLINE_BYTES = 1 << 16
+
+#: verl's execute_all rule (ALL_TO_ALL), fixed here so that updating ALL_TO_ALL leaves it alone.
+_EXECUTE_ALL = MeshSpec(split=("rank",), broadcast_fallback=True, name="execute_all")
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One group method, resolved: what to run, how to split, where outputs come from.
+
+    ``plan`` is ``None`` only for verl-style meshes the workers register themselves; the group
+    asks them on the first call.
+    """
+
+    name: str
+    method: MethodSpec
+    entry: MeshSpec | UserMode
+    plan: DispatchPlan | None
+    site: CallSite
+
+
+class GroupFuture:
+    """The result of a non-blocking call whose output is not one DataProto; ``get()`` waits."""
+
+    def __init__(self, fetch: Callable[..., list[Any]], pending: Sequence[Any], finish: Callable[[list[Any]], Any]) -> None:
+        self._fetch, self._pending, self._finish = fetch, list(pending), finish
+        self._done, self._value = False, None
+
+    def get(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            self._value = self._finish(self._fetch(self._pending, timeout=timeout))
+            self._done, self._pending = True, []
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"GroupFuture({'done' if self._done else f'{len(self._pending)} pending'})"
+
+
+def _mode_label(mode: DispatchMode | MeshSpec | UserMode) -> str:
+    return mode.name if isinstance(mode, DispatchMode) else mode.label
+
+
+def _public_signature(func: Callable[..., Any], static: bool) -> inspect.Signature:
+    sig = inspect.signature(func)
+    params = list(sig.parameters.values())
+    return sig.replace(parameters=params if static else params[1:])
+
+
+class WorkerGroup:
+    """A group of ranks running one worker class, driven like one local object.
+
+    ``mesh=None`` means ``RankMesh(dp=executor.world_size)``; ``meshes`` adds named meshes over
+    the same ranks (``Dispatch.named("rollout", ...)``).  ``role`` picks the worker instance in
+    processes that host several colocated roles.  ``registry`` resolves mode names.
+    """
+
+    def __init__(
+        self,
+        executor: Executor,
+        worker_cls: type,
+        mesh: RankMesh | None = None,
+        meshes: Mapping[str, RankMesh] | None = None,
+        role: str | None = None,
+        registry: DispatchRegistry | None = None,
+    ) -> None:
+        self._executor = executor
+        self._worker_cls = worker_cls
+        self._role = role
+        self._registry = registry or DEFAULT_REGISTRY
+        world = executor.world_size
+        self._mesh = mesh if mesh is not None else RankMesh(dp=world)
+        self._meshes = self._check_meshes(world, self._mesh, meshes or {})
+        self._registered_plans: dict[str, DispatchPlan] = {}
+        self._adhoc: dict[tuple[str, str], Binding] = {}
+        self._method_names: list[str] = []
+        for name, (func, spec, static) in registered_methods(worker_cls).items():
+            self._bind(name, func, spec, static)
+
+    # ----- construction ------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_meshes(world: int, mesh: RankMesh, extra: Mapping[str, RankMesh]) -> dict[str, RankMesh]:
+        if not isinstance(mesh, RankMesh):
+            raise DispatchError(f"mesh must be a RankMesh, got {type(mesh).__name__}")
+        if DEFAULT_MESH in extra and extra[DEFAULT_MESH] != mesh:
+            raise DispatchError(f"meshes[{DEFAULT_MESH!r}] differs from mesh; pass the training mesh as mesh=")
+        meshes = {DEFAULT_MESH: mesh, **extra}
+        for name, m in meshes.items():
+            if not isinstance(m, RankMesh):
+                raise DispatchError(f"mesh {name!r} must be a RankMesh, got {type(m).__name__}")
+            if m.world_size != world:
+                raise DispatchError(f"mesh {name!r} ({m}) covers {m.world_size} ranks but the group has {world}")
+        return meshes
+
+    def _bind(self, name: str, func: Callable[..., Any], spec: MethodSpec, static: bool) -> None:
+        if hasattr(type(self), name) or name in self.__dict__:
+            raise DispatchError(f"{self._worker_cls.__name__}.{name} is registered but clashes with WorkerGroup.{name}")
+        signature = _public_signature(func, static)
+        params = tuple(
+            p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        )
+        binding = self._resolve(name, spec, params)
+        group = self
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return group._call(binding, args, kwargs)
+
+        method.__name__ = name
+        method.__qualname__ = f"{type(self).__name__}.{name}"
+        method.__doc__ = func.__doc__
+        method.__module__ = getattr(func, "__module__", __name__)
+        method.__signature__ = signature  # type: ignore[attr-defined]
+        method.rankmesh_binding = binding  # type: ignore[attr-defined]
+        setattr(self, name, method)
+        self._method_names.append(name)
+
+    def _resolve(self, name: str, spec: MethodSpec, params: tuple[str, ...]) -> Binding:
+        label = _mode_label(spec.dispatch_mode)
+        site = CallSite(f"{self._worker_cls.__name__}.{name}", params, label)
+        try:
+            entry = self._registry.resolve(spec.dispatch_mode)
+        except DispatchError as exc:
+            raise site.error(str(exc)) from exc
+        if isinstance(entry, UserMode):
+            return Binding(name, spec, entry, None, site)
+        if spec.execute_mode is Execute.RANK_ZERO:
+            if entry.split and not entry.broadcast_fallback:
+                raise site.error(
+                    f"Execute.RANK_ZERO runs rank 0 alone and cannot serve a mode that splits arguments over {entry.split}"
+                )
+            entry = entry.replace(
+                split=(), broadcast_fallback=False, padding=False, collect={"rank": 0}, run="collect", output="single"
+            )
+        return Binding(name, spec, entry, self._plan(entry, site), site)
+
+    def _plan(self, spec: MeshSpec, site: CallSite) -> DispatchPlan | None:
+        mesh = self._meshes.get(spec.mesh)
+        if mesh is None:
+            if spec.split == ("dp",) and spec.collect_map == dict(MEGATRON_COLLECT) and spec.run == "all":
+                return None  # verl style: the workers register this mesh; asked on first call
+            raise site.error(f"uses mesh {spec.mesh!r}, but the group has meshes {sorted(self._meshes)}")
+        try:
+            return spec.plan(mesh)
+        except DispatchError as exc:
+            raise site.error(str(exc)) from exc
+
+    # ----- introspection -----------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self._executor.world_size
+
+    @property
+    def mesh(self) -> RankMesh:
+        return self._mesh
+
+    @property
+    def meshes(self) -> dict[str, RankMesh]:
+        return dict(self._meshes)
+
+    @property
+    def executor(self) -> Executor:
+        return self._executor
+
+    @property
+    def registry(self) -> DispatchRegistry:
+        return self._registry
+
+    @property
+    def worker_cls(self) -> type:
+        return self._worker_cls
+
+    @property
+    def role(self) -> str | None:
+        return self._role
+
+    @property
+    def method_names(self) -> list[str]:
+        """Names of the bound ``@register`` methods."""
+        return list(self._method_names)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._worker_cls.__name__}, {self._mesh}, methods={len(self._method_names)})"
+
+    # ----- calling -----------------------------------------------------------------------------
+
+    def _call(self, binding: Binding, args: Args, kwargs: Kwargs) -> Any:
+        if isinstance(binding.entry, UserMode):
+            return self._call_user(binding, binding.entry, args, kwargs)
+        spec, site = binding.entry, binding.site
+        plan = binding.plan if binding.plan is not None else self._registered_plan(spec.mesh, site)
+        split = split_call(spec, plan.n_pieces, args, kwargs, site, binding.method.padding)
+        per_rank = [split.pieces[0 if split.broadcast else plan.piece_of_rank[r]] for r in plan.run_ranks]
+        collect = set(plan.collect_ranks)
+        pending = self._submit(binding.name, plan.run_ranks, per_rank, collect)
+        where = {r: i for i, r in enumerate(plan.run_ranks)}
+        order = [where[r] for r in plan.collect_ranks]
+
+        def finish(outputs: list[Any]) -> Any:
+            return join_outputs(spec, split, [outputs[i] for i in order], plan.collect_ranks, site)
+
+        if binding.method.blocking:
+            return finish(self._executor.fetch(pending))
+        if spec.output == "concat":
+            return output_future(split, [pending[i] for i in order], self._executor.fetcher())
+        return GroupFuture(self._executor.fetch, pending, finish)
+
+    def _call_user(self, binding: Binding, mode: UserMode, args: Args, kwargs: Kwargs) -> Any:
+        world, site = self.world_size, binding.site
+        result = mode.dispatch_fn(self, *args, **kwargs)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2):
+            raise site.error("dispatch_fn must return (args_lists, kwargs_lists)")
+        arg_lists, kwarg_lists = result
+        if not isinstance(arg_lists, (tuple, list)) or not isinstance(kwarg_lists, Mapping):
+            raise site.error("dispatch_fn must return a tuple of lists and a dict of lists")
+        for key, value in [*enumerate(arg_lists), *kwarg_lists.items()]:
+            if not isinstance(value, (list, tuple)) or len(value) != world:
+                got = f"{len(value)} items" if isinstance(value, (list, tuple)) else type(value).__name__
+                raise site.error(f"dispatch_fn returned {got} for {site.arg(key)}; need a list of {world} (world size)")
+        ranks = (0,) if binding.method.execute_mode is Execute.RANK_ZERO else tuple(range(world))
+        per_rank = [(tuple(a[r] for a in arg_lists), {k: v[r] for k, v in kwarg_lists.items()}) for r in ranks]
+        pending = self._submit(binding.name, ranks, per_rank, set(ranks))
+
+        def finish(outputs: list[Any]) -> Any:
+            return mode.collect_fn(self, list(outputs))
+
+        if binding.method.blocking:
+            return finish(self._executor.fetch(pending))
+        return GroupFuture(self._executor.fetch, pending, finish)
+
+    def _submit(self, method: str, ranks: Sequence[int], per_rank: Sequence[tuple[Args, Kwargs]], collect: set[int]) -> list[Any]:
+        """Ship every distinct non-trivial object once, then submit one RankCall per rank."""
+        shared: dict[int, Shared] = {}
+
+        def ship(value: Any) -> Any:
+            if isinstance(value, _INLINE_TYPES) or (isinstance(value, bytes) and len(value) <= _INLINE_BYTES):
+                return value
+            handle = shared.get(id(value))
+            if handle is None:
+                handle = shared[id(value)] = self._executor.share(value)
+            return handle
+
+        calls = [
+            RankCall(rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect)
+            for rank, (args, kwargs) in zip(ranks, per_rank)
+        ]
+        return self._executor.submit(self._role, method, calls)
+
+    def _registered_plan(self, mesh_name: str, site: CallSite) -> DispatchPlan:
+        """verl's lazy dispatch info: ask every rank what it registered for ``mesh_name``."""
+        plan = self._registered_plans.get(mesh_name)
+        if plan is not None:
+            return plan
+        for query in ("_query_dispatch_info", "_query_collect_info"):
+            if not callable(getattr(self._worker_cls, query, None)):
+                raise site.error(f"mesh {mesh_name!r} is not declared on the group and {self._worker_cls.__name__} has no {query}")
+        calls = [RankCall(r, (mesh_name,)) for r in range(self.world_size)]
+        dp_ranks = self._executor.fetch(self._executor.submit(self._role, "_query_dispatch_info", calls))
+        is_collect = self._executor.fetch(self._executor.submit(self._role, "_query_collect_info", calls))
+        missing = [r for r, d in enumerate(dp_ranks) if d is None]
+        if missing:
+            raise site.error(
+                f"mesh {mesh_name!r} is neither declared on the group (meshes=...) nor registered by ranks "
+                f"{missing} (Worker._register_dispatch_collect_info)"
+            )
+        try:
+            plan = DispatchPlan.from_dispatch_info(dp_ranks, is_collect)
+        except DispatchError as exc:
+            raise site.error(f"mesh {mesh_name!r}: {exc}") from exc
+        self._registered_plans[mesh_name] = plan
+        return plan
+
+    # ----- verl's execute_* ----------------------------------------------------------------------
+
+    def _adhoc_binding(self, method: str, execute: Execute, blocking: bool) -> Binding:
+        key = (method, f"{execute.value}/{blocking}")
+        binding = self._adhoc.get(key)
+        if binding is None:
+            if not isinstance(method, str) or not callable(getattr(self._worker_cls, method, None)):
+                raise DispatchError(f"{self._worker_cls.__name__} has no method {method!r}")
+            spec = MethodSpec(_EXECUTE_ALL, execute, blocking)
+            binding = self._adhoc[key] = self._resolve(method, spec, ())
+        return binding
+
+    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``method_name`` on every rank; arguments that are all world-size lists go rank by rank."""
+        return self._call(self._adhoc_binding(method_name, Execute.ALL, True), args, kwargs)
+
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> GroupFuture:
+        return self._call(self._adhoc_binding(method_name, Execute.ALL, False), args, kwargs)
+
+    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method_name`` on rank 0 with the arguments as given; return its output."""
+        return self._call(self._adhoc_binding(method_name, Execute.RANK_ZERO, True), args, kwargs)
+
+    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> GroupFuture:
+        return self._call(self._adhoc_binding(method_name, Execute.RANK_ZERO, False), args, kwargs)
+
+    execute_all_sync = execute_all
+    execute_rank_zero_sync = execute_rank_zero

@@ -1,0 +1,288 @@
+"""A rank's view of itself (:class:`Worker`, :class:`WorkerContext`) and the worker-side call path.
+
+The backend describes each rank with a :class:`WorkerContext` and constructs the worker inside
+``with worker_context(ctx):``.  :meth:`Worker.__new__` picks the context up, so ``self.rank`` and
+``self.mesh`` already work inside a subclass's ``__init__`` -- even one that forgets to call
+``super().__init__()`` -- and nothing is parsed from environment variables or other globals.
+
+:func:`invoke` (and :func:`ainvoke` for backends whose workers run an event loop) is the one
+function every backend calls to run a method on a worker: it resolves :class:`Shared` handles,
+runs the method (registered methods materialize ``DataProtoFuture`` arguments themselves), awaits
+async methods, drops the output for ranks outside the collect set, and wraps failures in
+:class:`WorkerError` carrying the rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterator, Mapping
+
+from rankmesh.dispatch.modes import Dispatch
+from rankmesh.dispatch.register import register
+from rankmesh.dispatch.spec import DEFAULT_MESH
+from rankmesh.errors import DispatchError, WorkerError
+from rankmesh.executor import Shared
+from rankmesh.mesh import DistRankInfo, RankMesh
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Everything a rank knows about its place in the group, set by the backend.
+
+    ``meshes`` holds the group's extra named meshes (all over the same ranks); ``"default"`` is
+    always ``mesh``.
+    """
+
+    rank: int
+    world_size: int
+    mesh: RankMesh
+    meshes: Mapping[str, RankMesh] = field(default_factory=dict)
+    local_rank: int = 0
+    local_world_size: int = 1
+    node: str = "localhost"
+    role: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mesh.world_size != self.world_size:
+            raise DispatchError(f"mesh {self.mesh} has world size {self.mesh.world_size}, not {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise DispatchError(f"rank {self.rank} is out of range for world size {self.world_size}")
+        meshes = {DEFAULT_MESH: self.mesh, **dict(self.meshes)}
+        if meshes[DEFAULT_MESH] is not self.mesh and meshes[DEFAULT_MESH] != self.mesh:
+            raise DispatchError("meshes['default'] must be the group's mesh")
+        for name, m in meshes.items():
+            if m.world_size != self.world_size:
+                raise DispatchError(f"mesh {name!r} ({m}) has world size {m.world_size}, not {self.world_size}")
+        object.__setattr__(self, "meshes", meshes)
+
+    @classmethod
+    def standalone(cls) -> "WorkerContext":
+        """Rank 0 of a world of one: what a worker built outside any backend sees."""
+        return cls(rank=0, world_size=1, mesh=RankMesh())
+
+    @property
+    def rank_info(self) -> DistRankInfo:
+        return self.mesh.coords(self.rank)
+
+    def coords(self) -> dict[str, int]:
+        """Dense coordinates of this rank, for messages."""
+        info = self.rank_info
+        return {"tp": info.tp_rank, "cp": info.cp_rank, "dp": info.dp_rank, "pp": info.pp_rank}
+
+
+_CURRENT: contextvars.ContextVar[WorkerContext | None] = contextvars.ContextVar("rankmesh_worker_context", default=None)
+
+
+@contextlib.contextmanager
+def worker_context(ctx: WorkerContext) -> Iterator[WorkerContext]:
+    """Construct workers inside this block so that they see ``ctx`` from ``__init__`` on."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_context() -> WorkerContext | None:
+    return _CURRENT.get()
+
+
+class Worker:
+    """Base class of worker classes (verl's ``Worker``): rank, world size and mesh from the backend."""
+
+    _rankmesh_context: WorkerContext
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Worker":
+        self = super().__new__(cls)
+        ctx = _CURRENT.get()
+        if ctx is None:
+            logger.debug("%s built outside a backend: acting as rank 0 of 1", cls.__name__)
+            ctx = WorkerContext.standalone()
+        self._rankmesh_context = ctx
+        self._rankmesh_dispatch_dp_rank: dict[str, int] = {}
+        self._rankmesh_collect_dp_rank: dict[str, bool] = {}
+        return self
+
+    def __init__(self) -> None:  # the context is set in __new__; subclasses may skip this
+        pass
+
+    @property
+    def context(self) -> WorkerContext:
+        return self._rankmesh_context
+
+    @property
+    def rank(self) -> int:
+        return self._rankmesh_context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._rankmesh_context.world_size
+
+    @property
+    def mesh(self) -> RankMesh:
+        return self._rankmesh_context.mesh
+
+    @property
+    def meshes(self) -> Mapping[str, RankMesh]:
+        return self._rankmesh_context.meshes
+
+    @property
+    def rank_info(self) -> DistRankInfo:
+        return self._rankmesh_context.rank_info
+
+    @property
+    def local_rank(self) -> int:
+        return self._rankmesh_context.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self._rankmesh_context.local_world_size
+
+    @property
+    def node(self) -> str:
+        return self._rankmesh_context.node
+
+    # ----- verl's worker-side dispatch info ----------------------------------------------------
+
+    def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
+        """Say which dp piece this rank takes for ``mesh_name`` and whether its output is kept."""
+        if mesh_name in self._rankmesh_dispatch_dp_rank:
+            raise DispatchError(f"rank {self.rank}: mesh {mesh_name!r} is already registered")
+        self._rankmesh_dispatch_dp_rank[mesh_name] = int(dp_rank)
+        self._rankmesh_collect_dp_rank[mesh_name] = bool(is_collect)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _query_dispatch_info(self, mesh_name: str) -> int | None:
+        """This rank's dp rank for ``mesh_name`` (registered, or from a declared mesh), else None."""
+        if mesh_name in self._rankmesh_dispatch_dp_rank:
+            return self._rankmesh_dispatch_dp_rank[mesh_name]
+        mesh = self.meshes.get(mesh_name)
+        return None if mesh is None else mesh.coords(self.rank).dp_rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _query_collect_info(self, mesh_name: str) -> bool | None:
+        """Whether this rank's output is kept for ``mesh_name``, else None if unknown."""
+        if mesh_name in self._rankmesh_collect_dp_rank:
+            return self._rankmesh_collect_dp_rank[mesh_name]
+        mesh = self.meshes.get(mesh_name)
+        return None if mesh is None else mesh.is_collect(self.rank)
+
+    def get_dispatch_collect(self) -> tuple[dict[str, int], dict[str, bool]]:
+        """Copies of every registered (dispatch dp rank, collect flag) mapping, keyed by mesh name."""
+        return dict(self._rankmesh_dispatch_dp_rank), dict(self._rankmesh_collect_dp_rank)
+
+    def set_dispatch_collect(self, dispatch_dp_rank: Mapping[str, int], collect_dp_rank: Mapping[str, bool]) -> None:
+        """Replace the registered dispatch info (e.g. copied from a colocated worker)."""
+        if set(dispatch_dp_rank) != set(collect_dp_rank):
+            raise DispatchError("dispatch and collect info must name the same meshes")
+        self._rankmesh_dispatch_dp_rank = {k: int(v) for k, v in dispatch_dp_rank.items()}
+        self._rankmesh_collect_dp_rank = {k: bool(v) for k, v in collect_dp_rank.items()}
+
+
+# ----- the worker-side call path ---------------------------------------------------------------
+
+
+def _describe(worker: Any) -> tuple[int, dict[str, int]]:
+    ctx = getattr(worker, "_rankmesh_context", None)
+    if isinstance(ctx, WorkerContext):
+        return ctx.rank, ctx.coords()
+    return -1, {}
+
+
+def _fail(worker: Any, method: str, exc: BaseException) -> WorkerError:
+    rank, coords = _describe(worker)
+    return WorkerError(rank, coords, f"{type(worker).__name__}.{method}", f"{type(exc).__name__}: {exc}")
+
+
+def _prepare(
+    worker: Any, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], resolve: Callable[[Shared], Any] | None
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    def one(value: Any) -> Any:
+        if isinstance(value, Shared):
+            if resolve is None:
+                raise DispatchError(f"{method}: got a Shared handle but the backend gave no resolve function")
+            return resolve(value)
+        return value
+
+    fn = getattr(worker, method)
+    return fn, tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def run_awaitable(worker: Any, awaitable: Awaitable[Any]) -> Any:
+    """Run ``awaitable`` to completion on ``worker``'s own event loop (kept across calls).
+
+    Async workers often create loop-bound objects (locks, engines) in one call and use them in the
+    next, so each worker keeps one loop.  If the calling thread already runs a loop (an async
+    controller), the worker's loop runs in a helper thread instead.
+    """
+    store = getattr(worker, "__dict__", None)
+    loop = store.get("_rankmesh_loop") if store is not None else None
+    if loop is None or loop.is_closed():
+        loop = asyncio.new_event_loop()
+        if store is not None:
+            store["_rankmesh_loop"] = loop
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return loop.run_until_complete(awaitable)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rankmesh-async") as pool:
+        return pool.submit(loop.run_until_complete, awaitable).result()
+
+
+def invoke(
+    worker: Any,
+    method: str,
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    return_output: bool = True,
+    resolve: Callable[[Shared], Any] | None = None,
+) -> Any:
+    """Run ``worker.method(*args, **kwargs)`` as a group call does; see the module docstring.
+
+    ``resolve`` turns a :class:`Shared` handle into this rank's private copy of the object.
+    Returns the output, or ``None`` when ``return_output`` is false.  Raises :class:`WorkerError`.
+    """
+    try:
+        fn, args, call_kwargs = _prepare(worker, method, args, kwargs or {}, resolve)
+        result = fn(*args, **call_kwargs)
+        if inspect.isawaitable(result):
+            result = run_awaitable(worker, result)
+    except Exception as exc:
+        raise _fail(worker, method, exc) from exc
+    return result if return_output else None
+
+
+async def ainvoke(
+    worker: Any,
+    method: str,
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    return_output: bool = True,
+    resolve: Callable[[Shared], Any] | None = None,
+) -> Any:
+    """:func:`invoke` for a worker that lives on a running event loop (e.g. an async Ray actor)."""
+    try:
+        fn, args, call_kwargs = _prepare(worker, method, args, kwargs or {}, resolve)
+        result = fn(*args, **call_kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+    except Exception as exc:
+        raise _fail(worker, method, exc) from exc
+    return result if return_output else None
+
+
+def construct(cls: type, ctx: WorkerContext, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Build one rank's worker with ``ctx`` visible from ``__init__`` on; failures name the rank."""
+    with worker_context(ctx):
+        try:
+            return cls(*args, **dict(kwargs or {}))
+        except Exception as exc:
+            raise WorkerError(ctx.rank, ctx.coords(), f"{cls.__name__}.__init__", f"{type(exc).__name__}: {exc}") from exc
