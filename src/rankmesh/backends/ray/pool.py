@@ -1,0 +1,330 @@
+"""Resource pools: placement groups that reserve one bundle per worker process, node by node.
+
+A pool reserves ``process_on_nodes[i]`` bundles in one STRICT_PACK placement group per entry (so
+each entry's processes share a node), waits a bounded time for Ray to place them, and then fixes
+the rank order once:
+
+* placement groups are ordered by the node they landed on, by *numeric* IP address (verl sorts
+  the strings, so 10.0.0.10 comes before 10.0.0.9), ties (several nodes on one IP, as in a
+  simulated cluster) broken by Ray node id (hex string order), then by entry order;
+* ranks run through the bundles of each group in order.
+
+Placement groups that land on the same node count as one node: LOCAL_RANK and LOCAL_WORLD_SIZE
+describe the processes of the group on that physical node, as torchrun would.  Entries may have
+different sizes (heterogeneous nodes); :attr:`RayResourcePool.placement` tells what was granted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rankmesh.errors import PlacementError, ResourcePoolError
+from rankmesh.placement import Placement, RankPlace
+
+from .runtime import alive_nodes, ensure_ray
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_READY_TIMEOUT = 60.0
+"""Seconds a pool waits for Ray to place its placement groups before failing."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One bundle of a pool, i.e. where one rank of a group runs."""
+
+    pg: Any  # ray.util.placement_group.PlacementGroup
+    entry: int  # index into the requested process_on_nodes
+    bundle_index: int
+    node_id: str
+    node_ip: str
+
+
+def node_sort_key(ip: str, node_id: str) -> tuple:
+    """Numeric IP order (v4 before v6), then node id; unparsable addresses sort last by text."""
+    try:
+        addr = ipaddress.ip_address(ip)
+        return (addr.version, int(addr), ip, node_id)
+    except ValueError:
+        return (99, 0, ip, node_id)
+
+
+def _check_counts(process_on_nodes: Sequence[int]) -> tuple[int, ...]:
+    try:
+        return Placement(process_on_nodes).process_on_nodes
+    except PlacementError as exc:
+        raise ResourcePoolError(str(exc)) from exc
+
+
+class RayResourcePool:
+    """Bundles of ``{"CPU": max_colocate_count, "GPU": 1}`` (GPU only with ``use_gpu``), one per process.
+
+    ``max_colocate_count`` is how many worker groups may share each bundle (each actor asks for
+    1 CPU and ``1 / max_colocate_count`` GPU).  Placement groups are created on first use
+    (:meth:`slots`), and removed when the last worker group using them shuts down
+    (:meth:`release`) or on :meth:`remove`.  ``detached=True`` makes them outlive the driver.
+    """
+
+    def __init__(
+        self,
+        process_on_nodes: Sequence[int],
+        use_gpu: bool = True,
+        max_colocate_count: int = 1,
+        name_prefix: str | None = None,
+        detached: bool = False,
+        ready_timeout: float = DEFAULT_READY_TIMEOUT,
+        accelerator_type: str | None = None,
+    ) -> None:
+        self._counts = _check_counts(process_on_nodes)
+        if isinstance(max_colocate_count, bool) or not isinstance(max_colocate_count, int) or max_colocate_count < 1:
+            raise ResourcePoolError(f"max_colocate_count must be a positive integer, got {max_colocate_count!r}")
+        if ready_timeout is not None and ready_timeout <= 0:
+            raise ResourcePoolError(f"ready_timeout must be positive, got {ready_timeout!r}")
+        self.use_gpu = bool(use_gpu)
+        self.max_colocate_count = max_colocate_count
+        self.name_prefix = name_prefix if name_prefix is not None else f"rankmesh-pool-{uuid.uuid4().hex[:8]}"
+        self.detached = bool(detached)
+        self.ready_timeout = ready_timeout
+        self.accelerator_type = accelerator_type
+        self._lock = threading.RLock()
+        self._slots: list[Slot] | None = None
+        self._pgs: list[Any] = []
+        self._users = 0
+        # Views made by split_resource_pool point at their root and a slice of its slots.
+        self._root: RayResourcePool = self
+        self._start = 0
+
+    # ----- description -------------------------------------------------------------------------
+
+    @property
+    def process_on_nodes(self) -> list[int]:
+        """The process counts requested per node entry."""
+        return list(self._counts)
+
+    store = process_on_nodes  # verl's name
+
+    @property
+    def world_size(self) -> int:
+        return sum(self._counts)
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """Resources of one bundle."""
+        bundle: dict[str, float] = {"CPU": float(self.max_colocate_count)}
+        if self.use_gpu:
+            bundle["GPU"] = 1.0
+        if self.accelerator_type:
+            bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        return bundle
+
+    @property
+    def actor_resources(self) -> dict[str, float]:
+        """Ray options of one actor inside a bundle (its share of the bundle)."""
+        opts: dict[str, float] = {"num_cpus": 1.0}
+        if self.use_gpu:
+            opts["num_gpus"] = 1.0 / self.max_colocate_count
+        return opts
+
+    def __repr__(self) -> str:
+        state = "placed" if self._root._slots is not None else "not placed"
+        return (
+            f"RayResourcePool(process_on_nodes={self.process_on_nodes}, use_gpu={self.use_gpu}, "
+            f"max_colocate_count={self.max_colocate_count}, name_prefix={self.name_prefix!r}, {state})"
+        )
+
+    # ----- placement ---------------------------------------------------------------------------
+
+    def slots(self, timeout: float | None = None) -> list[Slot]:
+        """Every bundle in rank order; creates the placement groups on first call."""
+        root = self._root
+        with root._lock:
+            if root._slots is None:
+                root._slots = root._create(root.ready_timeout if timeout is None else timeout)
+            return root._slots[self._start : self._start + self.world_size]
+
+    def get_placement_groups(self) -> list[Any]:
+        """The placement groups of this pool, in rank (node) order (verl's accessor)."""
+        seen: dict[Any, None] = {}
+        for slot in self.slots():
+            seen.setdefault(slot.pg, None)
+        return list(seen)
+
+    @property
+    def placement(self) -> Placement:
+        """Processes per physical node, in rank order, as granted (places the pool if needed)."""
+        return Placement(self._node_counts()[1])
+
+    def node_ids(self) -> list[str]:
+        """Ray node id of each node of :attr:`placement`."""
+        return self._node_counts()[0]
+
+    def places(self) -> list[RankPlace]:
+        """Node index and local rank of every rank of a group on this pool."""
+        return self.placement.places()
+
+    def _node_counts(self) -> tuple[list[str], list[int]]:
+        ids: list[str] = []
+        counts: list[int] = []
+        for slot in self.slots():
+            if ids and ids[-1] == slot.node_id:
+                counts[-1] += 1
+            else:
+                ids.append(slot.node_id)
+                counts.append(1)
+        return ids, counts
+
+    def describe(self) -> str:
+        """One line per rank: rank, node index, node ip/id, placement group entry and bundle."""
+        lines = []
+        for place, slot in zip(self.places(), self.slots()):
+            lines.append(
+                f"rank {place.rank}: node {place.node} ({slot.node_ip} {slot.node_id[:8]}) "
+                f"local_rank {place.local_rank}/{place.local_world_size} pg entry {slot.entry} bundle {slot.bundle_index}"
+            )
+        return "\n".join(lines)
+
+    def _create(self, timeout: float) -> list[Slot]:
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        ensure_ray()
+        lifetime = "detached" if self.detached else None
+        pgs = [
+            placement_group(
+                [dict(self.bundle) for _ in range(count)],
+                strategy="STRICT_PACK",
+                name=f"{self.name_prefix}_pg{i}",
+                lifetime=lifetime,
+            )
+            for i, count in enumerate(self._counts)
+        ]
+        readies = [pg.ready() for pg in pgs]
+        done, _ = ray.wait(readies, num_returns=len(readies), timeout=timeout)
+        done_set = set(done)
+        if len(done) < len(readies):
+            message = self._unplaced_message(pgs, [r in done_set for r in readies], timeout)
+            for pg in pgs:
+                _remove_pg(pg)
+            raise ResourcePoolError(message)
+        nodes = alive_nodes()
+        placed = []
+        for entry, pg in enumerate(pgs):
+            table = placement_group_table(pg)
+            node_id = table["bundles_to_node_id"][0]
+            ip = nodes.get(node_id, {}).get("NodeManagerAddress", "")
+            placed.append((node_sort_key(ip, node_id), entry, pg, node_id, ip))
+        placed.sort(key=lambda item: (item[0], item[1]))
+        self._pgs = [item[2] for item in placed]
+        slots = [
+            Slot(pg=pg, entry=entry, bundle_index=b, node_id=node_id, node_ip=ip)
+            for _, entry, pg, node_id, ip in placed
+            for b in range(self._counts[entry])
+        ]
+        logger.info("resource pool %s placed: %s", self.name_prefix, [(s.node_ip, s.node_id[:8]) for s in slots])
+        return slots
+
+    def _unplaced_message(self, pgs: list[Any], ready: list[bool], timeout: float) -> str:
+        import ray
+
+        from ray.util.placement_group import placement_group_table
+
+        parts = [
+            f"resource pool {self.name_prefix!r} (process_on_nodes={list(self._counts)}) could not be "
+            f"placed within {timeout:g} s; each node entry needs its bundles on ONE node (STRICT_PACK)."
+        ]
+        for entry, (pg, ok, count) in enumerate(zip(pgs, ready, self._counts)):
+            need = {k: v * count for k, v in self.bundle.items()}
+            if ok:
+                node = placement_group_table(pg)["bundles_to_node_id"].get(0, "?")
+                parts.append(f"  entry {entry}: {count} x {self.bundle} placed on node {str(node)[:8]}")
+            else:
+                parts.append(f"  entry {entry}: {count} x {self.bundle} NOT placed (needs {need} on one node)")
+        try:
+            totals = ray._private.state.total_resources_per_node()
+            avail = ray._private.state.available_resources_per_node()
+            nodes = alive_nodes()
+        except Exception as exc:  # pragma: no cover - diagnostics only
+            parts.append(f"  (could not read cluster resources: {exc})")
+            return "\n".join(parts)
+        keys = sorted({k for k in self.bundle} | {"CPU", "GPU"})
+        parts.append("  cluster, available/total per node:")
+        for node_id in sorted(totals, key=lambda n: node_sort_key(nodes.get(n, {}).get("NodeManagerAddress", ""), n)):
+            ip = nodes.get(node_id, {}).get("NodeManagerAddress", "?")
+            res = ", ".join(
+                f"{k} {avail.get(node_id, {}).get(k, 0):g}/{totals[node_id].get(k, 0):g}" for k in keys
+            )
+            parts.append(f"    {ip} {node_id[:8]}: {res}")
+        return "\n".join(parts)
+
+    # ----- lifetime ----------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Note one more worker group using this pool's placement groups."""
+        with self._root._lock:
+            self._root._users += 1
+
+    def release(self) -> None:
+        """A worker group stopped using the pool; the last one out removes the placement groups."""
+        root = self._root
+        with root._lock:
+            root._users = max(0, root._users - 1)
+            if root._users == 0:
+                root.remove()
+
+    def remove(self) -> None:
+        """Remove the placement groups now (actors inside them die); the next use places anew."""
+        root = self._root
+        with root._lock:
+            for pg in root._pgs:
+                _remove_pg(pg)
+            root._pgs = []
+            root._slots = None
+
+
+def _remove_pg(pg: Any) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(pg)
+    except Exception as exc:  # already removed, or Ray is gone
+        logger.debug("removing placement group %s: %s", pg.id, exc)
+
+
+def split_resource_pool(pool: RayResourcePool, split_size: int | Sequence[int]) -> list[RayResourcePool]:
+    """Carve ``pool`` into consecutive sub-pools of ``split_size`` processes (one int or a list).
+
+    The sub-pools share the parent's placement groups (created once, on first use of any of
+    them) and keep its rank order; each sub-pool's ranks start at 0.
+    """
+    total = pool.world_size
+    if isinstance(split_size, bool):
+        raise ResourcePoolError(f"split_size must be an int or a list of ints, got {split_size!r}")
+    if isinstance(split_size, int):
+        if split_size <= 0 or total % split_size:
+            raise ResourcePoolError(f"split_size {split_size} does not divide the pool's {total} processes")
+        sizes = [split_size] * (total // split_size)
+    else:
+        sizes = list(split_size)
+        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
+            raise ResourcePoolError(f"split sizes must be positive integers, got {split_size!r}")
+        if sum(sizes) != total:
+            raise ResourcePoolError(f"split sizes {sizes} sum to {sum(sizes)}, but the pool has {total} processes")
+    views = []
+    start = pool._start
+    requested = [entry for entry, count in enumerate(pool._root._counts) for _ in range(count)]
+    offset = start
+    for size in sizes:
+        view = RayResourcePool.__new__(RayResourcePool)
+        view.__dict__.update(pool.__dict__)
+        view._root, view._start = pool._root, offset
+        # Requested counts of the slice, entry by entry (the granted ones come from slots()).
+        entries = requested[offset : offset + size]
+        view._counts = tuple(entries.count(e) for e in dict.fromkeys(entries))
+        views.append(view)
+        offset += size
+    return views

@@ -1,0 +1,151 @@
+"""Connecting the controller to Ray: join a cluster, or start a private one bound to loopback.
+
+Why a helper instead of a bare ``ray.init()``: a Ray started with defaults on a machine with a
+network interface advertises that interface and its gRPC servers listen on every address.  A
+local, embedded Ray is a development convenience and must stay on 127.0.0.1, which takes three
+settings together (measured with Ray 2.60):
+
+* ``_node_ip_address="127.0.0.1"`` for the head node;
+* ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in the environment the Ray processes inherit, without
+  which workers still report (and bind) the machine's interface address;
+* ``include_dashboard=False`` (the dashboard would open another port).
+
+Joining an existing cluster (``address=`` or ``RAY_ADDRESS``) changes none of them: that cluster's
+own configuration decides where its processes listen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+"""The only address an embedded Ray (and the test clusters) may bind to."""
+
+DETACHED_NAMESPACE = "rankmesh"
+"""Namespace of named (detached) actors, fixed so another driver can find them by name alone."""
+
+#: Environment a *local* Ray needs so that every process it spawns stays on loopback.
+LOCAL_RAY_ENV: dict[str, str] = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+@dataclass(frozen=True)
+class RayConnection:
+    """How this process is connected to Ray (``started_here``: we launched a local Ray)."""
+
+    address: str | None
+    started_here: bool
+
+
+def set_loopback_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Put :data:`LOCAL_RAY_ENV` into ``env`` (``os.environ`` by default) without overriding."""
+    target = os.environ if env is None else env
+    for key, value in LOCAL_RAY_ENV.items():
+        target.setdefault(key, value)
+    return target  # type: ignore[return-value]
+
+
+def ensure_ray(
+    address: str | None = None,
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    object_store_memory: int | None = None,
+    namespace: str | None = None,
+    **init_kwargs: Any,
+) -> RayConnection:
+    """Make sure this process is a Ray driver (or already runs inside Ray).
+
+    Already connected: nothing changes.  ``address`` (or ``RAY_ADDRESS``) given: join that
+    cluster.  Otherwise start a new local Ray on loopback with the dashboard off (never attach
+    to another Ray found on the machine); ``num_cpus`` etc. only apply to that case.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return RayConnection(address=_current_address(), started_here=False)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    init_kwargs.setdefault("logging_level", logging.WARNING)
+    if address:
+        logger.info("joining the Ray cluster at %s", address)
+        if _is_loopback_address(address):
+            # A cluster on 127.0.0.1 (e.g. simulated nodes): without this Ray rewrites the
+            # address to the machine's interface and the connection hangs.
+            set_loopback_env()
+            _loopback_in_this_process()
+        ray.init(address=address, namespace=namespace, **init_kwargs)
+        return RayConnection(address=_current_address(), started_here=False)
+    set_loopback_env()
+    _loopback_in_this_process()
+    logger.info("starting a local Ray on %s (num_cpus=%s, num_gpus=%s)", LOOPBACK, num_cpus, num_gpus)
+    # address="local": always start a new Ray.  Without it ray.init() attaches to whatever Ray
+    # it finds on this machine (another user's, or a parent process's test session).
+    ray.init(
+        address="local",
+        _node_ip_address=LOOPBACK,
+        include_dashboard=False,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        object_store_memory=object_store_memory,
+        namespace=namespace,
+        **init_kwargs,
+    )
+    return RayConnection(address=_current_address(), started_here=True)
+
+
+def _is_loopback_address(address: str) -> bool:
+    """Whether ``host:port`` names this machine's loopback (``ray://`` and ``auto`` do not)."""
+    import ipaddress
+
+    host = address.rsplit(":", 1)[0] if ":" in address and "://" not in address else ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_in_this_process() -> None:
+    """Make an already-imported Ray treat 127.0.0.1 as this node's address.
+
+    Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when ``ray`` is first imported; when
+    the variable was not set then, ``ray.init`` silently replaces ``_node_ip_address="127.0.0.1"``
+    by the machine's interface address.  Only the local-start path calls this.
+    """
+    from ray._private import ray_constants
+
+    if getattr(ray_constants, "ENABLE_RAY_CLUSTER", False):
+        logger.debug("ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set; applying it now")
+        ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def _current_address() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # pragma: no cover - older Ray or not connected
+        return None
+
+
+def node_ip_address() -> str:
+    """This process's node address as Ray sees it (127.0.0.1 on a loopback cluster)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def alive_nodes() -> dict[str, dict[str, Any]]:
+    """Node id (hex) -> the ``ray.nodes()`` record, for live nodes only."""
+    import ray
+
+    return {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}

@@ -1,0 +1,365 @@
+"""The actor/critic demo: PPO-style iterations over Megatron-parallel worker groups on local Ray.
+
+An actor group on a 3D mesh (tp2·pp2·dp2 from ``parallel_layouts/cpu_demo.yaml``) hosts a
+colocated reference role in the same processes; a critic group (tp2·dp2) runs in its own pool.
+Every iteration goes through the dispatch modes: generate (DP_COMPUTE_PROTO), log-probs,
+reference log-probs and values (MEGATRON_COMPUTE_PROTO), advantages on the controller, then the
+actor and critic updates, which return metrics.
+
+The demo checks itself and exits non-zero unless
+
+* the actor's log-probs from the 3D-parallel group equal those of the same model built unsharded
+  in the controller from the same seed (before training, and after it from the gathered weights),
+* the reference's and the sampler's log-probs match the controller too, every iteration,
+* the dp replicas hold identical weights after training, and
+* the actor's and the critic's losses fall.
+
+The rollout is a fixed replay: the sampler is the frozen initial policy with per-row seeds, so
+every iteration sees the same batch and the losses are deterministic functions of the weights
+(see docs/megatron.md).  Nothing here imports megatron-core or Ray at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence, TextIO
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DemoConfig:
+    """Knobs of the demo; the defaults finish in about a minute on a 2-core machine."""
+
+    iterations: int = 4
+    layout: str | None = "cpu_demo"
+    actor_tp: int = 2
+    actor_pp: int = 2
+    actor_dp: int = 2
+    critic_tp: int = 2
+    critic_dp: int = 2
+    prompts: int = 8
+    samples_per_prompt: int = 4
+    prompt_length: int = 4
+    response_length: int = 8
+    actor_lr: float = 2e-3
+    critic_lr: float = 1e-3
+    clip_ratio: float = 0.2
+    micro_batches: int = 2
+    seed: int = 1234
+    tolerance: float = 1e-5
+    address: str | None = None
+    progress: bool = True
+
+
+@dataclass
+class IterationStats:
+    """One row of the table."""
+
+    iteration: int
+    actor_loss: float
+    critic_loss: float
+    score: float
+    kl: float
+    logprob_diff: float
+    ref_diff: float
+    rollout_diff: float
+    times: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class DemoResult:
+    """Everything the demo measured, and whether each self-check passed."""
+
+    config: DemoConfig
+    actor_mesh: str = ""
+    critic_mesh: str = ""
+    iterations: list[IterationStats] = field(default_factory=list)
+    startup_s: float = 0.0
+    total_s: float = 0.0
+    logprob_max_diff: float = float("nan")
+    final_logprob_max_diff: float = float("nan")
+    replica_max_diff: float = float("nan")
+    checks: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(self.checks.values())
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return data
+
+
+# ----- controller-side math (plain torch) ------------------------------------------------------
+
+
+def make_prompts(cfg: DemoConfig, vocab_size: int):
+    """``prompts`` rows, each prompt repeated ``samples_per_prompt`` times, one sampling seed per row."""
+    import torch
+
+    from rankmesh.data.proto import DataProto
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+    base = torch.randint(0, vocab_size, (cfg.prompts, cfg.prompt_length), generator=gen)
+    prompts = base.repeat_interleave(cfg.samples_per_prompt, dim=0)
+    seeds = torch.arange(len(prompts), dtype=torch.int64) + cfg.seed * 1000
+    return DataProto.from_dict(
+        {"prompts": prompts, "sample_seed": seeds}, meta_info={"response_length": cfg.response_length}
+    )
+
+
+def score_responses(responses, vocab_size: int):
+    """The task's reward: the fraction of response tokens in the lowest quarter of the vocabulary."""
+    return (responses < vocab_size // 4).float().mean(dim=-1)
+
+
+def group_advantages(scores, group_size: int, response_length: int, eps: float = 1e-6):
+    """Scores normalized within each prompt's group of samples, broadcast to every response token.
+
+    Critic-free (GRPO-style) so that, on the fixed replay batch, the actor's loss is a function of
+    the actor alone; the critic learns the returns alongside and reports its own loss.
+    """
+    grouped = scores.view(-1, group_size)
+    adv = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + eps)
+    adv = adv.reshape(-1, 1).expand(-1, response_length).contiguous()
+    returns = scores.view(-1, 1).expand(-1, response_length).contiguous()
+    return adv, returns
+
+
+def _mean_metric(proto: Any, key: str) -> float:
+    values = proto.meta_info["metrics"][key]
+    values = values if isinstance(values, list) else [values]
+    return float(sum(values) / len(values))
+
+
+# ----- groups ----------------------------------------------------------------------------------
+
+
+def resolve_meshes(cfg: DemoConfig):
+    """(actor mesh, actor pool counts, critic mesh, critic pool counts, where they came from)."""
+    from rankmesh.mesh import RankMesh
+
+    if cfg.layout:
+        try:
+            from rankmesh.layout import load_layout
+
+            layout = load_layout(cfg.layout)
+            actor, critic = layout.role("actor"), layout.role("critic")
+            return (actor.mesh(), list(actor.pool.process_on_nodes), critic.mesh(),
+                    list(critic.pool.process_on_nodes), f"layout {layout.name}")
+        except Exception as exc:  # noqa: BLE001 - any layout problem: use the explicit sizes
+            logger.warning("layout %r unusable (%s); using explicit sizes", cfg.layout, exc)
+    actor = RankMesh(tp=cfg.actor_tp, pp=cfg.actor_pp, dp=cfg.actor_dp)
+    critic = RankMesh(tp=cfg.critic_tp, dp=cfg.critic_dp)
+    return actor, [actor.world_size], critic, [critic.world_size], "explicit sizes"
+
+
+def start_groups(cfg: DemoConfig, model: dict):
+    """Start actor+ref (colocated) and critic, each cross-checked against its mesh."""
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, create_colocated_worker_cls
+    from rankmesh.megatron.group import start_megatron_group
+    from rankmesh.megatron.roles import ActorWorker, CriticWorker, RefWorker
+
+    actor_mesh, actor_counts, critic_mesh, critic_counts, source = resolve_meshes(cfg)
+    common = {"model": model, "micro_batches": cfg.micro_batches}
+    colocated = create_colocated_worker_cls({
+        "actor": RayClassWithInitArgs(ActorWorker, lr=cfg.actor_lr, clip_ratio=cfg.clip_ratio, **common),
+        "ref": RayClassWithInitArgs(RefWorker, **common),
+    })
+    roles = start_megatron_group(RayResourcePool(actor_counts, use_gpu=False, name_prefix="actor_pool"),
+                                 colocated, actor_mesh, roles=["actor", "ref"], name_prefix="demo-actor")
+    critic = start_megatron_group(RayResourcePool(critic_counts, use_gpu=False, name_prefix="critic_pool"),
+                                  RayClassWithInitArgs(CriticWorker, lr=cfg.critic_lr, **common),
+                                  critic_mesh, name_prefix="demo-critic")
+    return roles["actor"], roles["ref"], critic, source
+
+
+def gathered_actor_weights(actor) -> tuple[dict, float]:
+    """The actor's full weights (dp replica 0, all stages) and the largest difference between replicas."""
+    import numpy as np
+    import torch
+
+    pieces = [p for p in actor.gather_full_weights() if p is not None]
+    by_dp: dict[int, dict[str, np.ndarray]] = {}
+    for p in pieces:
+        by_dp.setdefault(p["dp"], {}).update(p["weights"])
+    first = by_dp[0]
+    diff = max((float(np.abs(w[k] - first[k]).max()) for w in by_dp.values() for k in first), default=0.0)
+    return {k: torch.from_numpy(np.array(v)) for k, v in first.items()}, diff
+
+
+# ----- the run -----------------------------------------------------------------------------------
+
+
+def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
+    """Start the groups, run ``cfg.iterations`` PPO-style iterations, check, shut down."""
+    import torch
+    from tqdm import tqdm
+
+    from rankmesh.data.proto import DataProto
+    from rankmesh.megatron.group import connect_ray
+    from rankmesh.megatron.reference import ReferenceModel, TinyConfig, token_log_probs
+
+    out = out or sys.stdout
+    t_start = time.perf_counter()
+    result = DemoResult(cfg)
+    tcfg = TinyConfig(seed=cfg.seed, max_seq_len=cfg.prompt_length + cfg.response_length)
+    conn = connect_ray(cfg.address, num_cpus=16)
+    bar = tqdm(total=cfg.iterations + 1, desc="starting groups", unit="step", disable=not cfg.progress, file=sys.stderr)
+    actor = ref = critic = None
+    try:
+        actor, ref, critic, source = start_groups(cfg, tcfg.to_dict())
+        result.actor_mesh, result.critic_mesh = repr(actor.mesh), repr(critic.mesh)
+        result.startup_s = time.perf_counter() - t_start
+        bar.update(1)
+        # tqdm.write keeps the progress bar (stderr) intact while the table goes to ``out``.
+        tqdm.write(f"actor+ref: {actor.mesh!r} ({actor.world_size} processes, {source})\n"
+                   f"critic:    {critic.mesh!r} ({critic.world_size} processes)\n"
+                   f"groups started and cross-checked against parallel_state in {result.startup_s:.1f}s", file=out)
+        tqdm.write(_table_header(), file=out)
+        reference = ReferenceModel(tcfg).eval()
+        prompts = make_prompts(cfg, tcfg.vocab_size)
+        resp = slice(cfg.prompt_length - 1, None)
+        for it in range(cfg.iterations):
+            bar.set_description(f"iteration {it + 1}/{cfg.iterations}")
+            times: dict[str, float] = {}
+
+            def timed(name: str, fn, *args):
+                t = time.perf_counter()
+                value = fn(*args)
+                times[name] = time.perf_counter() - t
+                return value
+
+            t_iter = time.perf_counter()
+            batch = timed("gen", actor.generate_sequences, prompts)
+            batch = batch.union(timed("logp", actor.compute_log_prob, batch))
+            batch = batch.union(timed("ref", ref.compute_ref_log_prob, batch))
+            batch = batch.union(timed("values", critic.compute_values, batch))
+            t = time.perf_counter()
+            with torch.no_grad():
+                expected = token_log_probs(reference(batch.batch["input_ids"]), batch.batch["input_ids"])[:, resp]
+            lp, ref_lp = batch.batch["log_probs"], batch.batch["ref_log_prob"]
+            scores = score_responses(batch.batch["responses"], tcfg.vocab_size)
+            adv, returns = group_advantages(scores, cfg.samples_per_prompt, cfg.response_length)
+            batch = batch.union(DataProto.from_dict({
+                "advantages": adv, "returns": returns, "old_log_probs": batch.batch["rollout_log_probs"].clone(),
+            }))
+            times["adv"] = time.perf_counter() - t
+            m_actor = timed("upd_actor", actor.update_actor, batch)
+            m_critic = timed("upd_critic", critic.update_critic, batch)
+            times["total"] = time.perf_counter() - t_iter
+            stats = IterationStats(
+                iteration=it,
+                actor_loss=_mean_metric(m_actor, "actor/pg_loss"),
+                critic_loss=_mean_metric(m_critic, "critic/vf_loss"),
+                score=float(scores.mean()),
+                kl=float((lp - ref_lp).mean()),
+                # Only the first iteration compares the actor: later its weights have moved on.
+                logprob_diff=float((lp - expected).abs().max()) if it == 0 else float("nan"),
+                ref_diff=float((ref_lp - expected).abs().max()),
+                rollout_diff=float((batch.batch["rollout_log_probs"] - expected).abs().max()),
+                times=times,
+            )
+            result.iterations.append(stats)
+            tqdm.write(_table_row(stats), file=out)
+            bar.update(1)
+        bar.set_description("final check")
+        weights, result.replica_max_diff = gathered_actor_weights(actor)
+        trained = ReferenceModel(tcfg).eval()
+        trained.load_state_dict(weights)
+        final = actor.compute_log_prob(batch).batch["log_probs"]
+        with torch.no_grad():
+            final_ref = token_log_probs(trained(batch.batch["input_ids"]), batch.batch["input_ids"])[:, resp]
+        result.final_logprob_max_diff = float((final - final_ref).abs().max())
+    finally:
+        bar.close()
+        from rankmesh.megatron.group import shutdown_megatron_group
+
+        if ref is not None:
+            try:  # colocated: parallel_state goes when its last role lets go
+                ref.destroy_megatron()
+            except Exception as exc:  # noqa: BLE001 - the processes are stopped next anyway
+                logger.warning("ref.destroy_megatron failed: %s", exc)
+        for group in (actor, critic):
+            if group is not None:
+                shutdown_megatron_group(group)
+        if conn.started_here:
+            import ray
+
+            ray.shutdown()
+    result.total_s = time.perf_counter() - t_start
+    _judge(result)
+    return result
+
+
+def _judge(result: DemoResult) -> None:
+    tol, its = result.config.tolerance, result.iterations
+    result.logprob_max_diff = its[0].logprob_diff if its else float("nan")
+    result.checks = {
+        "actor log-probs (3D-parallel) == single-process reference": result.logprob_max_diff <= tol,
+        "actor log-probs after training == reference from gathered weights": result.final_logprob_max_diff <= tol,
+        "reference log-probs == single-process reference, every iteration": all(s.ref_diff <= tol for s in its),
+        "sampler log-probs == single-process reference, every iteration": all(s.rollout_diff <= tol for s in its),
+        "dp replicas hold identical weights": result.replica_max_diff <= tol,
+        "actor loss falls": len(its) >= 2 and its[-1].actor_loss < its[0].actor_loss,
+        "critic loss falls": len(its) >= 2 and its[-1].critic_loss < its[0].critic_loss,
+    }
+
+
+_PHASES = ("gen", "logp", "ref", "values", "adv", "upd_actor", "upd_critic", "total")
+
+
+def _table_header() -> str:
+    phases = " ".join(f"{p:>10}" for p in _PHASES)
+    return f"\n{'iter':>4} {'actor loss':>11} {'critic loss':>11} {'score':>6} {'kl':>9} {'logp diff':>9} | seconds: {phases}"
+
+
+def _table_row(s: IterationStats) -> str:
+    diff = "-" if s.logprob_diff != s.logprob_diff else f"{s.logprob_diff:.1e}"
+    phases = " ".join(f"{s.times.get(p, 0.0):>10.3f}" for p in _PHASES)
+    return (f"{s.iteration + 1:>4} {s.actor_loss:>11.5f} {s.critic_loss:>11.5f} {s.score:>6.3f} {s.kl:>9.2e} "
+            f"{diff:>9} |          {phases}")
+
+
+def format_summary(result: DemoResult) -> str:
+    """The checks, one line each, and the final verdict line."""
+    its = result.iterations
+    lines = [""]
+    if its:
+        lines.append(f"actor loss {its[0].actor_loss:.5f} -> {its[-1].actor_loss:.5f}, "
+                     f"critic loss {its[0].critic_loss:.5f} -> {its[-1].critic_loss:.5f}, "
+                     f"score {its[0].score:.3f} (fixed replay batch)")
+    lines.append(f"log-prob max |3D-parallel - single-process|: {result.logprob_max_diff:.2e} before training, "
+                 f"{result.final_logprob_max_diff:.2e} after (tolerance {result.config.tolerance:.0e}); "
+                 f"dp replicas differ by {result.replica_max_diff:.1e}")
+    lines += [f"  [{'PASS' if ok else 'FAIL'}] {name}" for name, ok in result.checks.items()]
+    verdict = "PASS" if result.ok else "FAIL"
+    lines.append(f"demo {verdict}: {len(its)} iterations in {result.total_s:.1f}s "
+                 f"(startup {result.startup_s:.1f}s)")
+    return "\n".join(lines)
+
+
+# ----- command line (options and exit codes live in rankmesh.demo_cli) ---------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python scripts/launch_actor_critic.py`` / ``python -m rankmesh.demo``; returns the exit code."""
+    from rankmesh.demo_cli import add_arguments, run_from_args
+
+    parser = argparse.ArgumentParser(prog="launch_actor_critic", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
+    return run_from_args(args)
+
+
+from rankmesh import demo_cli as _demo_cli  # noqa: E402,F401  registers `rankmesh demo`
+
+if __name__ == "__main__":
+    sys.exit(main())

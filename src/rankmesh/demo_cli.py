@@ -1,0 +1,67 @@
+"""``rankmesh demo``: the demo's options and exit codes (the run itself is :mod:`rankmesh.demo`).
+
+Importing this module is cheap: Ray, torch and megatron-core load only when the command runs.
+Exit codes: 0 every self-check passed, 1 a check failed, 2 bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TextIO
+
+from rankmesh.cli import add_command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options (shared by ``rankmesh demo`` and scripts/launch_actor_critic.py)."""
+    from rankmesh.demo import DemoConfig
+
+    d = DemoConfig()
+    parser.add_argument("--iterations", type=int, default=d.iterations, help="PPO iterations, at least 2 (default %(default)s)")
+    parser.add_argument("--layout", default=d.layout, help="layout with actor/ref/critic roles (default %(default)s)")
+    parser.add_argument("--no-layout", dest="layout", action="store_const", const=None,
+                        help="ignore layouts; use the --actor-*/--critic-* sizes")
+    for name in ("actor_tp", "actor_pp", "actor_dp", "critic_tp", "critic_dp", "prompts", "samples_per_prompt",
+                 "prompt_length", "response_length", "micro_batches", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=getattr(d, name),
+                            help="(default %(default)s)")
+    for name in ("actor_lr", "critic_lr", "clip_ratio", "tolerance"):
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float, default=getattr(d, name),
+                            help="(default %(default)s)")
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: local Ray on 127.0.0.1)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    parser.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON")
+
+
+def config_from_args(args: argparse.Namespace):
+    from rankmesh.demo import DemoConfig
+
+    names = DemoConfig.__dataclass_fields__
+    return DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def run_from_args(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run with parsed options, print the table and the checks; the exit code is the verdict."""
+    from rankmesh.demo import format_summary, run_demo
+
+    out = out or sys.stdout
+    cfg = config_from_args(args)
+    if cfg.iterations < 2:
+        print("demo: error: --iterations must be at least 2 (the loss check compares first and last)", file=sys.stderr)
+        return 2
+    result = run_demo(cfg, out)
+    print(format_summary(result), file=out)
+    if getattr(args, "json_path", None):
+        with open(args.json_path, "w", encoding="utf-8") as fh:
+            json.dump(result.to_json(), fh, indent=2, default=str)
+    return 0 if result.ok else 1
+
+
+def setup(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser)
+    parser.set_defaults(handler=run_from_args)
+
+
+add_command("demo", setup, help="run the actor/critic PPO demo on local Ray (CPU, megatron-core); exit 1 if a self-check fails")

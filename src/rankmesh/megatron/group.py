@@ -1,0 +1,107 @@
+"""Controller side: start a group of MegatronWorkers and prove its process groups match the mesh.
+
+Nothing here imports megatron-core: the controller only needs the workers' reports and the
+pure comparison of :mod:`rankmesh.megatron.check`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Mapping
+
+from rankmesh.megatron.check import RankReport, check_reports, compare_reports, Mismatch
+from rankmesh.mesh import RankMesh
+
+logger = logging.getLogger(__name__)
+
+
+def connect_ray(address: str | None = None, num_cpus: int | None = None) -> Any:
+    """Join ``address`` (or ``RAY_ADDRESS``), reuse this process's Ray, or start a private one on 127.0.0.1.
+
+    Why not plain ``ensure_ray``: ``ray.init()`` without an address attaches to *any* Ray already
+    running on the machine (it scans for GCS processes), e.g. another user's, or the test session
+    of a parent process, and then fails on ``num_cpus``.  A local start must say
+    ``address="local"``.  Returns the runtime's ``RayConnection``.
+    """
+    import ray
+
+    from rankmesh.backends.ray import runtime
+
+    if ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"):
+        joining = bool(address or os.environ.get("RAY_ADDRESS")) and not ray.is_initialized()
+        return runtime.ensure_ray(address, num_cpus=None if joining else num_cpus)
+    runtime.set_loopback_env()
+    runtime._loopback_in_this_process()  # noqa: SLF001 - same loopback rules as ensure_ray
+    ray.init(address="local", _node_ip_address=runtime.LOOPBACK, include_dashboard=False,
+             num_cpus=num_cpus, logging_level=logging.WARNING)
+    return runtime.RayConnection(address=runtime._current_address(), started_here=True)  # noqa: SLF001
+
+
+def collect_reports(group: Any, allreduce: bool = False) -> list[RankReport]:
+    """Every rank's :class:`RankReport` (``megatron_report`` is ONE_TO_ALL: one per rank, rank order)."""
+    raw = group.megatron_report(allreduce=allreduce)
+    return [r if isinstance(r, RankReport) else RankReport.from_dict(r) for r in raw]
+
+
+def verify_group(group: Any, mesh: RankMesh | None = None, allreduce: bool = False) -> list[RankReport]:
+    """Check every rank of ``group`` against ``mesh`` (default: the group's own mesh).
+
+    Raises :class:`~rankmesh.errors.MeshMismatchError` listing the ranks that differ; returns the
+    reports when all agree.
+    """
+    mesh = mesh if mesh is not None else group.mesh
+    reports = collect_reports(group, allreduce=allreduce)
+    check_reports(mesh, reports)
+    logger.info("worker group agrees with %r on all %d ranks", mesh, len(reports))
+    return reports
+
+
+def find_mismatches(group: Any, mesh: RankMesh | None = None, allreduce: bool = False) -> tuple[list[RankReport], list[Mismatch]]:
+    """Like :func:`verify_group`, but return the mismatches instead of raising."""
+    mesh = mesh if mesh is not None else group.mesh
+    reports = collect_reports(group, allreduce=allreduce)
+    return reports, compare_reports(mesh, reports)
+
+
+def start_megatron_group(
+    resource_pool: Any,
+    cls_with_init: Any,
+    mesh: RankMesh,
+    *,
+    verify: bool = True,
+    allreduce: bool = False,
+    roles: list[str] | None = None,
+    **group_kwargs: Any,
+) -> Any:
+    """Start a RayWorkerGroup of MegatronWorkers over ``mesh`` and cross-check it before returning.
+
+    ``cls_with_init`` is a ``RayClassWithInitArgs`` (or a colocated class; then ``roles`` names the
+    roles to spawn and a dict role -> group is returned).  On a mismatch the group is shut down
+    and :class:`~rankmesh.errors.MeshMismatchError` raised, so no caller ever trains on groups
+    that differ from what the controller dispatches by.
+    """
+    from rankmesh.backends.ray import RayWorkerGroup
+
+    start = time.perf_counter()
+    group = RayWorkerGroup(resource_pool, cls_with_init, mesh=mesh, **group_kwargs)
+    spawned: Mapping[str, Any] | None = group.spawn(roles) if roles else None
+    try:
+        if verify:
+            # Colocated roles share one parallel_state per process: checking one role checks all.
+            verify_group(next(iter(spawned.values())) if spawned else group, mesh, allreduce=allreduce)
+    except BaseException:
+        group.shutdown()
+        raise
+    logger.info("started %r in %.1fs", mesh, time.perf_counter() - start)
+    return dict(spawned) if spawned else group
+
+
+def shutdown_megatron_group(group: Any) -> None:
+    """Tear parallel_state down on every rank (best effort), then stop the processes."""
+    try:
+        group.destroy_megatron()
+    except Exception as exc:  # noqa: BLE001 - the processes are killed next anyway
+        logger.warning("destroy_megatron failed: %s", exc)
+    group.shutdown()

@@ -1,0 +1,247 @@
+"""MegatronWorker: a rankmesh Worker whose process groups come from megatron-core's parallel_state.
+
+The backend gives every worker its place (``self.rank``, ``self.mesh``) and the rendezvous
+variables; this class turns them into ``torch.distributed`` (gloo on CPU, nccl with CUDA) and
+``parallel_state.initialize_model_parallel`` with the sizes *and order* of the group's RankMesh.
+It then reads its coordinates back from parallel_state's own getters, never from the mesh, so
+that :meth:`megatron_report` is an independent witness the controller can check the mesh
+against (:mod:`rankmesh.megatron.check`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from rankmesh.dispatch.modes import Dispatch
+from rankmesh.dispatch.register import register
+from rankmesh.megatron.check import RankReport
+from rankmesh.mesh import DistGlobalInfo, DistRankInfo, RankMesh
+from rankmesh.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+def _group_getters() -> dict[str, Any]:
+    """Report name -> parallel_state getter of this rank's group (names as in check.GROUPS)."""
+    return {
+        "tp": ps.get_tensor_model_parallel_group,
+        "pp": ps.get_pipeline_model_parallel_group,
+        "cp": ps.get_context_parallel_group,
+        "dp": lambda: ps.get_data_parallel_group(with_context_parallel=False),
+        "dp-cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+        "ep": ps.get_expert_model_parallel_group,
+        "etp": ps.get_expert_tensor_parallel_group,
+        "edp": ps.get_expert_data_parallel_group,
+    }
+
+
+def parallel_state_coords() -> dict[str, int]:
+    """This rank's coordinates, from parallel_state's getters."""
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "etp": ps.get_expert_tensor_parallel_rank(),
+        "edp": ps.get_expert_data_parallel_rank(),
+    }
+
+
+def parallel_state_sizes() -> dict[str, int]:
+    """The axis sizes parallel_state was initialized with."""
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "edp": ps.get_expert_data_parallel_world_size(),
+    }
+
+
+def build_report(allreduce: bool = False, order: str = "") -> RankReport:
+    """What parallel_state and torch.distributed say about this rank (optionally all-reducing ids).
+
+    With ``allreduce=True`` every group sums the members' global rank ids; a correct group gives
+    the sum of the members the controller expects, so the groups are proven to *communicate*, not
+    only to exist.  Every rank must call this collectively (same ``allreduce``).
+    """
+    rank = dist.get_rank()
+    groups: dict[str, list[int]] = {}
+    sums: dict[str, int] = {}
+    for name, getter in _group_getters().items():
+        group = getter()
+        groups[name] = [int(r) for r in dist.get_process_group_ranks(group)]
+    if allreduce:
+        # Every group of one kind partitions the world, and each rank joins exactly one group of
+        # each kind, in the same order on every rank: no deadlock.
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        for name, getter in _group_getters().items():
+            value = torch.tensor([rank], dtype=torch.int64, device=device)
+            dist.all_reduce(value, group=getter())
+            sums[name] = int(value.item())
+    return RankReport(
+        rank=rank,
+        world_size=dist.get_world_size(),
+        coords=parallel_state_coords(),
+        sizes=parallel_state_sizes(),
+        groups=groups,
+        allreduce=sums,
+        order=order,
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+    )
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> None:
+    """Join the group's default process group from RANK/WORLD_SIZE/MASTER_* (no-op if joined)."""
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if os.environ.get("MASTER_ADDR", "").startswith("127.") and sys.platform.startswith("linux"):
+        # A loopback rendezvous means one machine: keep gloo's own sockets on loopback too
+        # (gloo otherwise binds to whatever the hostname resolves to).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl":
+        # Ray usually shows each actor only its own GPU; otherwise pick by local rank.
+        count = torch.cuda.device_count()
+        torch.cuda.set_device(0 if count == 1 else int(os.environ.get("LOCAL_RANK", "0")) % count)
+    try:
+        from rankmesh.backends.ray.rendezvous import init_torch_distributed
+    except ImportError:  # pragma: no cover - a backend without the helper
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        return
+    init_torch_distributed(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+_PS_STATE: dict[str, Any] = {"users": 0, "kwargs": None}
+"""parallel_state is process-global: colocated roles (actor + reference in one process) share it."""
+
+
+def acquire_parallel_state(kwargs: dict[str, Any]) -> None:
+    """Initialize parallel_state with ``kwargs``, or join the identical one a colocated role built."""
+    if _PS_STATE["users"]:
+        if _PS_STATE["kwargs"] != kwargs:
+            raise RuntimeError(
+                f"colocated roles need identical meshes: parallel_state was built with {_PS_STATE['kwargs']}, "
+                f"this role asks for {kwargs}"
+            )
+    else:
+        if ps.model_parallel_is_initialized():  # left over by code outside rankmesh
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(**kwargs)
+        _PS_STATE["kwargs"] = dict(kwargs)
+    _PS_STATE["users"] += 1
+
+
+def release_parallel_state() -> None:
+    """Drop one user; the last one destroys parallel_state and the default process group."""
+    _PS_STATE["users"] = max(0, _PS_STATE["users"] - 1)
+    if _PS_STATE["users"]:
+        return
+    _PS_STATE["kwargs"] = None
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class MegatronWorker(Worker):
+    """A worker of a Megatron-parallel group: torch.distributed + parallel_state from the mesh.
+
+    Subclasses (actor, critic, reference) build their model after ``super().__init__()``;
+    ``self.rank_info``/``self.global_info`` then hold parallel_state's view of this rank.
+    """
+
+    def __init__(
+        self,
+        backend: str | None = None,
+        timeout_s: float = 600.0,
+        cpu_threads: int | None = 1,
+        force_order: str | None = None,
+    ) -> None:
+        """``force_order`` builds parallel_state with another order than the mesh's: a deliberate
+        mismatch, for proving that the controller's check fails (never set it otherwise)."""
+        super().__init__()
+        self._megatron_up = False
+        self._force_order = force_order
+        self._backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if not torch.cuda.is_available() and cpu_threads:
+            # Many ranks share few cores: one intra-op thread each avoids oversubscription.
+            torch.set_num_threads(cpu_threads)
+        init_distributed(self._backend, timeout_s)
+        if dist.get_rank() != self.rank:
+            raise RuntimeError(f"torch.distributed rank {dist.get_rank()} differs from the group rank {self.rank}")
+        mesh = self.megatron_mesh()
+        if dist.get_world_size() != mesh.world_size:
+            raise RuntimeError(f"torch.distributed has {dist.get_world_size()} ranks but {mesh!r} has {mesh.world_size}")
+        acquire_parallel_state(self.parallel_state_kwargs(mesh))
+        self._megatron_up = True
+        self._ps_rank_info = DistRankInfo(
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            cp_rank=ps.get_context_parallel_rank(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            edp_rank=ps.get_expert_data_parallel_rank(),
+        )
+        sizes = parallel_state_sizes()
+        self._ps_global_info = DistGlobalInfo(
+            tp_size=sizes["tp"], dp_size=sizes["dp"], pp_size=sizes["pp"], cp_size=sizes["cp"],
+            ep_size=sizes["ep"], etp_size=sizes["etp"], edp_size=sizes["edp"],
+        )
+        logger.debug("rank %d: parallel_state up, %s", dist.get_rank(), self._ps_rank_info)
+
+    @property
+    def rank_info(self) -> DistRankInfo:  # type: ignore[override]
+        """This rank's coordinates as parallel_state reports them (the mesh's before init)."""
+        info = getattr(self, "_ps_rank_info", None)
+        return info if info is not None else super().rank_info
+
+    @property
+    def global_info(self) -> DistGlobalInfo:
+        """The axis sizes as parallel_state reports them (the mesh's before init)."""
+        info = getattr(self, "_ps_global_info", None)
+        return info if info is not None else self.mesh.global_info
+
+    def megatron_mesh(self) -> RankMesh:
+        """The mesh parallel_state is built from: the group's mesh."""
+        return self.mesh
+
+    def parallel_state_kwargs(self, mesh: RankMesh) -> dict[str, Any]:
+        """Arguments of ``initialize_model_parallel`` for ``mesh`` (override to experiment)."""
+        return dict(
+            tensor_model_parallel_size=mesh.size("tp"),
+            pipeline_model_parallel_size=mesh.size("pp"),
+            context_parallel_size=mesh.size("cp"),
+            expert_model_parallel_size=mesh.size("ep"),
+            expert_tensor_parallel_size=mesh.size("etp"),
+            order=self._force_order or mesh.order,
+            # With gloo every group is already gloo: the extra gloo copies only cost start-up time.
+            create_gloo_process_groups=self._backend != "gloo",
+        )
+
+    @register(Dispatch.ONE_TO_ALL)
+    def megatron_report(self, allreduce: bool = False) -> dict[str, Any]:
+        """parallel_state's coordinates and the members of every group (plain dict of a RankReport)."""
+        return build_report(allreduce=allreduce, order=self.parallel_state_kwargs(self.megatron_mesh())["order"]).to_dict()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def destroy_megatron(self) -> bool:
+        """Tear down parallel_state and the process group; safe to call twice."""
+        if self._megatron_up:
+            self._megatron_up = False
+            release_parallel_state()
+        return True

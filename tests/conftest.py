@@ -1,0 +1,55 @@
+"""Shared pytest fixtures.
+
+Ray: one local Ray for the whole test session (starting one costs seconds and every actor is a
+process, so tests share it and reuse worker groups through module-scoped fixtures).  It binds to
+127.0.0.1 only.  Tests that need a simulated multi-node cluster run it in a subprocess driver
+(see ``tests/test_ray_multinode.py``): Ray allows one cluster connection per process.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before anything imports ray: Ray reads it once, at import time.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import pytest  # noqa: E402
+
+#: Logical CPUs declared for the session's Ray: enough for 8-12 one-CPU actors at once.
+RAY_TEST_CPUS = 16
+#: Object store for the session: large enough for the 64 MiB transport tests, small enough to
+#: be polite on a shared machine.
+RAY_TEST_OBJECT_STORE = 1024 * 1024 * 1024
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """The session's local Ray (started on first use, shut down at the end of the session)."""
+    ray = pytest.importorskip("ray")
+    from rankmesh.backends.ray.runtime import ensure_ray
+
+    conn = ensure_ray(num_cpus=RAY_TEST_CPUS, object_store_memory=RAY_TEST_OBJECT_STORE)
+    yield conn
+    if conn.started_here:
+        ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the Ray dispatch matrix grouped by mesh, so that cached worker groups get reused."""
+    module = "test_ray_dispatch.py"
+    positions = [i for i, item in enumerate(items) if item.path.name == module]
+    if not positions:
+        return
+    chosen = [items[i] for i in positions]
+
+    def mesh_key(pair):
+        index, item = pair
+        callspec = getattr(item, "callspec", None)
+        mesh = callspec.params.get("mesh_name", "") if callspec is not None else ""
+        return (mesh, index)
+
+    ordered = [item for _, item in sorted(enumerate(chosen), key=mesh_key)]
+    for pos, item in zip(positions, ordered):
+        items[pos] = item

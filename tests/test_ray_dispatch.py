@@ -1,0 +1,193 @@
+"""The backend-neutral dispatch matrix on RayWorkerGroup, plus the Ray transport's own promises.
+
+Actors are processes, and starting one costs 2-3 s of CPU here (``import torch``/``tensordict``),
+so this module reuses processes: :class:`HostCache` keeps one set of host actors per world size
+and, when a test asks for a different worker class or mesh of that size, tears the old workers
+down and builds the new ones in the same processes (``RayWorkerGroup._on_hosts``).  Starting
+groups from scratch is covered by ``test_ray_group.py``.  The matrix drains worker logs before
+use, so reusing a group across tests is safe; ``conftest.py`` orders this module's tests by
+mesh so that rebuilds stay rare.  Meshes above :data:`MAX_RAY_RANKS` ranks run on the
+in-process backend only (``test_dispatch_local.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
+from rankmesh.backends.ray.actor import HostSet, launch_hosts  # noqa: E402
+from rankmesh.data import DataProto  # noqa: E402
+from rankmesh.dispatch import Dispatch, register  # noqa: E402
+from rankmesh.mesh import RankMesh  # noqa: E402
+from rankmesh.worker import Worker  # noqa: E402
+from tests.dispatch_matrix import *  # noqa: E402,F401,F403  (the backend-neutral suite)
+
+MAX_RAY_RANKS = 8
+
+
+@dataclass
+class _Entry:
+    hosts: HostSet
+    key: tuple | None = None
+    group: RayWorkerGroup | None = None
+
+
+class HostCache:
+    """One set of running hosts per world size; the current group on each, by construction key."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, _Entry] = {}
+        self.launched = 0
+        self.rebuilt = 0
+
+    def get(self, worker_cls, mesh, meshes=None, init_args=(), init_kwargs=None) -> RayWorkerGroup:
+        key = (
+            worker_cls,
+            mesh,
+            tuple(sorted((meshes or {}).items())),
+            tuple(init_args),
+            tuple(sorted((init_kwargs or {}).items())),
+        )
+        world = mesh.world_size
+        entry = self.entries.get(world)
+        if entry is not None and entry.key == key:
+            return entry.group
+        if entry is None:
+            pool = RayResourcePool([world], use_gpu=False)
+            pool.acquire()
+            hosts = launch_hosts(pool, f"matrix-{world}", False, {}, 300.0)
+            hosts.pool = pool
+            entry = self.entries[world] = _Entry(hosts)
+            self.launched += world
+        else:
+            entry.hosts.teardown_workers()
+            self.rebuilt += 1
+        entry.key, entry.group = None, None
+        init = RayClassWithInitArgs(worker_cls, *init_args, **(init_kwargs or {}))
+        entry.group = RayWorkerGroup._on_hosts(entry.hosts, init, mesh=mesh, meshes=meshes)
+        entry.key = key
+        return entry.group
+
+    def close(self) -> None:
+        for entry in self.entries.values():
+            entry.hosts.shutdown()
+        self.entries.clear()
+
+
+@pytest.fixture(scope="module")
+def group_cache(ray_session):
+    cache = HostCache()
+    yield cache
+    cache.close()
+
+
+@pytest.fixture
+def group_factory(group_cache):
+    def make(worker_cls, mesh=None, *, meshes=None, init_args=(), init_kwargs=None):
+        mesh = mesh if mesh is not None else RankMesh(dp=1)
+        if mesh.world_size > MAX_RAY_RANKS:
+            pytest.skip(f"{mesh.world_size}-rank meshes run on the in-process backend only (actors cost a process each)")
+        return group_cache.get(worker_cls, mesh, meshes, init_args, init_kwargs)
+
+    return make
+
+
+# ----- transport: puts, collect-only fetches, private copies -----------------------------------
+
+
+class Holder(Worker):
+    """Keeps what it received so tests can mutate it in one rank and look at it in another."""
+
+    def __init__(self) -> None:
+        self.kept = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def keep(self, data: DataProto) -> dict:
+        self.kept = data
+        x = data.batch["x"]
+        return {"writable": bool(x.numpy().flags.writeable), "ptr": x.data_ptr(), "first": float(x[0, 0])}
+
+    @register(Dispatch.RANK_ZERO)
+    def bump(self, value: float) -> float:
+        self.kept.batch["x"][0, 0] = value
+        return float(self.kept.batch["x"][0, 0])
+
+    @register(Dispatch.ONE_TO_ALL)
+    def first(self) -> float:
+        return float(self.kept.batch["x"][0, 0])
+
+    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
+    def echo(self, data: DataProto) -> DataProto:
+        return data
+
+    @register(Dispatch.ONE_TO_ALL)
+    def big_output(self, nbytes: int) -> torch.Tensor:
+        return torch.zeros(nbytes // 4)
+
+
+@pytest.fixture
+def holder_group(group_cache):
+    return group_cache.get(Holder, RankMesh(tp=2, dp=2))
+
+
+def big_batch(mib: int = 64) -> DataProto:
+    rows = 256
+    x = torch.zeros(rows, mib * 1024 * 1024 // 4 // rows)
+    return DataProto.from_dict({"x": x}, {"id": np.arange(rows)})
+
+
+def test_one_put_for_a_piece_shared_by_four_ranks(holder_group, monkeypatch):
+    ex = holder_group.executor
+    seen = []
+    submit = ex.submit
+
+    def spy(role, method, calls):
+        seen.extend(calls)
+        return submit(role, method, calls)
+
+    monkeypatch.setattr(ex, "submit", spy)
+    batch = big_batch(64)
+    puts_before = ex.stats.puts
+    out = holder_group.keep(batch)
+    assert ex.stats.puts - puts_before == 1  # one ray.put of 64 MiB ...
+    refs = {id(call.args[0].ref) for call in seen}
+    assert len(seen) == 4 and len(refs) == 1  # ... read by four ranks through one ObjectRef
+    assert all(o["writable"] for o in out)  # every rank got a private writable copy
+    assert len({o["ptr"] for o in out}) == 4
+
+
+def test_in_place_change_in_one_rank_stays_there(holder_group):
+    holder_group.keep(big_batch(8))
+    assert holder_group.bump(7.0) == 7.0
+    assert holder_group.first() == [7.0, 0.0, 0.0, 0.0]
+
+
+def test_only_collect_ranks_send_outputs(holder_group):
+    # tp2 x dp2: collect ranks are tp==0 -> 0 and 2; ranks 1 and 3 run but return nothing.
+    from rankmesh.executor import RankCall
+
+    ex = holder_group.executor
+    calls = [RankCall(r, (1 << 20,), return_output=r in (0, 2)) for r in range(4)]
+    out = ex.fetch(ex.submit(None, "big_output", calls))
+    assert [o is None for o in out] == [False, True, False, True]
+    batch = big_batch(1)
+    echoed = holder_group.echo(batch)
+    assert torch.equal(echoed.batch["x"], batch.batch["x"])
+
+
+def test_fetch_timeout_names_the_slow_ranks(ray_session):
+    from rankmesh.backends.ray.transport import Pending, RayExecutor
+    from rankmesh.errors import FetchTimeoutError
+
+    sleepy = ray.remote(num_cpus=0)(lambda: __import__("time").sleep(2))
+    ref = sleepy.remote()
+    with pytest.raises(FetchTimeoutError, match=r"ranks \[5\] did not finish"):
+        RayExecutor([]).fetch([Pending(ref, 5, "sleepy")], timeout=0.3)
+    ray.cancel(ref, force=True)

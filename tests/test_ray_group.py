@@ -1,0 +1,251 @@
+"""RayWorkerGroup: environment, rank order, rendezvous, errors, dead workers, shutdown, split pools."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import torch  # noqa: E402
+
+from rankmesh.backends.ray import (  # noqa: E402
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    init_torch_distributed,
+    split_resource_pool,
+)
+from rankmesh.dispatch import Dispatch, register  # noqa: E402
+from rankmesh.errors import BackendError, DispatchError, WorkerDiedError, WorkerEnvError, WorkerError  # noqa: E402
+from rankmesh.mesh import RankMesh  # noqa: E402
+from rankmesh.worker import Worker  # noqa: E402
+
+ENV_KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EXTRA_FLAG"]
+
+
+@ray.remote(num_gpus=3)  # decorator options are ignored: the pool decides resources
+class EnvWorker(Worker):
+    def __init__(self, tag: str = "") -> None:
+        self.tag = tag
+        self.seen_in_init = {
+            "rank": self.rank,
+            "tp": self.rank_info.tp_rank,
+            "env": {k: os.environ.get(k) for k in ENV_KEYS},
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def report(self) -> dict:
+        return {**self.seen_in_init, "pid": os.getpid(), "tag": self.tag, "local_rank": self.local_rank}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def all_reduce(self) -> dict:
+        import psutil
+        import torch.distributed as dist
+
+        init_torch_distributed()
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)
+        port = int(os.environ["MASTER_PORT"])
+        listening = sorted(
+            {c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN" and c.laddr.port == port}
+        )
+        return {"sum": float(t[0]), "backend": dist.get_backend(), "listening": listening}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_with_trace(self) -> None:
+        if self.rank == 2:
+            raise KeyError("missing-key-on-rank-2")
+
+    @register(Dispatch.DP_COMPUTE)
+    def sleep_or_fail(self, plan: str) -> str:
+        if plan == "fail":
+            raise RuntimeError("failed fast")
+        time.sleep(float(plan))
+        return plan
+
+
+class PlainInitWorker(Worker):
+    """verl style: torch.distributed.init_process_group(env://) in __init__, nothing else."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        self.dist_rank = dist.get_rank()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def ranks(self) -> tuple[int, int]:
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return self.dist_rank, int(t[0])
+
+    @register(Dispatch.RANK_ZERO)
+    def ping(self) -> int:
+        return os.getpid()
+
+    @register(Dispatch.DP_COMPUTE)
+    def die_on(self, rank: int) -> int:
+        if self.rank == rank:
+            os._exit(1)
+        return self.rank
+
+
+class FailingInit(Worker):
+    def __init__(self) -> None:
+        if self.rank == 1:
+            raise RuntimeError("no accelerator here")
+
+
+def _cpus() -> float:
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def _wait_cpus(target: float, timeout: float = 15.0) -> float:
+    deadline = time.monotonic() + timeout
+    while _cpus() < target and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _cpus()
+
+
+@pytest.fixture(scope="module")
+def env_group(ray_session):
+    pool = RayResourcePool([2, 2], use_gpu=False)
+    wg = RayWorkerGroup(
+        pool,
+        RayClassWithInitArgs(EnvWorker, tag="t"),
+        mesh=RankMesh(tp=2, dp=2),
+        worker_env={"EXTRA_FLAG": 1},
+    )
+    yield wg
+    wg.shutdown()
+
+
+def test_environment_and_context_in_init(env_group):
+    info = env_group.report()
+    assert [i["rank"] for i in info] == [0, 1, 2, 3]
+    assert [i["tp"] for i in info] == [0, 1, 0, 1]
+    envs = [i["env"] for i in info]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+    # Both placement groups landed on the one node: local ranks count the node's processes.
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"4"}
+    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
+    assert {e["EXTRA_FLAG"] for e in envs} == {"1"}
+    assert len({i["pid"] for i in info}) == 4 and {i["tag"] for i in info} == {"t"}
+
+
+def test_placement_is_visible(env_group):
+    places = env_group.placements
+    assert [(p.rank, p.node, p.local_rank, p.local_world_size) for p in places] == [(r, 0, r, 4) for r in range(4)]
+    assert [i["node_ip"] for i in env_group.node_info] == ["127.0.0.1"] * 4
+    assert env_group.node_of(3) == ray.nodes()[0]["NodeID"]
+    assert env_group.spanning_groups() == []
+    assert env_group.world_size == 4 and len(env_group.workers) == 4
+    assert env_group.worker_names == [f"{env_group.name_prefix}_{r}" for r in range(4)]
+
+
+def test_torch_distributed_gloo_all_reduce(env_group):
+    out = env_group.all_reduce()
+    assert [o["sum"] for o in out] == [10.0] * 4
+    assert {o["backend"] for o in out} == {"gloo"}
+    # Rank 0's store listens on the reserved port, on loopback only.
+    assert out[0]["listening"] == ["127.0.0.1"]
+
+
+def test_worker_error_carries_rank_coords_method_and_remote_traceback(env_group):
+    with pytest.raises(WorkerError) as info:
+        env_group.fail_with_trace()
+    err = info.value
+    assert err.rank == 2 and err.coords == {"tp": 0, "cp": 0, "dp": 1, "pp": 0}
+    assert "fail_with_trace" in err.method and "missing-key-on-rank-2" in str(err)
+    assert "raise KeyError" in str(err.__cause__)  # the worker's traceback text
+    assert env_group.report()[0]["rank"] == 0  # the group still works
+
+
+def test_failure_is_raised_without_waiting_for_blocked_ranks(env_group):
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="failed fast"):
+        env_group.sleep_or_fail(["4", "fail", "0", "0"])
+    assert time.monotonic() - start < 3.5
+    time.sleep(max(0.0, 4.2 - (time.monotonic() - start)))  # let rank 0 finish its sleep
+
+
+def test_worker_env_may_not_override_group_variables(ray_session):
+    pool = RayResourcePool([1], use_gpu=False)
+    with pytest.raises(WorkerEnvError, match="MASTER_PORT"):
+        RayWorkerGroup(pool, RayClassWithInitArgs(EnvWorker), worker_env={"MASTER_PORT": "1"})
+    with pytest.raises(DispatchError, match="covers 2 ranks"):
+        RayWorkerGroup(pool, RayClassWithInitArgs(EnvWorker), mesh=RankMesh(dp=2))
+    with pytest.raises(BackendError, match="detached pool"):
+        RayWorkerGroup(pool, RayClassWithInitArgs(EnvWorker), detached=True)
+    assert pool._slots is None  # nothing was started or reserved
+
+
+def test_constructor_failure_names_the_rank_and_cleans_up(ray_session):
+    total = ray.cluster_resources()["CPU"]
+    before = _wait_cpus(total - 12)
+    with pytest.raises(WorkerError, match=r"rank 1 .*FailingInit.__init__.*no accelerator"):
+        RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(FailingInit))
+    assert _wait_cpus(before) >= before
+
+
+def test_plain_env_init_dead_worker_and_shutdown(ray_session):
+    pool = RayResourcePool([2], use_gpu=False)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(PlainInitWorker))
+    assert wg.ranks() == [(0, 2), (1, 2)]
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"rank 1 .*died during die_on") as info:
+        wg.die_on([1, 1])
+    assert info.value.rank == 1 and time.monotonic() - start < 30
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        wg.die_on([5, 5])  # the dead rank fails at once on later calls too
+    wg.shutdown()
+    assert wg.closed
+    with pytest.raises(BackendError, match="shut down"):
+        wg.ping()
+    # The same pool places again; a new group on it works.
+    again = RayWorkerGroup(pool, RayClassWithInitArgs(PlainInitWorker))
+    assert again.ranks() == [(0, 2), (1, 2)]
+    again.shutdown()
+
+
+def test_split_pool_groups(ray_session):
+    pool = RayResourcePool([4], use_gpu=False)
+    first, second = split_resource_pool(pool, 2)
+    a = RayWorkerGroup(first, RayClassWithInitArgs(EnvWorker, tag="a"))
+    b = RayWorkerGroup(second, RayClassWithInitArgs(EnvWorker, tag="b"))
+    try:
+        ra, rb = a.report(), b.report()
+        assert [r["rank"] for r in ra] == [0, 1] == [r["rank"] for r in rb]
+        assert [r["env"]["LOCAL_RANK"] for r in rb] == ["0", "1"]
+        assert {r["tag"] for r in ra} == {"a"} and {r["tag"] for r in rb} == {"b"}
+        assert not {r["pid"] for r in ra} & {r["pid"] for r in rb}
+        assert ra[0]["env"]["MASTER_PORT"] != rb[0]["env"]["MASTER_PORT"]
+        pgs = {i["placement_group_id"] for i in a.node_info + b.node_info}
+        assert len(pgs) == 1  # both halves sit in the parent's one placement group
+    finally:
+        a.shutdown()
+        assert pool._slots is not None  # b still uses the placement group
+        b.shutdown()
+    assert pool._slots is None
+
+
+def test_two_groups_share_a_pool_with_max_colocate_count(ray_session):
+    pool = RayResourcePool([1], use_gpu=False, max_colocate_count=2)
+    first = RayWorkerGroup(pool, RayClassWithInitArgs(EnvWorker, tag="first"))
+    second = RayWorkerGroup(pool, RayClassWithInitArgs(EnvWorker, tag="second"))
+    try:
+        a, b = first.report()[0], second.report()[0]
+        assert (a["tag"], b["tag"]) == ("first", "second") and a["pid"] != b["pid"]
+        assert first.node_info[0]["placement_group_id"] == second.node_info[0]["placement_group_id"]
+    finally:
+        first.shutdown()
+        second.shutdown()
+    assert pool._slots is None

@@ -1,0 +1,209 @@
+"""Ray resource pools, the loopback-only runtime and the rendezvous port reservation."""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import socket
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rankmesh.backends.ray import rendezvous  # noqa: E402
+from rankmesh.backends.ray.pool import RayResourcePool, node_sort_key, split_resource_pool  # noqa: E402
+from rankmesh.errors import ResourcePoolError  # noqa: E402
+
+LOOPBACK_ADDRS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+def _cpus_available() -> float:
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def _wait_cpus(expected: float, timeout: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _cpus_available() < expected:
+        time.sleep(0.1)
+    return _cpus_available()
+
+
+# ----- runtime -----------------------------------------------------------------------------------
+
+
+def test_local_ray_listens_on_loopback_only(ray_session):
+    psutil = pytest.importorskip("psutil")
+    node = ray.nodes()[0]
+    assert node["NodeManagerAddress"] == "127.0.0.1"
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    raylet_pids = set()
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        cmd = " ".join(proc.info.get("cmdline") or [])
+        if ray_session.address and ray_session.address.split(":")[-1] in cmd:
+            raylet_pids.add(proc.pid)
+    assert raylet_pids, "no Ray process found for this session"
+    # Every Ray process of this session (gcs, raylet, agents, workers) and their children.
+    pids = set()
+    for pid in raylet_pids:
+        try:
+            p = psutil.Process(pid)
+            pids.add(pid)
+            pids.update(c.pid for c in p.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    listening = [
+        c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids
+    ]
+    assert listening
+    exposed = [(c.pid, c.laddr) for c in listening if c.laddr.ip not in LOOPBACK_ADDRS]
+    assert not exposed, f"Ray processes listening beyond loopback: {exposed}"
+
+
+def test_loopback_addresses_get_the_loopback_settings():
+    from rankmesh.backends.ray.runtime import _is_loopback_address
+
+    assert _is_loopback_address("127.0.0.1:6379") and _is_loopback_address("localhost:1")
+    assert _is_loopback_address("[::1]:6379")
+    assert not _is_loopback_address("10.0.0.1:6379") and not _is_loopback_address("auto")
+    assert not _is_loopback_address("ray://127.0.0.1:10001")
+
+
+def test_node_sort_key_is_numeric_then_node_id():
+    ips = ["10.0.0.10", "10.0.0.9", "9.255.0.1", "10.0.0.9"]
+    ids = ["a", "c", "z", "b"]
+    order = sorted(zip(ips, ids), key=lambda p: node_sort_key(*p))
+    assert order == [("9.255.0.1", "z"), ("10.0.0.9", "b"), ("10.0.0.9", "c"), ("10.0.0.10", "a")]
+    assert node_sort_key("10.0.0.1", "x") < node_sort_key("::1", "x")  # v4 before v6
+    assert node_sort_key("not-an-ip", "x") > node_sort_key("::1", "x")
+
+
+# ----- pools -------------------------------------------------------------------------------------
+
+
+def test_pool_places_ranks_in_order_and_merges_same_node(ray_session):
+    pool = RayResourcePool([2, 3], use_gpu=False)
+    try:
+        slots = pool.slots()
+        assert len(slots) == 5 == pool.world_size
+        # One physical node here: both entries count as one node for LOCAL_RANK purposes.
+        assert pool.placement.process_on_nodes == (5,)
+        assert [p.local_rank for p in pool.places()] == [0, 1, 2, 3, 4]
+        assert {s.node_ip for s in slots} == {"127.0.0.1"}
+        # Entries keep their order on a tie, bundles run in order inside an entry.
+        assert [(s.entry, s.bundle_index) for s in slots] == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+        assert len(pool.get_placement_groups()) == 2
+        assert "rank 4: node 0" in pool.describe()
+    finally:
+        pool.remove()
+
+
+def test_split_pool_shares_placement_groups(ray_session):
+    pool = RayResourcePool([4], use_gpu=False)
+    try:
+        a, b = split_resource_pool(pool, [1, 3])
+        assert (a.world_size, b.world_size) == (1, 3)
+        assert b.process_on_nodes == [3]
+        assert b.slots()[0].bundle_index == 1
+        assert [p.local_rank for p in b.places()] == [0, 1, 2]
+        assert a.slots()[0].pg is b.slots()[0].pg
+        halves = split_resource_pool(pool, 2)
+        assert [h.world_size for h in halves] == [2, 2]
+        with pytest.raises(ResourcePoolError, match="does not divide"):
+            split_resource_pool(pool, 3)
+        with pytest.raises(ResourcePoolError, match="sum to"):
+            split_resource_pool(pool, [1, 1])
+    finally:
+        pool.remove()
+
+
+def test_pool_refcount_removes_placement_groups_on_last_release(ray_session):
+    before = _wait_cpus(ray.cluster_resources()["CPU"] - 0.5, timeout=5)
+    pool = RayResourcePool([3], use_gpu=False)
+    pool.slots()
+    pool.acquire()
+    pool.acquire()
+    pool.release()
+    assert pool._slots is not None
+    pool.release()
+    assert pool._slots is None
+    assert _wait_cpus(before) >= before
+    # Placed again on next use.
+    assert len(pool.slots()) == 3
+    pool.remove()
+
+
+def test_pool_that_cannot_fit_fails_fast_with_details(ray_session):
+    before = _wait_cpus(ray.cluster_resources()["CPU"] - 0.5, timeout=5)
+    pool = RayResourcePool([2, 64], use_gpu=False, ready_timeout=1.5)
+    start = time.monotonic()
+    with pytest.raises(ResourcePoolError) as info:
+        pool.slots()
+    assert time.monotonic() - start < 10
+    text = str(info.value)
+    assert "entry 1: 64 x {'CPU': 1.0} NOT placed" in text
+    assert "needs {'CPU': 64.0} on one node" in text
+    assert "127.0.0.1" in text and "CPU" in text and "/16" in text
+    # Nothing stays reserved after the failure.
+    assert _wait_cpus(before) >= before
+
+
+def test_gpu_pool_on_cpu_cluster_names_missing_gpu(ray_session):
+    with pytest.raises(ResourcePoolError, match="GPU 0/0"):
+        RayResourcePool([1], use_gpu=True, ready_timeout=1.0).slots()
+
+
+@pytest.mark.parametrize("bad", [[], [0], [2, -1], "4", [1.5]])
+def test_pool_rejects_bad_counts(bad):
+    with pytest.raises(ResourcePoolError):
+        RayResourcePool(bad, use_gpu=False)
+
+
+def test_pool_bundle_and_actor_share():
+    pool = RayResourcePool([2], use_gpu=True, max_colocate_count=3)
+    assert pool.bundle == {"CPU": 3.0, "GPU": 1.0}
+    assert pool.actor_resources == {"num_cpus": 1.0, "num_gpus": pytest.approx(1 / 3)}
+    assert RayResourcePool([1], use_gpu=False).bundle == {"CPU": 1.0}
+
+
+# ----- rendezvous --------------------------------------------------------------------------------
+
+
+def test_reserved_port_is_held_until_the_store_takes_it():
+    port = rendezvous.reserve_port("127.0.0.1")
+    try:
+        assert rendezvous.is_reserved("127.0.0.1", port)
+        intruder = socket.socket()
+        with pytest.raises(OSError) as info:
+            intruder.bind(("127.0.0.1", port))
+        intruder.close()
+        assert info.value.errno == errno.EADDRINUSE
+        env = rendezvous.DistEnv(0, 1, 0, 1, "127.0.0.1", port)
+        store = rendezvous.create_store(env, datetime.timedelta(seconds=10))
+        assert not rendezvous.is_reserved("127.0.0.1", port)
+        store.set("k", "v")
+        client = rendezvous.create_store(rendezvous.DistEnv(1, 2, 1, 2, "127.0.0.1", port), datetime.timedelta(seconds=10))
+        assert client.get("k") == b"v"
+        del client, store
+    finally:
+        rendezvous.release_port("127.0.0.1", port)
+
+
+def test_plain_env_init_can_bind_a_reserved_port():
+    """User code calling init_process_group(env://) itself rebinds the port (SO_REUSEADDR)."""
+    import torch.distributed as dist
+
+    port = rendezvous.reserve_port("127.0.0.1")
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
+        store.set("a", "b")
+        del store
+    finally:
+        rendezvous.release_port("127.0.0.1", port)
+
+
+def test_dist_env_requires_every_variable():
+    with pytest.raises(rendezvous.RendezvousError, match="MASTER_PORT"):
+        rendezvous.DistEnv.from_environ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "x"})
+    env = rendezvous.DistEnv(1, 2, 1, 2, "127.0.0.1", 1234)
+    assert rendezvous.DistEnv.from_environ(env.as_env()) == env
