@@ -1,0 +1,48 @@
+"""Named parallel layouts: which roles run where, with which megatron mesh, read from YAML.
+
+A layout file describes one deployment (a cluster, its resource pools, and each role's mesh), so
+a setup that works can be named, reviewed and checked before anything is launched.  Loading only
+checks structure (fields, types) and raises :class:`LayoutError`; :func:`validate_layout` checks
+the arithmetic (world sizes, divisibility, fit, colocation, node boundaries) and *returns* every
+problem, so ``rankmesh layout validate`` can list them all at once.
+
+The schema is documented in ``parallel_layouts/cpu_demo.yaml`` and ``docs/layouts.md``.
+"""
+
+
+from rankmesh.layout.checks import validate_layout
+from rankmesh.layout.files import find_layout, layout_dirs, list_layouts, load_layout
+from rankmesh.layout.parse import parse_layout
+from rankmesh.layout.spec import (
+    DEFAULT_INTRA_NODE,
+    DEFAULT_POOL,
+    LAYOUTS_ENV,
+    ClusterSpec,
+    Layout,
+    LayoutError,
+    LayoutNotFoundError,
+    MeshSpec,
+    PoolSpec,
+    Problem,
+    RoleSpec,
+)
+
+__all__ = [
+    "DEFAULT_INTRA_NODE",
+    "DEFAULT_POOL",
+    "LAYOUTS_ENV",
+    "ClusterSpec",
+    "Layout",
+    "LayoutError",
+    "LayoutNotFoundError",
+    "MeshSpec",
+    "PoolSpec",
+    "Problem",
+    "RoleSpec",
+    "find_layout",
+    "layout_dirs",
+    "list_layouts",
+    "load_layout",
+    "parse_layout",
+    "validate_layout",
+]

@@ -1,0 +1,289 @@
+"""Layout data model: cluster, pools, role meshes and the problems validation reports."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Sequence
+
+from rankmesh.errors import LayoutError, MeshError
+from rankmesh.mesh import DEFAULT_ORDER, RankMesh
+from rankmesh.placement import Placement
+
+log = logging.getLogger(__name__)
+
+LAYOUTS_ENV = "RANKMESH_LAYOUTS"
+"""Environment variable: extra layout directories (``os.pathsep``-separated), searched first."""
+
+DEFAULT_POOL = "global"
+DEFAULT_INTRA_NODE: tuple[str, ...] = ("tp",)
+SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
+
+Severity = Literal["error", "warning"]
+
+_TOP_FIELDS = {"name", "description", "cluster", "pools", "roles", "intra_node"}
+_CLUSTER_FIELDS = {"nodes", "devices_per_node", "process_on_nodes"}
+_POOL_FIELDS = {"process_on_nodes", "devices_per_node", "nodes"}
+_ROLE_FIELDS = {"pool", "mesh", "colocate_with"}
+_MESH_FIELDS = {"tp", "pp", "cp", "dp", "ep", "etp", "order"}
+
+
+class LayoutNotFoundError(LayoutError):
+    """No layout of that name, or no such file: a usage error rather than a broken layout."""
+
+
+def _where(file: str | None, role: str | None = None, field_: str | None = None) -> str:
+    parts = [file or "<layout>"]
+    context = []
+    if role is not None:
+        context.append(f"role {role!r}")
+    if field_ is not None:
+        context.append(f"field {field_!r}")
+    if context:
+        parts.append(", ".join(context))
+    return ": ".join(parts)
+
+
+def _error(message: str, file: str | None, role: str | None = None, field_: str | None = None) -> LayoutError:
+    return LayoutError(f"{_where(file, role, field_)}: {message}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _counts(value: object, what: str) -> tuple[int, ...]:
+    """Positive process counts, one per node (raises LayoutError without file context)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise LayoutError(f"{what} must be a non-empty list of positive integers, got {value!r}")
+    for i, count in enumerate(value):
+        if not _is_int(count) or count <= 0:
+            raise LayoutError(f"{what}[{i}] must be a positive integer, got {count!r}")
+    return tuple(int(c) for c in value)
+
+
+# ----- the model -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The machines: how many devices (processes) each node offers."""
+
+    process_on_nodes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "process_on_nodes", _counts(self.process_on_nodes, "cluster.process_on_nodes"))
+
+    @classmethod
+    def uniform(cls, nodes: int, devices_per_node: int) -> "ClusterSpec":
+        for name, value in (("nodes", nodes), ("devices_per_node", devices_per_node)):
+            if not _is_int(value) or value <= 0:
+                raise LayoutError(f"cluster.{name} must be a positive integer, got {value!r}")
+        return cls((devices_per_node,) * nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.process_on_nodes)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.process_on_nodes)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A resource pool: the processes one worker group (or several colocated ones) runs in.
+
+    ``nodes[i]`` is the cluster node that hosts ``process_on_nodes[i]`` of the pool's processes;
+    the pool's ranks fill those nodes in order.
+    """
+
+    name: str
+    process_on_nodes: tuple[int, ...]
+    nodes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        counts = _counts(self.process_on_nodes, f"pools.{self.name}.process_on_nodes")
+        nodes = tuple(self.nodes) if self.nodes else tuple(range(len(counts)))
+        if len(nodes) != len(counts):
+            raise LayoutError(
+                f"pools.{self.name}: nodes {list(nodes)} and process_on_nodes {list(counts)} differ in length"
+            )
+        for node in nodes:
+            if not _is_int(node) or node < 0:
+                raise LayoutError(f"pools.{self.name}.nodes must hold node indices >= 0, got {node!r}")
+        if len(set(nodes)) != len(nodes):
+            raise LayoutError(f"pools.{self.name}.nodes lists a node twice: {list(nodes)}")
+        object.__setattr__(self, "process_on_nodes", counts)
+        object.__setattr__(self, "nodes", nodes)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.process_on_nodes)
+
+    def placement(self) -> Placement:
+        """Ranks of the pool onto its nodes (node indices relative to the pool, see :attr:`nodes`)."""
+        return Placement(list(self.process_on_nodes))
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Megatron sizes as written in the file; ``dp=None`` means derived from the pool size."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int | None = None
+    ep: int = 1
+    etp: int | None = None
+    order: str = DEFAULT_ORDER
+
+    def sizes(self) -> dict[str, int | None]:
+        return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "ep": self.ep, "etp": self.etp}
+
+    def build(self, world_size: int) -> RankMesh:
+        """The mesh over ``world_size`` ranks; raises MeshError if the sizes do not fit."""
+        if self.dp is None:
+            return RankMesh.for_world(
+                world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp, order=self.order
+            )
+        mesh = RankMesh(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, ep=self.ep, etp=self.etp, order=self.order)
+        if mesh.world_size != world_size:
+            raise MeshError(
+                f"tp*cp*dp*pp = {self.tp}*{self.cp}*{self.dp}*{self.pp} = {mesh.world_size} "
+                f"does not equal the pool's {world_size} processes"
+            )
+        return mesh
+
+    @classmethod
+    def of(cls, mesh: RankMesh) -> "MeshSpec":
+        s = mesh.sizes
+        return cls(tp=s["tp"], pp=s["pp"], cp=s["cp"], dp=s["dp"], ep=s["ep"], etp=s["etp"], order=mesh.order)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role (actor, critic, rollout, ...): a mesh running in a pool."""
+
+    name: str
+    pool: PoolSpec
+    mesh_spec: MeshSpec = field(default_factory=MeshSpec)
+    colocate_with: tuple[str, ...] = ()
+    source: str | None = field(default=None, compare=False)
+
+    def mesh(self) -> RankMesh:
+        """The role's :class:`RankMesh` (dp derived from the pool when omitted)."""
+        try:
+            return self.mesh_spec.build(self.pool.world_size)
+        except MeshError as exc:
+            raise _error(f"{exc} (pool {self.pool.name!r})", self.source, self.name, "mesh") from exc
+
+    def placement(self) -> Placement:
+        """Where the role's ranks run: its pool's nodes, filled in rank order."""
+        return self.pool.placement()
+
+    def cluster_node(self, rank: int) -> int:
+        """The cluster node index of ``rank`` (the placement's node index mapped through the pool)."""
+        return self.pool.nodes[self.placement().node_of(rank)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A named deployment: a cluster, its pools and the roles placed on them."""
+
+    name: str
+    cluster: ClusterSpec
+    pools: Mapping[str, PoolSpec]
+    roles: Mapping[str, RoleSpec]
+    description: str = ""
+    intra_node: tuple[str, ...] = DEFAULT_INTRA_NODE
+    source: str | None = field(default=None, compare=False)
+
+    def role(self, name: str) -> RoleSpec:
+        try:
+            return self.roles[name]
+        except KeyError:
+            raise _error(f"unknown role {name!r} (roles: {', '.join(self.roles)})", self.source) from None
+
+    @property
+    def label(self) -> str:
+        """How messages name this layout: its file, else its name."""
+        return self.source or f"<{self.name}>"
+
+    def colocation_groups(self) -> list[tuple[str, ...]]:
+        """Roles that share processes, as groups (the symmetric, transitive closure of colocate_with)."""
+        parent = {name: name for name in self.roles}
+
+        def find(name: str) -> str:
+            while parent[name] != name:
+                parent[name] = parent[parent[name]]
+                name = parent[name]
+            return name
+
+        for role in self.roles.values():
+            for other in role.colocate_with:
+                if other in parent:
+                    parent[find(other)] = find(role.name)
+        groups: dict[str, list[str]] = {}
+        for name in self.roles:
+            groups.setdefault(find(name), []).append(name)
+        return [tuple(g) for g in groups.values()]
+
+    def validate(self, strict: bool = False) -> list["Problem"]:
+        from rankmesh.layout.checks import validate_layout
+
+        return validate_layout(self, strict=strict)
+
+    def check(self, strict: bool = False) -> "Layout":
+        """Raise :class:`LayoutError` naming the first error (and how many there are); return self.
+
+        Warnings are logged, not raised: a layout that merely runs slowly still runs.
+        """
+        from rankmesh.layout.checks import validate_layout
+
+        problems = validate_layout(self, strict=strict)
+        errors = [p for p in problems if p.severity == "error"]
+        if errors:
+            more = f" (and {len(errors) - 1} more problem(s); run `rankmesh layout validate`)" if len(errors) > 1 else ""
+            raise LayoutError(f"{errors[0]}{more}")
+        for problem in problems:
+            log.warning("%s: %s", problem.location, problem.message)
+        return self
+
+    @classmethod
+    def from_mesh(
+        cls,
+        mesh: RankMesh,
+        process_on_nodes: Sequence[int] | None = None,
+        name: str = "explicit",
+        role: str = "mesh",
+    ) -> "Layout":
+        """A one-role layout around an existing mesh (what ``rankmesh layout show --tp ...`` uses)."""
+        counts = tuple(process_on_nodes) if process_on_nodes else (mesh.world_size,)
+        pool = PoolSpec(DEFAULT_POOL, counts)
+        spec = RoleSpec(role, pool, MeshSpec.of(mesh))
+        return cls(name=name, cluster=ClusterSpec(counts), pools={pool.name: pool}, roles={role: spec})
+
+
+# ----- problems and validation -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of :func:`validate_layout`."""
+
+    severity: Severity
+    file: str
+    role: str | None
+    field: str | None
+    message: str
+
+    @property
+    def location(self) -> str:
+        """``file: role 'r', field 'f'``: where the problem is."""
+        return _where(self.file, self.role, self.field)
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.severity}: {self.message}"
+
+
