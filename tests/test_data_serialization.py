@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import pickle
 import weakref
 
@@ -206,22 +205,11 @@ def test_big_concat_matches_torch_cat(dtype):
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray for this module; reuses (and leaves running) one that is already up."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        yield ray
-        return
-    ray.init(
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        num_cpus=1,
-        object_store_memory=512 * MIB,
-        log_to_driver=False,
-    )
-    yield ray
-    ray.shutdown()
+def ray_local(ray_session):
+    """The session's Ray (tests/conftest.py): one Ray per test process, never re-initialized."""
+    import ray
+
+    return ray
 
 
 @pytest.mark.parametrize("total_mib", [0, 16], ids=["inline", "plasma"])
@@ -256,3 +244,22 @@ def test_ray_future_routes_only_needed_parts(ray_local):
     assert moved.get().batch["i"].tolist() == [5, 6, 7, 8, 9]
     assert fut.get().meta_info["metrics"] == {"r": [0, 1, 2, 3]}
     assert DataProtoFuture.concat(refs).get().batch["i"].tolist() == list(range(12))
+
+
+def test_borrowed_buffers_skip_the_receive_copy_only_inside_the_block():
+    """The controller's concat path: rebuilds borrow shared buffers; everywhere else they copy."""
+    from rankmesh import serialization as ser
+    from rankmesh.data import DataProto
+
+    src = DataProto.from_dict({"x": torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)})
+    data, buffers = ser.dumps(src)
+    ptr = src.batch["x"].data_ptr()
+    with ser.borrowed_buffers():
+        borrowed = ser.loads(data, buffers)
+    assert borrowed.batch["x"].data_ptr() == ptr  # no copy: a read-only view of the sender's bytes
+    joined = DataProto.concat([borrowed])
+    assert joined.batch["x"].data_ptr() != ptr and torch.equal(joined.batch["x"], src.batch["x"])
+    private = ser.loads(data, buffers)
+    assert private.batch["x"].data_ptr() != ptr
+    private.batch["x"][0, 0] = -1.0
+    assert src.batch["x"][0, 0] == 0.0
