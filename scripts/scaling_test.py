@@ -104,7 +104,7 @@ def calls(wg, args: argparse.Namespace) -> tuple[float, float, float]:
     small, large = make_batch(args.small_mib), make_batch(args.large_mib)
     noop = timed(wg.noop, args.repeats, warmup=3)
     small_ms = timed(lambda: wg.echo(small), args.repeats)
-    large_ms = timed(lambda: wg.echo(large), max(2, args.repeats // 4))
+    large_ms = timed(lambda: wg.echo(large), max(3, args.repeats // 2))
     return noop, small_ms, large_ms
 
 

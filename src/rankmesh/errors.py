@@ -45,22 +45,51 @@ class BackendError(RankMeshError, RuntimeError):
 
 
 class WorkerError(RankMeshError):
-    """A worker method raised.  Names the rank, its mesh coordinates and the method.
+    """A worker method raised.  Names the rank, its mesh coordinates, its node and the method.
 
-    The worker's own exception is the ``__cause__`` (and its text is part of the message, so it
-    survives pickling across processes).
+    ``remote_traceback`` is the worker's traceback text (also the ``__cause__`` on Ray) and
+    ``others`` the failures of further ranks in the same call, lowest rank first (this error is
+    the lowest failing rank).  Every field survives pickling across processes.
     """
 
-    def __init__(self, rank: int, coords: dict[str, int], method: str, message: str = "") -> None:
+    def __init__(
+        self,
+        rank: int,
+        coords: dict[str, int],
+        method: str,
+        message: str = "",
+        node: str | None = None,
+        remote_traceback: str | None = None,
+        others: list["WorkerError"] | None = None,
+    ) -> None:
         self.rank = rank
         self.coords = dict(coords)
         self.method = method
-        where = ", ".join(f"{axis}={value}" for axis, value in self.coords.items())
-        super().__init__(f"rank {rank} ({where}) failed in {method}" + (f": {message}" if message else ""))
+        self.node = node
+        self.remote_traceback = remote_traceback
+        self.others: list[WorkerError] = list(others or [])
         self.detail = message
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        where = ", ".join(f"{axis}={value}" for axis, value in self.coords.items())
+        on = f" on node {self.node}" if self.node else ""
+        text = f"rank {self.rank} ({where}){on} failed in {self.method}" + (f": {self.detail}" if self.detail else "")
+        if self.others:
+            text += f" (and {len(self.others)} more rank(s): {[o.rank for o in self.others]})"
+        return text
+
+    def attach(self, others: list["WorkerError"]) -> "WorkerError":
+        """Record further failing ranks of the same call (refreshes the message)."""
+        self.others = sorted(others, key=lambda e: e.rank)
+        self.args = (self._text(),)
+        return self
+
+    def __str__(self) -> str:
+        return self._text()
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.coords, self.method, self.detail))
+        return (type(self), (self.rank, self.coords, self.method, self.detail, self.node, self.remote_traceback, self.others))
 
 
 class MeshMismatchError(RankMeshError, RuntimeError):
@@ -78,15 +107,34 @@ class MeshMismatchError(RankMeshError, RuntimeError):
 
 
 class WorkerDiedError(BackendError):
-    """A worker process died (or could not be reached) during a call; names rank and method."""
+    """A worker process died (or its node went away) during a call; names ranks, coordinates, method.
 
-    def __init__(self, rank: int, method: str, detail: str = "", node: str | None = None) -> None:
+    ``rank`` is the lowest dead rank, ``ranks`` all dead ranks seen, ``coords`` each one's mesh
+    coordinates.  The group is failed afterwards: its other processes are stopped and later
+    calls raise this error again at once.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        method: str,
+        detail: str = "",
+        node: str | None = None,
+        ranks: list[int] | None = None,
+        coords: dict[int, dict[str, int]] | None = None,
+    ) -> None:
         self.rank, self.method, self.detail, self.node = rank, method, detail, node
+        self.ranks = sorted(set(ranks or []) | {rank})
+        self.coords = {int(r): dict(c) for r, c in (coords or {}).items()}
         where = f" on node {node}" if node else ""
-        super().__init__(f"rank {rank}{where} died during {method}" + (f": {detail}" if detail else ""))
+        who = f"rank {rank}" if len(self.ranks) == 1 else f"ranks {self.ranks}"
+        at = "; ".join(
+            f"rank {r}: " + ", ".join(f"{a}={v}" for a, v in self.coords[r].items()) for r in self.ranks if r in self.coords
+        )
+        super().__init__(f"{who}{where} died during {method}" + (f" ({at})" if at else "") + (f": {detail}" if detail else ""))
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.method, self.detail, self.node))
+        return (type(self), (self.rank, self.method, self.detail, self.node, self.ranks, self.coords))
 
 
 class FetchTimeoutError(BackendError, TimeoutError):

@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from rankmesh import serialization
 from rankmesh.data import DataProtoFuture
 from rankmesh.dispatch.modes import DEFAULT_REGISTRY, DispatchMode, DispatchRegistry, Execute, UserMode
 from rankmesh.dispatch.register import MethodSpec, registered_methods
@@ -59,18 +60,55 @@ class Binding:
 class GroupFuture:
     """The result of a non-blocking call whose output is not one DataProto; ``get()`` waits."""
 
-    def __init__(self, fetch: Callable[..., list[Any]], pending: Sequence[Any], finish: Callable[[list[Any]], Any]) -> None:
+    def __init__(
+        self,
+        fetch: Callable[..., list[Any]],
+        pending: Sequence[Any],
+        finish: Callable[[list[Any]], Any],
+        timeout: float | None = None,
+    ) -> None:
         self._fetch, self._pending, self._finish = fetch, list(pending), finish
         self._done, self._value = False, None
+        self._timeout = timeout
 
     def get(self, timeout: float | None = None) -> Any:
+        """Wait for the outputs; ``timeout=None`` means the call's (or the group's) timeout."""
         if not self._done:
-            self._value = self._finish(self._fetch(self._pending, timeout=timeout))
+            limit = self._timeout if timeout is None else timeout
+            self._value = self._finish(self._fetch(self._pending, timeout=limit))
             self._done, self._pending = True, []
         return self._value
 
     def __repr__(self) -> str:
         return f"GroupFuture({'done' if self._done else f'{len(self._pending)} pending'})"
+
+
+class TimedGroup:
+    """``wg.with_timeout(s)``: the group's methods, each call bounded by ``s`` seconds.
+
+    A view, not a copy: it calls the same group.  Non-method attributes are the group's.
+    """
+
+    def __init__(self, group: "WorkerGroup", timeout_s: float) -> None:
+        self._group, self._timeout_s = group, timeout_s
+
+    def __getattr__(self, name: str) -> Any:
+        group = self._group
+        if name in group._method_names:
+            binding = getattr(group, name).rankmesh_binding
+
+            def method(*args: Any, **kwargs: Any) -> Any:
+                return group._call(binding, args, kwargs, timeout=self._timeout_s)
+
+            method.__name__ = name
+            method.__doc__ = getattr(group, name).__doc__
+            return method
+        if name.startswith("execute_"):
+            raise DispatchError(f"{name} does not take a timeout; use a @register method or call_timeout_s on the group")
+        return getattr(group, name)
+
+    def __repr__(self) -> str:
+        return f"{self._group!r}.with_timeout({self._timeout_s:g})"
 
 
 def _mode_label(mode: DispatchMode | MeshSpec | UserMode) -> str:
@@ -219,11 +257,28 @@ class WorkerGroup:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._worker_cls.__name__}, {self._mesh}, methods={len(self._method_names)})"
 
+    def with_timeout(self, timeout_s: float) -> TimedGroup:
+        """This group with every call bounded by ``timeout_s`` seconds (blocking or ``.get()``).
+
+        A call that runs past it raises ``FetchTimeoutError`` naming the unfinished ranks; they
+        keep running (stop them with ``shutdown()``).  The in-process backend runs calls before
+        returning, so there is nothing to bound there.
+        """
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise DispatchError(f"with_timeout needs a positive number of seconds, got {timeout_s!r}")
+        return TimedGroup(self, float(timeout_s))
+
     # ----- calling -----------------------------------------------------------------------------
 
-    def _call(self, binding: Binding, args: Args, kwargs: Kwargs) -> Any:
+    def _fetcher(self, timeout: float | None) -> Callable[..., list[Any]]:
+        fetcher = self._executor.fetcher()
+        if timeout is not None and hasattr(fetcher, "with_timeout"):
+            fetcher = fetcher.with_timeout(timeout)
+        return fetcher
+
+    def _call(self, binding: Binding, args: Args, kwargs: Kwargs, timeout: float | None = None) -> Any:
         if isinstance(binding.entry, UserMode):
-            return self._call_user(binding, binding.entry, args, kwargs)
+            return self._call_user(binding, binding.entry, args, kwargs, timeout)
         spec, site = binding.entry, binding.site
         plan = binding.plan if binding.plan is not None else self._registered_plan(spec.mesh, site)
         split = split_call(spec, plan.n_pieces, args, kwargs, site, binding.method.padding)
@@ -237,12 +292,18 @@ class WorkerGroup:
             return join_outputs(spec, split, [outputs[i] for i in order], plan.collect_ranks, site)
 
         if binding.method.blocking:
-            return finish(self._executor.fetch(pending))
+            if spec.output != "concat":
+                return finish(self._executor.fetch(pending, timeout=timeout))
+            # concat writes every collected tensor into a fresh batch: fetch them as read-only
+            # views, so the controller copies each byte once (not on receive and again in concat).
+            with serialization.borrowed_buffers():
+                outputs = self._executor.fetch(pending, timeout=timeout)
+            return finish(outputs)
         if spec.output == "concat":
-            return output_future(split, [pending[i] for i in order], self._executor.fetcher())
-        return GroupFuture(self._executor.fetch, pending, finish)
+            return output_future(split, [pending[i] for i in order], self._fetcher(timeout))
+        return GroupFuture(self._executor.fetch, pending, finish, timeout)
 
-    def _call_user(self, binding: Binding, mode: UserMode, args: Args, kwargs: Kwargs) -> Any:
+    def _call_user(self, binding: Binding, mode: UserMode, args: Args, kwargs: Kwargs, timeout: float | None = None) -> Any:
         world, site = self.world_size, binding.site
         result = mode.dispatch_fn(self, *args, **kwargs)
         if not (isinstance(result, (tuple, list)) and len(result) == 2):
@@ -262,8 +323,8 @@ class WorkerGroup:
             return mode.collect_fn(self, list(outputs))
 
         if binding.method.blocking:
-            return finish(self._executor.fetch(pending))
-        return GroupFuture(self._executor.fetch, pending, finish)
+            return finish(self._executor.fetch(pending, timeout=timeout))
+        return GroupFuture(self._executor.fetch, pending, finish, timeout)
 
     def _submit(self, method: str, ranks: Sequence[int], per_rank: Sequence[tuple[Args, Kwargs]], collect: set[int]) -> list[Any]:
         """Ship every distinct non-trivial object once, then submit one RankCall per rank."""

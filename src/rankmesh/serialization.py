@@ -22,10 +22,13 @@ This module imports nothing from the package except :mod:`rankmesh.errors`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
-from collections.abc import Iterable
+import threading
+import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -81,6 +84,39 @@ def loads_private(data: bytes, buffers: Iterable[bytearray]) -> Any:
 def _is_private(buf: Any) -> bool:
     """True when ``buf`` was made for this one load (see the module docstring)."""
     return type(buf) is bytearray
+
+
+_BORROW = threading.local()
+
+
+@contextlib.contextmanager
+def borrowed_buffers() -> Iterator[None]:
+    """Within this block (this thread only), rebuilds keep shared buffers instead of copying.
+
+    Only for a caller that copies every rebuilt tensor and array itself before anyone sees it:
+    the controller's concat of collected outputs, which writes them into a fresh batch anyway.
+    Without it the fetched outputs would be copied twice (rebuild, then concat).  The borrowed
+    tensors are read-only views (of the object store, or of the sender's memory).
+    """
+    before = getattr(_BORROW, "on", False)
+    _BORROW.on = True
+    try:
+        yield
+    finally:
+        _BORROW.on = before
+
+
+def _borrowing() -> bool:
+    return getattr(_BORROW, "on", False)
+
+
+def _borrowed_tensor(arr: np.ndarray, dtype: torch.dtype | None) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(arr)
+    if dtype is not None and t.dtype != dtype:
+        t = t.view(dtype)
+    return t
 
 
 def _carrier(arr: np.ndarray, protocol: int) -> Any:
@@ -190,7 +226,10 @@ def rebuild_tensor(state: tuple) -> torch.Tensor:
     else:
         _, buf, np_dtype, dtype, shape, requires_grad, device = state
         arr = np.frombuffer(buf, dtype=np_dtype)
-        t = tensor_from_buffer(arr, writable_copy=not _is_private(buf), dtype=dtype).reshape(shape)
+        if _borrowing() and not _is_private(buf):
+            t = _borrowed_tensor(arr, dtype).reshape(shape)
+        else:
+            t = tensor_from_buffer(arr, writable_copy=not _is_private(buf), dtype=dtype).reshape(shape)
     t = _to_device(t, device)
     if requires_grad:
         t.requires_grad_(True)
@@ -220,7 +259,7 @@ def rebuild_ndarray(state: tuple) -> np.ndarray:
         return np.empty(state[2], dtype=state[1])
     _, buf, dtype, shape = state
     arr = np.frombuffer(buf, dtype=dtype)
-    if not _is_private(buf) or not arr.flags.writeable:
+    if (not _is_private(buf) or not arr.flags.writeable) and not _borrowing():
         arr = arr.copy()
     return arr.reshape(shape)
 

@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator, Mapping
 
@@ -190,16 +191,18 @@ class Worker:
 # ----- the worker-side call path ---------------------------------------------------------------
 
 
-def _describe(worker: Any) -> tuple[int, dict[str, int]]:
+def _describe(worker: Any) -> tuple[int, dict[str, int], str | None]:
     ctx = getattr(worker, "_rankmesh_context", None)
     if isinstance(ctx, WorkerContext):
-        return ctx.rank, ctx.coords()
-    return -1, {}
+        return ctx.rank, ctx.coords(), ctx.node
+    return -1, {}, None
 
 
 def _fail(worker: Any, method: str, exc: BaseException) -> WorkerError:
-    rank, coords = _describe(worker)
-    return WorkerError(rank, coords, f"{type(worker).__name__}.{method}", f"{type(exc).__name__}: {exc}")
+    """The rank's error, with its node and the traceback text (which survives pickling)."""
+    rank, coords, node = _describe(worker)
+    text = "".join(traceback.format_exception(exc))
+    return WorkerError(rank, coords, f"{type(worker).__name__}.{method}", f"{type(exc).__name__}: {exc}", node, text)
 
 
 def _prepare(
@@ -285,4 +288,7 @@ def construct(cls: type, ctx: WorkerContext, args: tuple[Any, ...] = (), kwargs:
         try:
             return cls(*args, **dict(kwargs or {}))
         except Exception as exc:
-            raise WorkerError(ctx.rank, ctx.coords(), f"{cls.__name__}.__init__", f"{type(exc).__name__}: {exc}") from exc
+            text = "".join(traceback.format_exception(exc))
+            raise WorkerError(
+                ctx.rank, ctx.coords(), f"{cls.__name__}.__init__", f"{type(exc).__name__}: {exc}", ctx.node, text
+            ) from exc

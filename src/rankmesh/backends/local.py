@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -44,9 +45,20 @@ class LocalPending:
         return copy.deepcopy(self.value)
 
 
-def fetch_local(handles: Sequence[Any]) -> list[Any]:
-    """The picklable fetch function of local futures: a private copy of each output."""
-    return [_check_handle(h).result() for h in handles]
+def fetch_local(handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
+    """The picklable fetch function of local futures: a private copy of each output.
+
+    Calls already ran, so ``timeout`` has nothing to bound.  Several failing ranks: the lowest
+    is raised, the others attached (``WorkerError.others``), as on Ray.
+    """
+    checked = [_check_handle(h) for h in handles]
+    failed = sorted((h for h in checked if h.error is not None), key=lambda h: h.rank)
+    if failed:
+        first = failed[0].error
+        if isinstance(first, WorkerError):
+            first.attach([h.error for h in failed[1:] if isinstance(h.error, WorkerError) and h.error is not first])
+        raise first
+    return [h.result() for h in checked]
 
 
 def _check_handle(handle: Any) -> LocalPending:
@@ -117,7 +129,7 @@ class LocalExecutor:
             except WorkerError as exc:
                 pending.append(LocalPending(call.rank, error=exc))
             except Exception as exc:  # copying the arguments failed: still the rank's failure
-                err = WorkerError(call.rank, {}, method, f"{type(exc).__name__}: {exc}")
+                err = WorkerError(call.rank, {}, method, f"{type(exc).__name__}: {exc}", None, "".join(traceback.format_exception(exc)))
                 err.__cause__ = exc
                 pending.append(LocalPending(call.rank, error=err))
         return pending

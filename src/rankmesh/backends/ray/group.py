@@ -85,6 +85,17 @@ class RayClassWithInitArgs:
         return f"RayClassWithInitArgs({self.cls.__qualname__}, args={self.args!r}, kwargs={self.kwargs!r})"
 
 
+def check_timeout(seconds: float | None) -> None:
+    """A call timeout is ``None`` or a positive number of seconds."""
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0):
+        raise BackendError(f"call_timeout_s must be None or a positive number of seconds, got {seconds!r}")
+
+
+def _coords(mesh: RankMesh, rank: int) -> dict[str, int]:
+    info = mesh.coords(rank)
+    return {"tp": info.tp_rank, "cp": info.cp_rank, "dp": info.dp_rank, "pp": info.pp_rank}
+
+
 def check_worker_env(worker_env: Mapping[str, Any] | None) -> dict[str, str]:
     """``worker_env`` as strings; refuses the variables the group sets itself."""
     env = dict(worker_env or {})
@@ -106,6 +117,8 @@ class RayWorkerGroup(WorkerGroup):
     gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, plus
     ``worker_env``.  ``detached=True`` (needs a detached pool) names the actors
     ``{name_prefix}_{rank}`` and lets them outlive this driver (see :meth:`from_detached`).
+    ``call_timeout_s`` bounds every call (``FetchTimeoutError`` naming the unfinished ranks);
+    ``wg.with_timeout(s).method(...)`` overrides it for one call.
     """
 
     def __init__(
@@ -121,7 +134,9 @@ class RayWorkerGroup(WorkerGroup):
         start_timeout: float = DEFAULT_START_TIMEOUT,
         registry: DispatchRegistry | None = None,
         bin_pack: bool = True,
+        call_timeout_s: float | None = None,
     ) -> None:
+        check_timeout(call_timeout_s)
         if not isinstance(resource_pool, RayResourcePool):
             raise BackendError(f"resource_pool must be a RayResourcePool, got {type(resource_pool).__name__}")
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
@@ -155,7 +170,7 @@ class RayWorkerGroup(WorkerGroup):
             raise
         hosts.pool = resource_pool
         try:
-            self._adopt(hosts, ray_cls_with_init.cls, mesh, meshes, None, registry)
+            self._adopt(hosts, ray_cls_with_init.cls, mesh, meshes, None, registry, call_timeout_s=call_timeout_s)
         except BaseException:
             hosts.shutdown()
             raise
@@ -203,12 +218,15 @@ class RayWorkerGroup(WorkerGroup):
         role: str | None,
         registry: DispatchRegistry | None,
         executor: RayExecutor | None = None,
+        call_timeout_s: float | None = None,
     ) -> None:
         """Bind ``worker_cls``'s methods over already started ``hosts`` (sharing ``executor``)."""
         self._hosts = hosts
         self._resource_pool = hosts.pool
         if executor is None:
-            executor = RayExecutor(hosts.actors, [i.get("node_ip") for i in hosts.info] if hosts.info else None)
+            nodes = [i.get("node_ip") for i in hosts.info] if hosts.info else None
+            coords = [_coords(mesh, r) for r in range(len(hosts.actors))]
+            executor = RayExecutor(hosts.actors, nodes, coords, call_timeout_s)
         WorkerGroup.__init__(self, executor, worker_cls, mesh=mesh, meshes=meshes, role=role, registry=registry)
 
     def _view(self, worker_cls: type, role: str | None) -> "RayWorkerGroup":
@@ -298,6 +316,15 @@ class RayWorkerGroup(WorkerGroup):
     @property
     def closed(self) -> bool:
         return self._hosts.closed
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The WorkerDiedError that failed this group (its processes are stopped), else None."""
+        return self._executor.failed  # type: ignore[attr-defined]
+
+    @property
+    def call_timeout_s(self) -> float | None:
+        return self._executor.call_timeout_s  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
         """Kill the processes (every role spawned from them too) and release the placement groups."""

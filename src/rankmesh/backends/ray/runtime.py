@@ -8,7 +8,8 @@ settings together (measured with Ray 2.60):
 * ``_node_ip_address="127.0.0.1"`` for the head node;
 * ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in the environment the Ray processes inherit, without
   which workers still report (and bind) the machine's interface address;
-* ``include_dashboard=False`` (the dashboard would open another port).
+* ``include_dashboard=False`` unless the caller passes ``include_dashboard=True`` (the dashboard
+  opens another port; when asked for, it binds 127.0.0.1).
 
 Joining an existing cluster (``address=`` or ``RAY_ADDRESS``) changes none of them: that cluster's
 own configuration decides where its processes listen.
@@ -88,10 +89,13 @@ def ensure_ray(
     logger.info("starting a local Ray on %s (num_cpus=%s, num_gpus=%s)", LOOPBACK, num_cpus, num_gpus)
     # address="local": always start a new Ray.  Without it ray.init() attaches to whatever Ray
     # it finds on this machine (another user's, or a parent process's test session).
+    # The dashboard stays off unless asked for (include_dashboard=True), and then on loopback.
+    init_kwargs.setdefault("include_dashboard", False)
+    if init_kwargs["include_dashboard"]:
+        init_kwargs.setdefault("dashboard_host", LOOPBACK)
     ray.init(
         address="local",
         _node_ip_address=LOOPBACK,
-        include_dashboard=False,
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         object_store_memory=object_store_memory,

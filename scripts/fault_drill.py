@@ -1,0 +1,324 @@
+#!/usr/bin/env python
+"""Fault drill: run rankmesh's failure scenarios against a live local Ray and print a table.
+
+For each scenario: how long until the failure was detected, the error the controller saw (first
+line), whether the data stayed intact (inputs unchanged, nothing half-returned, the surviving
+group still echoes exactly) and a verdict.  Every scenario is bounded by a timeout; the exit
+status is non-zero if any scenario hung, lost data or did not raise what it should.
+
+    python scripts/fault_drill.py                 # all scenarios, node loss included (~1-2 min)
+    python scripts/fault_drill.py --no-node-loss  # skip the simulated multi-node scenario
+    python scripts/fault_drill.py --json          # JSON instead of the table
+
+Scenarios: worker raises (several ranks; futures too); worker SIGKILLed while its peer blocks
+in a gloo all_reduce; worker exits (os._exit) under a DataProtoFuture; call timeout; pool too
+big for the cluster; shutdown and reuse of the pool; bad input; node removed (subprocess driver
+on a simulated cluster, see tests/reliability_node_loss.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+# Ray workers import the drill's worker classes from tests.reliability_workers.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+logger = logging.getLogger("fault_drill")
+
+#: Seconds each scenario may take before it counts as hung.
+SCENARIO_LIMIT_S = 60.0
+
+
+@dataclass
+class Outcome:
+    """One row of the table."""
+
+    scenario: str
+    detected_s: float | None
+    error: str
+    data_intact: bool
+    ok: bool
+    note: str = ""
+
+
+@dataclass
+class Probe:
+    """What a scenario reports back: the error seen, when, whether data survived, and why not ok."""
+
+    error: BaseException | None = None
+    detected_s: float | None = None
+    data_intact: bool = True
+    expected: bool = True
+    note: str = ""
+    shown: str | None = None  # the error as text, when it was raised in another process
+
+
+def first_line(exc: BaseException | None) -> str:
+    if exc is None:
+        return "-"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:120]
+
+
+def timed(fn: Callable[[], object]) -> tuple[BaseException | None, float]:
+    """Run ``fn``; the exception it raised (None if it returned) and the seconds it took."""
+    start = time.monotonic()
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - the drill reports whatever comes
+        return exc, time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+# ----- scenarios ----------------------------------------------------------------------------------
+
+
+class Drill:
+    """Holds the shared 4-rank group; each method is one scenario returning a :class:`Probe`."""
+
+    def __init__(self) -> None:
+        from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from rankmesh.mesh import RankMesh
+        from tests.reliability_workers import FaultWorker
+
+        self.RayClassWithInitArgs, self.RayResourcePool, self.RayWorkerGroup = RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        self.FaultWorker = FaultWorker
+        self.group = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(FaultWorker), mesh=RankMesh(tp=2, dp=2))
+
+    def small_group(self, pool=None):
+        pool = pool or self.RayResourcePool([2], use_gpu=False)
+        return pool, self.RayWorkerGroup(pool, self.RayClassWithInitArgs(self.FaultWorker), call_timeout_s=SCENARIO_LIMIT_S)
+
+    def echo_intact(self, wg, rows: int = 8) -> bool:
+        """The group returns exactly the rows it was sent, and leaves the input alone."""
+        from tests.test_reliability_input import fingerprint, rows_fingerprint
+
+        data = batch(rows)
+        before = fingerprint(data)
+        out = wg.echo(data)
+        return rows_fingerprint(out) == rows_fingerprint(data) and fingerprint(data) == before
+
+    def worker_raises(self) -> Probe:
+        from rankmesh.errors import WorkerError
+
+        err, took = timed(lambda: self.group.act(["ok", "raise", "ok", "raise"]))
+        fut_err, _ = timed(lambda: self.group.echo_nb(batch(8, plan=["raise", "ok", "ok", "ok"])).get())
+        good = (
+            isinstance(err, WorkerError)
+            and err.rank == 1
+            and [o.rank for o in err.others] == [3]
+            and bool(err.remote_traceback)
+            and isinstance(fut_err, WorkerError)
+        )
+        return Probe(err, took, self.echo_intact(self.group), good)
+
+    def killed_in_allreduce(self) -> Probe:
+        from rankmesh.errors import WorkerDiedError
+
+        from tests.test_reliability_input import fingerprint
+
+        pool, wg = self.small_group()
+        self.reuse_pool = pool
+        self.failed_group = wg
+        data = batch(4, plan=["allreduce", "kill"])
+        before = fingerprint(data)
+        result: list = []
+        err, took = timed(lambda: result.append(wg.echo(data)))
+        later, later_s = timed(wg.pid)
+        good = isinstance(err, WorkerDiedError) and err.ranks == [1] and isinstance(later, WorkerDiedError) and later_s < 1
+        return Probe(err, took, not result and fingerprint(data) == before, good, f"next call failed in {later_s:.2f} s")
+
+    def exit_under_future(self) -> Probe:
+        from rankmesh.errors import WorkerDiedError
+
+        _, wg = self.small_group()
+        try:
+            fut = wg.echo_nb(batch(4, plan=["sleep:30", "exit"]))
+            err, took = timed(fut.get)
+            return Probe(err, took, True, isinstance(err, WorkerDiedError) and wg.failed is not None)
+        finally:
+            wg.shutdown()
+
+    def call_timeout(self) -> Probe:
+        from rankmesh.errors import FetchTimeoutError
+
+        err, took = timed(lambda: self.group.with_timeout(0.5).act(["ok", "sleep:2", "ok", "ok"]))
+        good = isinstance(err, FetchTimeoutError) and err.ranks == [1]
+        return Probe(err, took, self.echo_intact(self.group), good, "slow rank finishes, group reused")
+
+    def pool_too_big(self) -> Probe:
+        from rankmesh.errors import ResourcePoolError
+
+        err, took = timed(lambda: self.RayResourcePool([64], use_gpu=False, ready_timeout=2.0).slots())
+        return Probe(err, took, True, isinstance(err, ResourcePoolError))
+
+    def shutdown_and_reuse(self) -> Probe:
+        """Shut the failed group of the kill scenario down; a new group on its pool must work."""
+        pool = getattr(self, "reuse_pool", None)
+        if pool is None:
+            return Probe(None, None, False, False, "kill scenario did not run")
+        start = time.monotonic()
+        self.failed_group.shutdown()
+        released = pool._slots is None
+        _, wg = self.small_group(pool)
+        try:
+            intact = self.echo_intact(wg, 4)
+        finally:
+            wg.shutdown()
+        return Probe(None, time.monotonic() - start, intact, released and pool._slots is None, "restart time")
+
+    def bad_input(self) -> Probe:
+        from rankmesh.errors import DispatchError, PaddingError
+
+        from tests.test_reliability_input import fingerprint
+
+        data = batch(6)
+        before = fingerprint(data)
+        start = time.monotonic()
+        errors = [timed(lambda v=v: self.group.echo(v))[0] for v in ("not a batch", {"x": [1]}, None, data)]
+        list_err, _ = timed(lambda: self.group.act(["ok"] * 3))
+        good = all(isinstance(e, DispatchError) for e in errors[:3]) and isinstance(errors[3], PaddingError)
+        good = good and isinstance(list_err, DispatchError)
+        return Probe(errors[0], time.monotonic() - start, fingerprint(data) == before and self.echo_intact(self.group), good)
+
+
+def node_loss() -> Probe:
+    """Simulated two-node cluster in a subprocess driver; one node removed mid-call."""
+    env = {**os.environ}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.reliability_node_loss"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=SCENARIO_LIMIT_S + 30,
+        )
+    except subprocess.TimeoutExpired:
+        return Probe(TimeoutError("node-loss driver hung"), None, False, False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    if not lines:
+        return Probe(RuntimeError(f"driver failed: {proc.stderr.strip().splitlines()[-1:]}"), None, False, False)
+    report = json.loads(lines[-1][len("REPORT ") :])
+    shown = f"{report.get('error')}: {report.get('message', '')}"[:120]
+    good = report.get("error") == "WorkerDiedError" and report.get("ranks") == report.get("ranks_on_victim")
+    return Probe(None, report.get("seconds"), True, good and (report.get("seconds") or 99) < 10, shown=shown)
+
+
+def batch(rows: int, **meta):
+    import torch
+
+    from rankmesh.data import DataProto
+
+    return DataProto.from_dict({"x": torch.arange(rows), "f": torch.linspace(0, 1, rows)}, meta_info=dict(meta))
+
+
+# ----- running ------------------------------------------------------------------------------------
+
+
+def bounded(name: str, fn: Callable[[], Probe], limit: float = SCENARIO_LIMIT_S) -> Outcome:
+    """Run one scenario in a thread; past ``limit`` seconds it counts as hung."""
+    box: list = []
+
+    def target() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - a scenario that crashes is a failed scenario
+            logger.exception("scenario %s crashed", name)
+            box.append(Probe(exc, None, False, False, "scenario crashed"))
+
+    thread = threading.Thread(target=target, name=f"drill-{name}", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        return Outcome(name, None, f"HUNG: no outcome within {limit:g} s", False, False, "hang")
+    p = box[0]
+    seconds = None if p.detected_s is None else round(p.detected_s, 2)
+    return Outcome(name, seconds, p.shown or first_line(p.error), p.data_intact, p.expected and p.data_intact, p.note)
+
+
+def table(rows: list[Outcome]) -> str:
+    head = ("scenario", "detected s", "error shown (first line)", "data intact", "verdict")
+    body = [
+        (r.scenario, "-" if r.detected_s is None else f"{r.detected_s:.2f}", r.error, "yes" if r.data_intact else "NO", "ok" if r.ok else "FAIL")
+        for r in rows
+    ]
+    widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
+    line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), "-+-".join("-" * w for w in widths), *map(line, body)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--no-node-loss", action="store_true", help="skip the simulated multi-node scenario")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("rankmesh").setLevel(logging.CRITICAL)  # the table is the output
+
+    import ray
+
+    from rankmesh.backends.ray.runtime import ensure_ray
+
+    started = time.monotonic()
+    # Ray prints worker-death notices on stdout; keep stdout for the table / JSON alone.
+    real_stdout, sys.stdout = sys.stdout, sys.stderr
+    ensure_ray(num_cpus=12, object_store_memory=512 << 20, logging_level="ERROR", log_to_driver=False)
+    outcomes: list[Outcome] = []
+    drill: Drill | None = None
+    try:
+        box: list = []
+        setup = bounded("start 4-rank group", lambda: box.append(Drill()) or Probe(None, None, True, True))
+        if not setup.ok:
+            outcomes.append(setup)
+        else:
+            drill = box[0]
+            for name, fn in [
+                ("worker raises (2 ranks + future)", drill.worker_raises),
+                ("SIGKILL while peer in gloo all_reduce", drill.killed_in_allreduce),
+                ("os._exit under a DataProtoFuture", drill.exit_under_future),
+                ("call timeout (0.5 s)", drill.call_timeout),
+                ("pool too big for the cluster", drill.pool_too_big),
+                ("shutdown and reuse the pool", drill.shutdown_and_reuse),
+                ("bad input", drill.bad_input),
+            ]:
+                outcomes.append(bounded(name, fn))
+        if not args.no_node_loss:
+            outcomes.append(bounded("node removed mid-call (simulated)", node_loss, SCENARIO_LIMIT_S + 40))
+    finally:
+        hung = any(o.note == "hang" for o in outcomes)
+        if drill is not None and not hung:
+            drill.group.shutdown()
+    total = time.monotonic() - started
+    sys.stdout = real_stdout
+    if args.json:
+        print(json.dumps({"seconds": round(total, 1), "scenarios": [asdict(o) for o in outcomes]}, indent=2))
+    else:
+        print(table(outcomes))
+        print(f"\n{sum(o.ok for o in outcomes)}/{len(outcomes)} scenarios ok in {total:.1f} s")
+    code = 0 if all(o.ok for o in outcomes) else 1
+    sys.stdout.flush()
+    if hung:  # a hung scenario's thread may hold Ray; do not wait for it
+        os._exit(code)
+    ray.shutdown()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
