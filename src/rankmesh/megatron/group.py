@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 def connect_ray(address: str | None = None, num_cpus: int | None = None) -> Any:
     """Join ``address`` (or ``RAY_ADDRESS``), reuse this process's Ray, or start a private one on 127.0.0.1.
 
-    Why not plain ``ensure_ray``: ``ray.init()`` without an address attaches to *any* Ray already
+    Why not plain ``ensure_ray``: a ``ray.init`` call without an address attaches to *any* Ray already
     running on the machine (it scans for GCS processes), e.g. another user's, or the test session
     of a parent process, and then fails on ``num_cpus``.  A local start must say
     ``address="local"``.  Returns the runtime's ``RayConnection``.

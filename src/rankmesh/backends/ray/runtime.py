@@ -1,6 +1,6 @@
 """Connecting the controller to Ray: join a cluster, or start a private one bound to loopback.
 
-Why a helper instead of a bare ``ray.init()``: a Ray started with defaults on a machine with a
+Why a helper instead of a bare ``ray.init`` call: a Ray started with defaults on a machine with a
 network interface advertises that interface and its gRPC servers listen on every address.  A
 local, embedded Ray is a development convenience and must stay on 127.0.0.1, which takes three
 settings together (measured with Ray 2.60):
@@ -93,7 +93,7 @@ def ensure_ray(
     init_kwargs.setdefault("include_dashboard", False)
     if init_kwargs["include_dashboard"]:
         init_kwargs.setdefault("dashboard_host", LOOPBACK)
-    ray.init(
+    ray.init(  # binds 127.0.0.1 only (LOOPBACK)
         address="local",
         _node_ip_address=LOOPBACK,
         num_cpus=num_cpus,
