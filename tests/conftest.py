@@ -36,8 +36,17 @@ def ray_session():
         ray.shutdown()
 
 
+#: Test modules that fork the pytest process (tests/megatron_workers.run_forked).  Forking a
+#: process whose Ray driver is connected corrupts the driver's gRPC channels (later Ray calls
+#: hang), so these run first, before any test starts the session's Ray.
+FORKING_MODULES = ("test_megatron_check.py", "test_megatron_model.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Run the Ray dispatch matrix grouped by mesh, so that cached worker groups get reused."""
+    """Run forking tests first; run the Ray dispatch matrix grouped by mesh (cached groups get reused)."""
+    items[:] = [i for i in items if i.path.name in FORKING_MODULES] + [
+        i for i in items if i.path.name not in FORKING_MODULES
+    ]
     module = "test_ray_dispatch.py"
     positions = [i for i, item in enumerate(items) if item.path.name == module]
     if not positions:

@@ -44,8 +44,16 @@ def _child(fn: Callable[[int, int], Any], rank: int, world: int, port: int, conn
 
 def run_forked(fn: Callable[[int, int], Any], world: int, timeout: float = 120.0) -> list[Any]:
     """``[fn(rank, world) for each rank]``, each in its own forked process of one gloo world."""
+    import sys
+
     from rankmesh.backends.ray.rendezvous import release_port, reserve_port
 
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        raise RuntimeError(
+            "run_forked after ray.init: forking a connected Ray driver corrupts its gRPC channels "
+            "(later Ray calls hang); run forking tests before the session's Ray starts (tests/conftest.py)"
+        )
     port = reserve_port("127.0.0.1")  # inherited by rank 0, which hands it to the TCPStore
     ctx = mp.get_context("fork")
     pipes, procs = [], []
