@@ -179,32 +179,15 @@ def measure_reused(nodes: int, sizes: list[int], args: argparse.Namespace) -> li
 
 def simulated_cluster(nodes: int, cpus_per_node: int, store_mib: int):
     """A Cluster of ``nodes`` raylets on 127.0.0.1 (plus a CPU-less head), and a connection to it."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-    from ray.cluster_utils import Cluster
+    from rankmesh.backends.ray.simulated import loopback_cluster
 
-    from rankmesh.backends.ray.runtime import _loopback_in_this_process
-
-    _loopback_in_this_process()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "node_ip_address": "127.0.0.1",
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "object_store_memory": store_mib * MIB,
-        },
+    cluster, _ = loopback_cluster(
+        [
+            {"num_cpus": cpus_per_node, "resources": {f"sim_node_{i}": 1}, "object_store_memory": store_mib * MIB}
+            for i in range(nodes)
+        ],
+        head_args={"object_store_memory": store_mib * MIB},
     )
-    for i in range(nodes):
-        cluster.add_node(
-            node_ip_address="127.0.0.1",
-            num_cpus=cpus_per_node,
-            resources={f"sim_node_{i}": 1},
-            object_store_memory=store_mib * MIB,
-        )
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING")
     return cluster
 
 

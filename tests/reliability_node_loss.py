@@ -14,7 +14,6 @@ dead within seconds; with Ray's defaults that alone takes about 15 s.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
@@ -23,31 +22,19 @@ FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_thres
 
 
 def run() -> dict:
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
-    from ray.cluster_utils import Cluster
 
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rankmesh.backends.ray.simulated import loopback_cluster
     from tests.reliability_workers import FaultWorker
 
     report: dict = {}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "node_ip_address": "127.0.0.1",
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "_system_config": FAST_HEALTH_CHECKS,
-        },
+    cluster, nodes = loopback_cluster(
+        [{"num_cpus": 2, "resources": {f"n{i}": 1}, "object_store_memory": 80 << 20} for i in range(2)],
+        head_args={"_system_config": FAST_HEALTH_CHECKS},
+        logging_level="ERROR",
     )
     try:
-        nodes = [
-            cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, resources={f"n{i}": 1}, object_store_memory=80 << 20)
-            for i in range(2)
-        ]
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="ERROR")
         wg = RayWorkerGroup(RayResourcePool([2, 2], use_gpu=False), RayClassWithInitArgs(FaultWorker))
         victim = nodes[1].node_id
         report["ranks_on_victim"] = [r for r in range(wg.world_size) if wg.node_of(r) == victim]

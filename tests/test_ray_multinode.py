@@ -27,26 +27,19 @@ NODES = {"node_a": 4, "node_b": 4, "node_c": 2}
 
 def _scenarios() -> dict:
     """Runs inside the subprocess: build the cluster, run every scenario, return the report."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
-    from ray.cluster_utils import Cluster
 
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rankmesh.backends.ray.simulated import loopback_cluster
     from rankmesh.errors import ResourcePoolError
     from rankmesh.mesh import RankMesh
     from tests.multinode_worker import NodeWorker
 
     report: dict = {}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"node_ip_address": "127.0.0.1", "num_cpus": 0, "include_dashboard": False},
+    cluster, _ = loopback_cluster(
+        [{"num_cpus": cpus, "resources": {name: 1}, "object_store_memory": 96 << 20} for name, cpus in NODES.items()]
     )
     try:
-        for name, cpus in NODES.items():
-            cluster.add_node(node_ip_address="127.0.0.1", num_cpus=cpus, resources={name: 1}, object_store_memory=96 << 20)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="WARNING")
         names = {
             n["NodeID"]: next((k for k in n["Resources"] if k in NODES), "head") for n in ray.nodes() if n["Alive"]
         }
