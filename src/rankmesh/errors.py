@@ -7,6 +7,8 @@ from the package.
 
 from __future__ import annotations
 
+import traceback
+
 
 class RankMeshError(Exception):
     """Base class of every error raised by rankmesh on purpose."""
@@ -78,6 +80,18 @@ class WorkerError(RankMeshError):
         if self.others:
             text += f" (and {len(self.others)} more rank(s): {[o.rank for o in self.others]})"
         return text
+
+    @classmethod
+    def from_exception(
+        cls, exc: BaseException, rank: int, coords: dict[str, int], method: str, node: str | None = None
+    ) -> "WorkerError":
+        """The one way to wrap an exception raised on a rank: message and traceback text kept.
+
+        The traceback is kept as text because the exception object itself may not unpickle in
+        the controller (a class only the worker imports).
+        """
+        text = "".join(traceback.format_exception(exc))
+        return cls(rank, coords, method, f"{type(exc).__name__}: {exc}", node, text)
 
     def attach(self, others: list["WorkerError"]) -> "WorkerError":
         """Record further failing ranks of the same call (refreshes the message)."""

@@ -1,0 +1,65 @@
+"""Argument checks shared by every module: one helper per rule, one wording per rule.
+
+Why a module of its own: the same rule ("a positive integer, not a bool") was written by hand in
+eight files and had drifted (numpy integers accepted in one place, refused in another).  Every
+check here accepts Python and numpy integers alike, refuses ``bool`` (an ``int`` subclass that is
+never meant as a count), names the argument, and raises the caller's error class so that each
+layer keeps its own exception type (``MeshError``, ``DataProtoError``, ``BackendError`` ...).
+
+This module imports nothing from the package.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+ErrorType = type[Exception]
+
+
+def is_int(value: Any) -> bool:
+    """True for Python and numpy integers, False for bools (``True`` is not a count)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def positive_int(value: Any, what: str, error: ErrorType = ValueError) -> int:
+    """``value`` as an ``int`` >= 1, else ``error`` naming ``what``."""
+    if not is_int(value) or value < 1:
+        raise error(f"{what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def non_negative_int(value: Any, what: str, error: ErrorType = ValueError) -> int:
+    """``value`` as an ``int`` >= 0, else ``error`` naming ``what``."""
+    if not is_int(value) or value < 0:
+        raise error(f"{what} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def int_in_range(value: Any, what: str, low: int, high: int, error: ErrorType = ValueError) -> int:
+    """``value`` as an ``int`` with ``low <= value <= high`` (both ends included)."""
+    if not is_int(value) or not low <= value <= high:
+        raise error(f"{what} must be an integer in [{low}, {high}], got {value!r}")
+    return int(value)
+
+
+def integer(value: Any, what: str, error: ErrorType = ValueError) -> int:
+    """``value`` as an ``int`` of any sign (a coordinate such as ``-1`` for "last")."""
+    if not is_int(value):
+        raise error(f"{what} must be an integer, got {value!r}")
+    return int(value)
+
+
+def positive_seconds(value: Any, what: str, error: ErrorType = ValueError) -> float:
+    """A finite number of seconds > 0 (ints, floats and numpy numbers; not bools)."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    if not ok or not math.isfinite(float(value)) or not value > 0:
+        raise error(f"{what} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def optional_seconds(value: Any, what: str, error: ErrorType = ValueError) -> float | None:
+    """``None`` (no limit) or :func:`positive_seconds`."""
+    return None if value is None else positive_seconds(value, f"{what} (None for no limit)", error)
