@@ -3,7 +3,7 @@
 
 import sys
 
-from rankmesh.demo import main
+from rankmesh.demo_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -128,7 +128,7 @@ def subset(hosts, world: int, nodes: int):
     """The hosts of an even ``world``-rank spread over the first nodes of a launched host set."""
     import ray
 
-    from rankmesh.backends.ray.actor import HostSet
+    from rankmesh.backends.ray.hosts import HostSet
     from rankmesh.placement import Placement
 
     by_node: dict[int, list[int]] = {}
@@ -152,7 +152,7 @@ def subset(hosts, world: int, nodes: int):
 def measure_reused(nodes: int, sizes: list[int], args: argparse.Namespace) -> list[Row]:
     """Launch the largest group's processes once; build and measure each world size on a subset."""
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from rankmesh.backends.ray.actor import launch_hosts
+    from rankmesh.backends.ray.hosts import launch_hosts
 
     start = time.perf_counter()
     pool = RayResourcePool(spread(max(sizes), nodes), use_gpu=args.gpu, ready_timeout=args.ready_timeout)
@@ -165,7 +165,7 @@ def measure_reused(nodes: int, sizes: list[int], args: argparse.Namespace) -> li
         for world in sizes:
             sub, counts = subset(hosts, world, nodes)
             start = time.perf_counter()
-            wg = RayWorkerGroup._on_hosts(sub, RayClassWithInitArgs(_bench_worker()))
+            wg = RayWorkerGroup.on_hosts(sub, RayClassWithInitArgs(_bench_worker()))
             build_s = time.perf_counter() - start
             noop, small_ms, large_ms = calls(wg, args)
             sub.teardown_workers()

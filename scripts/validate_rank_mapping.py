@@ -193,10 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RankMeshError as exc:
         print(f"validate_rank_mapping: error: {exc}", file=sys.stderr)
         return 2
-    from rankmesh.megatron.group import connect_ray
+    from rankmesh.backends.ray.runtime import ensure_ray
 
     needed = max(sum(counts) for _, _, counts in targets)
-    conn = connect_ray(args.address, num_cpus=max(needed, os.cpu_count() or 1))
+    conn = ensure_ray(args.address, num_cpus=max(needed, os.cpu_count() or 1))
     try:
         results = [
             validate(mesh, counts, source=label, use_gpu=args.use_gpu, timeout=args.timeout, force_order=args.force_order)

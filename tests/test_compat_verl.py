@@ -27,8 +27,9 @@ VERL_NAMES = [
 def test_every_verl_name_is_there_and_shared_names_are_the_same_object():
     for name in VERL_NAMES:
         assert hasattr(verl, name), name
-    for name in ("DataProto", "DataProtoConfig", "DataProtoFuture", "Worker", "register", "Dispatch", "Execute"):
+    for name in ("DataProto", "DataProtoFuture", "Worker", "register", "Dispatch", "Execute"):
         assert getattr(verl, name) is getattr(rankmesh, name), name
+    assert verl.DataProtoConfig is rankmesh.data.DataProtoConfig  # a verl mechanic: not on the front door
     for name in ("RayResourcePool", "RayClassWithInitArgs", "RayWorkerGroup"):
         from rankmesh.backends import ray as ray_backend
 
@@ -65,7 +66,7 @@ def test_ported_worker_runs_with_verl_semantics(group):
 def test_global_auto_padding_pads_internally_and_returns_exactly_the_rows(group):
     x = torch.arange(6, dtype=torch.float32)
     batch = verl.DataProto.from_dict(tensors={"x": x.clone()})
-    with pytest.raises(rankmesh.PaddingError, match="6"):
+    with pytest.raises(rankmesh.errors.PaddingError, match="6"):
         group.add_rank(batch)
     previous = verl.DataProtoConfig.auto_padding
     verl.DataProtoConfig.auto_padding = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -170,6 +171,25 @@ def test_pickle_round_trip_and_bad_parts():
     with pytest.raises(DataProtoError, match="not a DataProto"):
         DataProtoFuture.from_parts(["x"], identity_fetch, rows=[1]).get()
 
+
+
+def test_counts_follow_one_rule_numpy_ints_accepted_bools_refused():
+    """DataProto and DataProtoFuture check counts alike (they had drifted: numpy ints refused here)."""
+    store, handles = make_parts([2, 2])
+    known = DataProtoFuture.from_parts(handles, store, rows=[np.int64(2), 2], pad_size=np.int32(1))
+    unknown = DataProtoFuture.from_parts(handles, store)
+    assert rows_of(known.unpad(np.int64(1)).get()) == [0, 1]
+    assert rows_of(unknown.unpad(np.int64(1)).get()) == [0, 1, 2]
+    assert rows_of(store.parts["p0"].unpad(np.int64(1))) == [0]
+    assert len(known.pad_to_divisor(np.int64(4))[0]) == 4 and len(known.chunk(np.int8(3))) == 3
+    for fut in (known, unknown, store.parts["p0"]):
+        for bad in (True, -1, 1.0):
+            with pytest.raises(DataProtoError, match="pad_size"):
+                fut.unpad(bad)
+        with pytest.raises(DataProtoError, match="chunks"):
+            fut.chunk(True)
+    with pytest.raises(DataProtoError, match="pad_size"):
+        known.unpad(4)  # more than the 3 rows it has
 
 @settings(max_examples=60, deadline=None)
 @given(

@@ -248,7 +248,7 @@ def test_split():
 def test_concat_values_and_meta_merge(caplog):
     a = make(2, meta={"temp": 1.0, "metrics": {"loss": 1.0}, "rank": 0})
     b = make(3, meta={"temp": 1.0, "metrics": {"loss": 2.0, "acc": 0.5}, "rank": 1})
-    with caplog.at_level(logging.DEBUG, logger="rankmesh.data.collate"):
+    with caplog.at_level(logging.DEBUG, logger="rankmesh.data.columns"):
         c = DataProto.concat([a, b])
     assert torch.equal(c.batch["ids"], torch.tensor([0, 10, 0, 10, 20]))
     assert list(c.non_tensor_batch["names"]) == ["r0", "r1", "r0", "r1", "r2"]

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rankmesh import serialization
-from rankmesh.data import DataProto, DataProtoFuture, ray_fetch
+from rankmesh.data import DataProto, DataProtoFuture
+from rankmesh.errors import DataProtoError
 
 MIB = 1 << 20
 
@@ -154,7 +155,7 @@ def test_two_receivers_are_isolated():
 def test_object_columns_in_band():
     col = np.empty(3, dtype=object)
     col[:] = [{"a": 1}, None, [1, 2]]
-    assert serialization.reduce_ndarray(col)[0] == "pickle"
+    assert isinstance(serialization.reduce_ndarray(col), serialization.PickledArray)
     d = DataProto(non_tensor_batch={"o": col})
     data, bufs = serialization.dumps(d)
     assert bufs == []
@@ -233,17 +234,21 @@ def test_ray_round_trip_is_writable_and_isolated(ray_local, total_mib):
 
 
 def test_ray_future_routes_only_needed_parts(ray_local):
+    from rankmesh.backends.ray.waiting import fetch_refs  # the Ray backend's fetch (data knows no Ray)
+
     ray = ray_local
     parts = [DataProto.from_dict({"i": torch.arange(3) + 3 * r}, meta_info={"metrics": {"r": r}}) for r in range(4)]
     refs = [ray.put(p) for p in parts]
-    fut = DataProtoFuture.from_parts(refs, ray_fetch, rows=[3] * 4, pad_size=2)
+    fut = DataProtoFuture.from_parts(refs, fetch_refs, rows=[3] * 4, pad_size=2)
     assert len(fut) == 10
     first, second = fut.chunk(2)
     assert first.handles == refs[:2] and second.handles == refs[1:]
     moved = ray.get(ray.put(second))  # futures travel through Ray (nested ObjectRefs)
     assert moved.get().batch["i"].tolist() == [5, 6, 7, 8, 9]
     assert fut.get().meta_info["metrics"] == {"r": [0, 1, 2, 3]}
-    assert DataProtoFuture.concat(refs).get().batch["i"].tolist() == list(range(12))
+    assert DataProtoFuture.concat(refs, fetch=fetch_refs).get().batch["i"].tolist() == list(range(12))
+    with pytest.raises(DataProtoError, match="fetch="):  # raw handles need the backend's fetch
+        DataProtoFuture.concat(refs)
 
 
 def test_borrowed_buffers_skip_the_receive_copy_only_inside_the_block():

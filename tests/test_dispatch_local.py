@@ -43,10 +43,17 @@ class CountingExecutor:
         self.calls.append(list(calls))
         return self.inner.submit(role, method, calls)
 
-    def fetch(self, pending, timeout=None):
-        return self.inner.fetch(pending, timeout)
+    call_timeout_s = None
+    closed = False
+    failed = None
 
-    def fetcher(self):
+    def close(self):
+        self.inner.close()
+
+    def fetch(self, pending, timeout=None, borrow=False):
+        return self.inner.fetch(pending, timeout, borrow)
+
+    def fetcher(self, timeout=None):
         fetched = self.fetched
 
         def counting_fetch(handles):

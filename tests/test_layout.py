@@ -15,7 +15,7 @@ from rankmesh.layout import (
     LayoutNotFoundError,
     PoolSpec,
     Problem,
-    RoleSpec,
+    LayoutRole,
     find_layout,
     layout_dirs,
     list_layouts,
@@ -383,7 +383,7 @@ def test_programmatic_specs_check_their_counts():
         PoolSpec("p", (4, 4), (0, 0))
     pool = PoolSpec("p", (4, 4))
     assert pool.nodes == (0, 1)
-    role = RoleSpec("r", pool)
+    role = LayoutRole("r", pool)
     assert role.mesh().world_size == 8 and role.mesh().size("dp") == 8
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("ray")
 
 
 def test_demo_two_iterations(ray_session, tmp_path, capsys) -> None:
-    from rankmesh.demo import main
+    from rankmesh.demo_cli import main
 
     report = tmp_path / "demo.json"
     code = main(["--iterations", "2", "--no-progress", "--json", str(report)])

@@ -12,7 +12,8 @@ import warnings
 import numpy as np
 import pytest
 
-from rankmesh import DistGlobalInfo, DistRankInfo, MeshError, RankGrid, RankMesh
+from rankmesh import DistGlobalInfo, DistRankInfo, MeshError, RankMesh
+from rankmesh.mesh import RankGrid
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rankmesh import Placement, PlacementError, RankMesh
+from rankmesh import Placement, RankMesh
+from rankmesh.errors import PlacementError
 
 
 def test_uniform_and_heterogeneous_nodes():

@@ -15,7 +15,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rankmesh.backends.ray import RayWorkerGroup  # noqa: E402
-from rankmesh.backends.ray.actor import actor_name, rank_of_name  # noqa: E402
+from rankmesh.backends.ray.hosts import actor_name, rank_of_name  # noqa: E402
 from rankmesh.backends.ray.runtime import DETACHED_NAMESPACE  # noqa: E402
 from rankmesh.dispatch import Dispatch, register  # noqa: E402
 from rankmesh.errors import BackendError  # noqa: E402

@@ -3,7 +3,7 @@
 Actors are processes, and starting one costs 2-3 s of CPU here (``import torch``/``tensordict``),
 so this module reuses processes: :class:`HostCache` keeps one set of host actors per world size
 and, when a test asks for a different worker class or mesh of that size, tears the old workers
-down and builds the new ones in the same processes (``RayWorkerGroup._on_hosts``).  Starting
+down and builds the new ones in the same processes (``RayWorkerGroup.on_hosts``).  Starting
 groups from scratch is covered by ``test_ray_group.py``.  The matrix drains worker logs before
 use, so reusing a group across tests is safe; ``conftest.py`` orders this module's tests by
 mesh so that rebuilds stay rare.  Meshes above :data:`MAX_RAY_RANKS` ranks run on the
@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
-from rankmesh.backends.ray.actor import HostSet, launch_hosts  # noqa: E402
+from rankmesh.backends.ray.hosts import HostSet, launch_hosts  # noqa: E402
 from rankmesh.data import DataProto  # noqa: E402
 from rankmesh.dispatch import Dispatch, register  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
@@ -71,7 +71,7 @@ class HostCache:
             self.rebuilt += 1
         entry.key, entry.group = None, None
         init = RayClassWithInitArgs(worker_cls, *init_args, **(init_kwargs or {}))
-        entry.group = RayWorkerGroup._on_hosts(entry.hosts, init, mesh=mesh, meshes=meshes)
+        entry.group = RayWorkerGroup.on_hosts(entry.hosts, init, mesh=mesh, meshes=meshes)
         entry.key = key
         return entry.group
 
@@ -171,7 +171,7 @@ def test_in_place_change_in_one_rank_stays_there(holder_group):
 
 def test_only_collect_ranks_send_outputs(holder_group):
     # tp2 x dp2: collect ranks are tp==0 -> 0 and 2; ranks 1 and 3 run but return nothing.
-    from rankmesh.executor import RankCall
+    from rankmesh.backend import RankCall
 
     ex = holder_group.executor
     calls = [RankCall(r, (1 << 20,), return_output=r in (0, 2)) for r in range(4)]
@@ -183,11 +183,11 @@ def test_only_collect_ranks_send_outputs(holder_group):
 
 
 def test_fetch_timeout_names_the_slow_ranks(ray_session):
-    from rankmesh.backends.ray.transport import Pending, RayExecutor
+    from rankmesh.backends.ray.waiting import Pending, fetch_outputs
     from rankmesh.errors import FetchTimeoutError
 
     sleepy = ray.remote(num_cpus=0)(lambda: __import__("time").sleep(2))
     ref = sleepy.remote()
     with pytest.raises(FetchTimeoutError, match=r"ranks \[5\] did not finish"):
-        RayExecutor([]).fetch([Pending(ref, 5, "sleepy")], timeout=0.3)
+        fetch_outputs([Pending(ref, 5, "sleepy")], timeout=0.3)
     ray.cancel(ref, force=True)

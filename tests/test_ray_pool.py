@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import datetime
 import errno
+import json
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -146,6 +150,64 @@ def test_pool_that_cannot_fit_fails_fast_with_details(ray_session):
     assert "127.0.0.1" in text and "CPU" in text and "/16" in text
     # Nothing stays reserved after the failure.
     assert _wait_cpus(before) >= before
+
+
+#: Run in a fresh process (Ray allows one connection per process, and the session's Ray is up):
+#: a worker group on part of a pool of ``n`` CPU processes, ``n`` more than the machine's cores,
+#: starts the embedded Ray itself.  Were it started with one CPU per core, the pool could not be
+#: placed.  Once Ray runs it is never resized, so a later pool that does not fit still fails.
+EMBEDDED_RAY_SCRIPT = """
+import json, os
+import ray
+from rankmesh import Dispatch, RankMesh, Worker, register
+from rankmesh import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from rankmesh.errors import ResourcePoolError
+from rankmesh.backends.ray import split_resource_pool
+
+class Echo(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def whoami(self):
+        return self.rank
+
+n = max(8, (os.cpu_count() or 1) + 1)
+pool = RayResourcePool([n], use_gpu=False)
+two, rest = split_resource_pool(pool, [2, n - 2])
+assert not ray.is_initialized()
+wg = RayWorkerGroup(two, RayClassWithInitArgs(Echo), mesh=RankMesh(dp=2))
+report = {"n": n, "ranks": wg.whoami(), "slots": len(pool.slots()), "cpus": ray.cluster_resources()["CPU"]}
+try:
+    RayResourcePool([1], use_gpu=False, ready_timeout=1.0).slots()
+except ResourcePoolError as exc:
+    report["error"] = str(exc)
+wg.shutdown()
+ray.shutdown()
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_pool_starts_the_embedded_ray_with_enough_cpus_for_itself():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", EMBEDDED_RAY_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
+    report = json.loads(line[len("REPORT "):])
+    n = report["n"]
+    assert n > (os.cpu_count() or 1) and report["ranks"] == [0, 1]
+    assert report["slots"] == n  # the whole pool is placed, not only the group's share
+    assert report["cpus"] == n  # max(cores, n): exactly what the pool reserves
+    # The running Ray is not resized for a later pool: the clear error, with how to fix it.
+    assert "entry 0: 1 x {'CPU': 1.0} NOT placed (needs {'CPU': 1.0} on one node)" in report["error"]
+    assert f"CPU 0/{n}" in report["error"]
+    assert "ensure_ray(num_cpus=N)" in report["error"]
+
+
+def test_embedded_ray_is_sized_for_the_whole_pool():
+    assert RayResourcePool([8], use_gpu=False).reserved_cpus == 8
+    assert RayResourcePool([2, 3], use_gpu=True, max_colocate_count=2).reserved_cpus == 10
+    halves = split_resource_pool(RayResourcePool([4, 4], use_gpu=False), 4)
+    assert halves[1].reserved_cpus == 8  # a view places its root's bundles
 
 
 def test_gpu_pool_on_cpu_cluster_names_missing_gpu(ray_session):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rankmesh.backends.ray.actor import actor_name, rank_of_name
+from rankmesh.backends.ray.hosts import actor_name, rank_of_name
 from rankmesh.errors import LayoutError
 from rankmesh.layout import load_layout, parse_layout
 

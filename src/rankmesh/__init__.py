@@ -1,111 +1,76 @@
 """rankmesh: one controller driving groups of Megatron-parallel workers on Ray.
 
-``import rankmesh`` stays light: it never imports megatron-core (only ``rankmesh.megatron`` does).
+The front door holds what a user of rankmesh writes every day: the mesh, the batch, the
+``@register`` decorator and its modes, the worker and group classes, layouts, and the errors worth
+catching.  Everything else is reachable from its own module (``rankmesh.mesh.RankGrid``,
+``rankmesh.dispatch.DispatchPlan`` ...), and verl's names for porting worker code live in
+:mod:`rankmesh.compat.verl`.  ``docs/architecture.md`` maps the modules.
+
+``import rankmesh`` stays light: it never imports megatron-core (only ``rankmesh.megatron``
+does), and the Ray backend's names (:data:`RAY_NAMES`) are loaded on first use, so Ray is imported
+only when one of them is touched.  They show in ``dir(rankmesh)`` but not in ``__all__``, so
+``from rankmesh import *`` does not import Ray either; import them by name.
 """
 
+from rankmesh import lazy
 from rankmesh.backends.local import LocalWorkerGroup
-from rankmesh.data import DataProto, DataProtoConfig, DataProtoFuture
-from rankmesh.dispatch import (
-    Dispatch,
-    DispatchPlan,
-    DispatchRegistry,
-    Execute,
-    MeshSpec,
-    make_nd_compute_dataproto_dispatch_fn,
-    register,
-    register_dispatch_mode,
-    update_dispatch_mode,
-)
+from rankmesh.data import DataProto, DataProtoFuture
+from rankmesh.dispatch import Dispatch, Execute, MeshSpec, register, register_dispatch_mode
 from rankmesh.errors import (
-    BackendError,
-    DataProtoError,
     DispatchError,
+    FetchTimeoutError,
     LayoutError,
     MeshError,
-    MeshMismatchError,
-    PaddingError,
-    PlacementError,
     RankMeshError,
-    ResourcePoolError,
-    WorkerEnvError,
-    FetchTimeoutError,
     WorkerDiedError,
     WorkerError,
 )
-from rankmesh.group import GroupFuture, WorkerGroup
-from rankmesh.mesh import DistGlobalInfo, DistRankInfo, RankGrid, RankMesh
-from rankmesh.layout import Layout, list_layouts, load_layout, validate_layout
+from rankmesh.group import WorkerGroup
+from rankmesh.layout import Layout, load_layout
+from rankmesh.mesh import DistGlobalInfo, DistRankInfo, RankMesh
 from rankmesh.placement import Placement
-from rankmesh.worker import Worker, WorkerContext
+from rankmesh.worker import Worker
 
 __version__ = "0.1.0"
 
-#: Names of the Ray backend, loaded on first use so that ``import rankmesh`` does not import Ray.
-_RAY_NAMES = {
+RAY_NAMES: dict[str, str] = {
     "RayResourcePool": "rankmesh.backends.ray",
     "RayClassWithInitArgs": "rankmesh.backends.ray",
     "RayWorkerGroup": "rankmesh.backends.ray",
     "create_colocated_worker_cls": "rankmesh.backends.ray",
-    "split_resource_pool": "rankmesh.backends.ray",
-    "init_torch_distributed": "rankmesh.backends.ray",
-    "ensure_ray": "rankmesh.backends.ray",
 }
+"""The Ray backend's front-door names, each loaded (with Ray) on first attribute access."""
 
-
-def __getattr__(name: str):
-    module = _RAY_NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rankmesh' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy.lazy_exports(__name__, RAY_NAMES, globals())
 
 __all__ = [
-    "BackendError",
-    "DataProto",
-    "DataProtoConfig",
-    "DataProtoError",
-    "DataProtoFuture",
-    "Dispatch",
-    "DispatchError",
-    "DispatchPlan",
-    "DispatchRegistry",
+    # the mesh and where its ranks run
     "DistGlobalInfo",
     "DistRankInfo",
-    "Execute",
-    "FetchTimeoutError",
-    "GroupFuture",
-    "Layout",
-    "LayoutError",
-    "LocalWorkerGroup",
-    "MeshError",
-    "MeshMismatchError",
-    "MeshSpec",
-    "PaddingError",
     "Placement",
-    "PlacementError",
-    "RankGrid",
     "RankMesh",
-    "RankMeshError",
-    "RayClassWithInitArgs",
-    "RayResourcePool",
-    "RayWorkerGroup",
-    "ResourcePoolError",
-    "Worker",
-    "WorkerContext",
-    "WorkerDiedError",
-    "WorkerEnvError",
-    "WorkerError",
-    "WorkerGroup",
-    "create_colocated_worker_cls",
-    "ensure_ray",
-    "init_torch_distributed",
-    "list_layouts",
-    "load_layout",
-    "make_nd_compute_dataproto_dispatch_fn",
+    # batches
+    "DataProto",
+    "DataProtoFuture",
+    # declaring worker methods
+    "Dispatch",
+    "Execute",
+    "MeshSpec",
     "register",
     "register_dispatch_mode",
-    "split_resource_pool",
-    "update_dispatch_mode",
-    "validate_layout",
+    # workers and groups (the Ray group: see RAY_NAMES)
+    "LocalWorkerGroup",
+    "Worker",
+    "WorkerGroup",
+    # layouts
+    "Layout",
+    "load_layout",
+    # errors worth catching (all of them: rankmesh.errors)
+    "DispatchError",
+    "FetchTimeoutError",
+    "LayoutError",
+    "MeshError",
+    "RankMeshError",
+    "WorkerDiedError",
+    "WorkerError",
 ]

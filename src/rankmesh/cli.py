@@ -1,17 +1,18 @@
-"""The ``rankmesh`` command line: inspect, validate and draw parallel layouts.
+"""The ``rankmesh`` command line: inspect, validate and draw parallel layouts, run the demo.
 
-Subcommands are registered, not hard-wired, so other modules can add their own::
+Subcommands are a table, not hard-wired branches: ``rankmesh layout`` is set up here,
+``rankmesh demo`` by :mod:`rankmesh.demo_cli` (imported here, and light: Ray, torch and
+megatron-core load only when the command runs).  Code embedding rankmesh can add its own::
 
     from rankmesh.cli import add_command
 
-    def setup(parser):                       # an argparse parser for `rankmesh demo`
+    def setup(parser):                       # an argparse parser for `rankmesh steps`
         parser.add_argument("--steps", type=int, default=3)
         parser.set_defaults(handler=run)     # run(args) -> exit code
 
-    add_command("demo", setup, help="run the CPU demo")
+    add_command("steps", setup, help="run some steps")
 
-A module named in :data:`COMMAND_MODULES` is imported when the parser is built (if it exists), so
-registering there is enough; keep its top level light (import Ray inside the handler).
+Imports go one way: this module imports the command modules; they never import it.
 
 Every error a user can cause ends as one line ``rankmesh: error: ...`` on stderr and exit code 2
 (``layout validate`` exits 1 when the layout has errors); never a traceback.
@@ -20,15 +21,25 @@ Every error a user can cause ends as one line ``rankmesh: error: ...`` on stderr
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
 from typing import Any, Callable, Sequence
 
-from rankmesh.errors import MeshError, RankMeshError
-from rankmesh.layout import Layout, LayoutError, LayoutNotFoundError, RoleSpec, find_layout, list_layouts, load_layout
-from rankmesh.mesh import DEFAULT_ORDER, RankMesh, check_size
+from rankmesh import __version__, demo_cli
+from rankmesh.errors import MeshError, RankMeshError, UsageError
+from rankmesh.layout import (
+    Layout,
+    LayoutError,
+    LayoutNotFoundError,
+    LayoutRole,
+    find_layout,
+    list_layouts,
+    load_layout,
+    validate_layout,
+)
+from rankmesh.mesh import DEFAULT_ORDER, RankMesh
+from rankmesh.validate import positive_int
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +49,7 @@ EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 Setup = Callable[[argparse.ArgumentParser], None]
 """Configures a subcommand's parser and sets ``handler=fn`` with ``fn(args) -> int``."""
 
-COMMAND_MODULES: tuple[str, ...] = ("rankmesh.demo",)
-"""Optional modules imported when the parser is built; they call :func:`add_command`."""
-
 _COMMANDS: dict[str, tuple[Setup, str]] = {}
-
-
-class UsageError(RankMeshError):
-    """Bad command-line input (argparse's complaints included): exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,20 +67,7 @@ def add_command(name: str, setup: Setup, help: str = "") -> None:
     _COMMANDS[name] = (setup, help)
 
 
-def _import_command_modules() -> None:
-    for module in COMMAND_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            log.debug("optional command module %s is not installed", module)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from rankmesh import __version__
-
-    _import_command_modules()
     parser = _Parser(prog=PROG, description="Drive Megatron-parallel worker groups: layout tools.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more diagnostics on stderr")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -217,25 +208,26 @@ def _explicit_counts(args: argparse.Namespace) -> list[int] | None:
             raise UsageError("--process-on-nodes cannot be combined with --nodes/--devices-per-node")
         return args.process_on_nodes
     if args.nodes is not None and args.devices_per_node is not None:
-        return [check_size("--devices-per-node", args.devices_per_node)] * check_size("--nodes", args.nodes)
+        per_node = positive_int(args.devices_per_node, "--devices-per-node", UsageError)
+        return [per_node] * positive_int(args.nodes, "--nodes", UsageError)
     return None
 
 
 def _counts_for_world(args: argparse.Namespace, world: int) -> list[int]:
     if args.nodes is not None:
-        nodes = check_size("--nodes", args.nodes)
+        nodes = positive_int(args.nodes, "--nodes", UsageError)
         if world % nodes:
             raise MeshError(f"{world} ranks do not divide evenly over --nodes {nodes}")
         return [world // nodes] * nodes
     if args.devices_per_node is not None:
-        per_node = check_size("--devices-per-node", args.devices_per_node)
+        per_node = positive_int(args.devices_per_node, "--devices-per-node", UsageError)
         if world % per_node:
             raise MeshError(f"{world} ranks do not fill whole nodes of --devices-per-node {per_node}")
         return [per_node] * (world // per_node)
     return [world]
 
 
-def _selected_roles(layout: Layout, role: str | None) -> list[RoleSpec]:
+def _selected_roles(layout: Layout, role: str | None) -> list[LayoutRole]:
     return [layout.role(role)] if role is not None else list(layout.roles.values())
 
 
@@ -252,7 +244,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def role_report(layout: Layout, role: RoleSpec, rank: int | None = None) -> dict[str, Any]:
+def role_report(layout: Layout, role: LayoutRole, rank: int | None = None) -> dict[str, Any]:
     """Everything ``layout show`` prints about one role, as plain JSON-ready data."""
     mesh = role.mesh()
     placement = role.placement()
@@ -373,7 +365,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             _fail(exc, EXIT_INVALID)
             failed = True
             continue
-        problems = layout.validate(strict=args.strict)
+        problems = validate_layout(layout, strict=args.strict)
         for problem in problems:
             print(problem)
         errors = sum(p.severity == "error" for p in problems)
@@ -400,3 +392,4 @@ def _cmd_draw(args: argparse.Namespace) -> int:
 
 
 add_command("layout", _setup_layout, help="inspect, validate and draw parallel layouts")
+add_command("demo", demo_cli.setup, help=demo_cli.HELP)

@@ -16,17 +16,27 @@ The demo checks itself and exits non-zero unless
 
 The rollout is a fixed replay: the sampler is the frozen initial policy with per-row seeds, so
 every iteration sees the same batch and the losses are deterministic functions of the weights
-(see docs/megatron.md).  Nothing here imports megatron-core or Ray at module level.
+(see docs/megatron.md).  Nothing here imports megatron-core or Ray at module level (the roles
+and the Ray backend are imported when the groups start), so ``rankmesh --help`` stays quick.  The command
+line (``rankmesh demo``, options and exit codes) is :mod:`rankmesh.demo_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence, TextIO
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from rankmesh.data import DataProto
+from rankmesh.layout import load_layout
+from rankmesh.megatron.group import shutdown_megatron_group, start_megatron_group
+from rankmesh.megatron.reference import ReferenceModel, TinyConfig, token_log_probs
+from rankmesh.mesh import RankMesh
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +111,6 @@ class DemoResult:
 
 def make_prompts(cfg: DemoConfig, vocab_size: int):
     """``prompts`` rows, each prompt repeated ``samples_per_prompt`` times, one sampling seed per row."""
-    import torch
-
-    from rankmesh.data.proto import DataProto
-
     gen = torch.Generator().manual_seed(cfg.seed)
     base = torch.randint(0, vocab_size, (cfg.prompts, cfg.prompt_length), generator=gen)
     prompts = base.repeat_interleave(cfg.samples_per_prompt, dim=0)
@@ -143,12 +149,8 @@ def _mean_metric(proto: Any, key: str) -> float:
 
 def resolve_meshes(cfg: DemoConfig):
     """(actor mesh, actor pool counts, critic mesh, critic pool counts, where they came from)."""
-    from rankmesh.mesh import RankMesh
-
     if cfg.layout:
         try:
-            from rankmesh.layout import load_layout
-
             layout = load_layout(cfg.layout)
             actor, critic = layout.role("actor"), layout.role("critic")
             return (actor.mesh(), list(actor.pool.process_on_nodes), critic.mesh(),
@@ -163,7 +165,6 @@ def resolve_meshes(cfg: DemoConfig):
 def start_groups(cfg: DemoConfig, model: dict):
     """Start actor+ref (colocated) and critic, each cross-checked against its mesh."""
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, create_colocated_worker_cls
-    from rankmesh.megatron.group import start_megatron_group
     from rankmesh.megatron.roles import ActorWorker, CriticWorker, RefWorker
 
     actor_mesh, actor_counts, critic_mesh, critic_counts, source = resolve_meshes(cfg)
@@ -182,9 +183,6 @@ def start_groups(cfg: DemoConfig, model: dict):
 
 def gathered_actor_weights(actor) -> tuple[dict, float]:
     """The actor's full weights (dp replica 0, all stages) and the largest difference between replicas."""
-    import numpy as np
-    import torch
-
     pieces = [p for p in actor.gather_full_weights() if p is not None]
     by_dp: dict[int, dict[str, np.ndarray]] = {}
     for p in pieces:
@@ -199,18 +197,15 @@ def gathered_actor_weights(actor) -> tuple[dict, float]:
 
 def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
     """Start the groups, run ``cfg.iterations`` PPO-style iterations, check, shut down."""
-    import torch
     from tqdm import tqdm
 
-    from rankmesh.data.proto import DataProto
-    from rankmesh.megatron.group import connect_ray
-    from rankmesh.megatron.reference import ReferenceModel, TinyConfig, token_log_probs
+    from rankmesh.backends.ray.runtime import ensure_ray
 
     out = out or sys.stdout
     t_start = time.perf_counter()
     result = DemoResult(cfg)
     tcfg = TinyConfig(seed=cfg.seed, max_seq_len=cfg.prompt_length + cfg.response_length)
-    conn = connect_ray(cfg.address, num_cpus=16)
+    conn = ensure_ray(cfg.address, num_cpus=16)
     bar = tqdm(total=cfg.iterations + 1, desc="starting groups", unit="step", disable=not cfg.progress, file=sys.stderr)
     actor = ref = critic = None
     try:
@@ -279,8 +274,6 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
         result.final_logprob_max_diff = float((final - final_ref).abs().max())
     finally:
         bar.close()
-        from rankmesh.megatron.group import shutdown_megatron_group
-
         if ref is not None:
             try:  # colocated: parallel_state goes when its last role lets go
                 ref.destroy_megatron()
@@ -289,10 +282,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
         for group in (actor, critic):
             if group is not None:
                 shutdown_megatron_group(group)
-        if conn.started_here:
-            import ray
-
-            ray.shutdown()
+        conn.close()
     result.total_s = time.perf_counter() - t_start
     _judge(result)
     return result
@@ -343,23 +333,3 @@ def format_summary(result: DemoResult) -> str:
     lines.append(f"demo {verdict}: {len(its)} iterations in {result.total_s:.1f}s "
                  f"(startup {result.startup_s:.1f}s)")
     return "\n".join(lines)
-
-
-# ----- command line (options and exit codes live in rankmesh.demo_cli) ---------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python scripts/launch_actor_critic.py`` / ``python -m rankmesh.demo``; returns the exit code."""
-    from rankmesh.demo_cli import add_arguments, run_from_args
-
-    parser = argparse.ArgumentParser(prog="launch_actor_critic", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
-    return run_from_args(args)
-
-
-from rankmesh import demo_cli as _demo_cli  # noqa: E402,F401  registers `rankmesh demo`
-
-if __name__ == "__main__":
-    sys.exit(main())

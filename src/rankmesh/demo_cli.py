@@ -1,4 +1,4 @@
-"""``rankmesh demo``: the demo's options and exit codes (the run itself is :mod:`rankmesh.demo`).
+"""``rankmesh demo``: the demo's options, entry point and exit codes (the run itself is :mod:`rankmesh.demo`).
 
 Importing this module is cheap: Ray, torch and megatron-core load only when the command runs.
 Exit codes: 0 every self-check passed, 1 a check failed, 2 bad options.
@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
-from typing import TextIO
+from typing import Sequence, TextIO
 
-from rankmesh.cli import add_command
+from rankmesh import demo
+from rankmesh.demo import DemoConfig, format_summary, run_demo
+
+HELP = "run the actor/critic PPO demo on local Ray (CPU, megatron-core); exit 1 if a self-check fails"
+"""The one-line help of ``rankmesh demo``."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (shared by ``rankmesh demo`` and scripts/launch_actor_critic.py)."""
-    from rankmesh.demo import DemoConfig
-
     d = DemoConfig()
     parser.add_argument("--iterations", type=int, default=d.iterations, help="PPO iterations, at least 2 (default %(default)s)")
     parser.add_argument("--layout", default=d.layout, help="layout with actor/ref/critic roles (default %(default)s)")
@@ -35,17 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON")
 
 
-def config_from_args(args: argparse.Namespace):
-    from rankmesh.demo import DemoConfig
-
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
     names = DemoConfig.__dataclass_fields__
     return DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def run_from_args(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run with parsed options, print the table and the checks; the exit code is the verdict."""
-    from rankmesh.demo import format_summary, run_demo
-
     out = out or sys.stdout
     cfg = config_from_args(args)
     if cfg.iterations < 2:
@@ -60,8 +59,19 @@ def run_from_args(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def setup(parser: argparse.ArgumentParser) -> None:
+    """Configure the ``rankmesh demo`` subcommand (:mod:`rankmesh.cli` registers it)."""
     add_arguments(parser)
     parser.set_defaults(handler=run_from_args)
 
 
-add_command("demo", setup, help="run the actor/critic PPO demo on local Ray (CPU, megatron-core); exit 1 if a self-check fails")
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python scripts/launch_actor_critic.py`` / ``python -m rankmesh.demo_cli``; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="launch_actor_critic", description=(demo.__doc__ or "").split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
+    return run_from_args(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

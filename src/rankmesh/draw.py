@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from rankmesh.errors import LayoutError
-from rankmesh.layout import Layout, RoleSpec
+from rankmesh.layout import Layout, LayoutRole
 from rankmesh.mesh import RankMesh
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -99,7 +99,7 @@ def _mesh_label(mesh: RankMesh) -> str:
     return "·".join(parts)
 
 
-def _draw_role(ax: "Axes", role: RoleSpec, names: Sequence[str] = ()) -> bool:
+def _draw_role(ax: "Axes", role: LayoutRole, names: Sequence[str] = ()) -> bool:
     """Draw one role's panel; returns whether some tp group crosses a node."""
     from matplotlib.patches import FancyBboxPatch, Rectangle
 

@@ -1,8 +1,9 @@
-"""Exception types of rankmesh.
+"""Every exception class of rankmesh, in one module that imports nothing from the package.
 
 Every error rankmesh raises on purpose derives from :class:`RankMeshError`, so callers can catch
-the project's failures in one place while still telling them apart.  This module imports nothing
-from the package.
+the project's failures in one place while still telling them apart.  Keeping every class here
+(not beside the code that raises it) lets any layer raise or catch any of them without importing
+another layer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ class MeshError(RankMeshError, ValueError):
 
 class LayoutError(RankMeshError, ValueError):
     """A parallel layout file or its contents are invalid (the message names file, role and field)."""
+
+
+class LayoutNotFoundError(LayoutError):
+    """No layout of that name, or no such file: a usage error rather than a broken layout."""
+
+
+class UsageError(RankMeshError):
+    """Bad command-line input (argparse's complaints included): ``rankmesh`` exits with code 2."""
 
 
 class PlacementError(RankMeshError, ValueError):
@@ -44,6 +53,25 @@ class ResourcePoolError(RankMeshError, RuntimeError):
 
 class BackendError(RankMeshError, RuntimeError):
     """A backend cannot do what was asked: group shut down, worker not found, bad backend options."""
+
+
+class RendezvousError(RankMeshError, RuntimeError):
+    """The torch.distributed environment of a worker is missing or inconsistent (RANK, MASTER_PORT ...)."""
+
+
+class RemoteTraceback(Exception):
+    """A worker's traceback text, set as the ``__cause__`` of the error re-raised in the controller.
+
+    Not a :class:`RankMeshError`: it is never raised on its own, only chained so that Python prints
+    the worker's traceback under the controller's.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class WorkerError(RankMeshError):

@@ -19,15 +19,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from rankmesh import serialization
+from rankmesh.backend import Backend, RankCall, Shared
 from rankmesh.data import DataProtoFuture
 from rankmesh.dispatch.modes import DEFAULT_REGISTRY, DispatchMode, DispatchRegistry, Execute, UserMode
 from rankmesh.dispatch.register import MethodSpec, registered_methods
 from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan, MeshSpec
 from rankmesh.dispatch.split import CallSite, join_outputs, output_future, split_call
 from rankmesh.errors import DispatchError
-from rankmesh.executor import Executor, RankCall, Shared
 from rankmesh.mesh import RankMesh
+from rankmesh.validate import positive_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +42,20 @@ _INLINE_BYTES = 1 << 16
 _EXECUTE_ALL = MeshSpec(split=("rank",), broadcast_fallback=True, name="execute_all")
 
 
+#: Class attributes of a colocated method table (see ``rankmesh.backends.ray.classes``): the role
+#: classes by name, and each group method's route ``name -> (role, worker method)``.
+ROLES_ATTR = "rankmesh_roles"
+ROUTES_ATTR = "rankmesh_routes"
+
+
 @dataclass(frozen=True)
 class Binding:
     """One group method, resolved: what to run, how to split, where outputs come from.
 
-    ``plan`` is ``None`` only for verl-style meshes the workers register themselves; the group
-    asks them on the first call.
+    ``role``/``target`` name the worker object and its method that a call of ``name`` runs
+    (``target == name`` except on a colocated method table, where ``actor_x`` runs ``x`` of role
+    ``actor``).  ``plan`` is ``None`` only for verl-style meshes the workers register themselves;
+    the group asks them on the first call.
     """
 
     name: str
@@ -55,6 +63,8 @@ class Binding:
     entry: MeshSpec | UserMode
     plan: DispatchPlan | None
     site: CallSite
+    role: str | None
+    target: str
 
 
 class GroupFuture:
@@ -83,6 +93,34 @@ class GroupFuture:
         return f"GroupFuture({'done' if self._done else f'{len(self._pending)} pending'})"
 
 
+class GroupMethod:
+    """One bound group method (``wg.compute``): calling it runs one group call.
+
+    It shows the worker method's name, doc and signature (minus ``self``), so ``help`` and
+    ``inspect.signature`` read like the worker's; ``rankmesh_binding`` is its resolved
+    :class:`Binding`.  ``timeout_s`` bounds each call (``None``: the group's ``call_timeout_s``).
+    """
+
+    def __init__(self, group: "WorkerGroup", bound: "BoundMethod", timeout_s: float | None = None) -> None:
+        self.__name__ = bound.binding.name
+        self.__qualname__ = f"{type(group).__name__}.{bound.binding.name}"
+        self.__doc__ = bound.doc
+        self.__module__ = bound.module
+        self.__signature__ = bound.signature
+        self.rankmesh_binding = bound.binding
+        self._group, self._bound, self._timeout_s = group, bound, timeout_s
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._group._call(self.rankmesh_binding, args, kwargs, self._timeout_s)
+
+    def with_timeout(self, timeout_s: float) -> "GroupMethod":
+        """This method with each call bounded by ``timeout_s`` seconds."""
+        return GroupMethod(self._group, self._bound, timeout_s)
+
+    def __repr__(self) -> str:
+        return f"<group method {self.__qualname__}>"
+
+
 class TimedGroup:
     """``wg.with_timeout(s)``: the group's methods, each call bounded by ``s`` seconds.
 
@@ -94,15 +132,9 @@ class TimedGroup:
 
     def __getattr__(self, name: str) -> Any:
         group = self._group
-        if name in group._method_names:
-            binding = getattr(group, name).rankmesh_binding
-
-            def method(*args: Any, **kwargs: Any) -> Any:
-                return group._call(binding, args, kwargs, timeout=self._timeout_s)
-
-            method.__name__ = name
-            method.__doc__ = getattr(group, name).__doc__
-            return method
+        if name in group.method_names:
+            method: GroupMethod = getattr(group, name)
+            return method.with_timeout(self._timeout_s)
         if name.startswith("execute_"):
             raise DispatchError(f"{name} does not take a timeout; use a @register method or call_timeout_s on the group")
         return getattr(group, name)
@@ -121,6 +153,120 @@ def _public_signature(func: Callable[..., Any], static: bool) -> inspect.Signatu
     return sig.replace(parameters=params if static else params[1:])
 
 
+def check_meshes(world: int, mesh: RankMesh, extra: Mapping[str, RankMesh]) -> dict[str, RankMesh]:
+    """``{"default": mesh, **extra}`` after checking that every mesh covers ``world`` ranks."""
+    if not isinstance(mesh, RankMesh):
+        raise DispatchError(f"mesh must be a RankMesh, got {type(mesh).__name__}")
+    if DEFAULT_MESH in extra and extra[DEFAULT_MESH] != mesh:
+        raise DispatchError(f"meshes[{DEFAULT_MESH!r}] differs from mesh; pass the training mesh as mesh=")
+    meshes = {DEFAULT_MESH: mesh, **extra}
+    for name, m in meshes.items():
+        if not isinstance(m, RankMesh):
+            raise DispatchError(f"mesh {name!r} must be a RankMesh, got {type(m).__name__}")
+        if m.world_size != world:
+            raise DispatchError(f"mesh {name!r} ({m}) covers {m.world_size} ranks but the group has {world}")
+    return meshes
+
+
+@dataclass(frozen=True)
+class BoundMethod:
+    """A group method to install: its binding plus what it shows of the worker method."""
+
+    binding: Binding
+    signature: inspect.Signature
+    doc: str | None
+    module: str
+
+
+@dataclass(frozen=True)
+class MethodTable:
+    """A worker class's group methods resolved for a mesh: everything binding decides, no backend.
+
+    Built by :meth:`build` before any process starts, so a bad mesh or mode fails before a
+    backend spends anything; :class:`WorkerGroup` then installs it over a backend.
+    """
+
+    worker_cls: type
+    mesh: RankMesh
+    meshes: dict[str, RankMesh]
+    role: str | None
+    registry: DispatchRegistry
+    methods: dict[str, BoundMethod]
+
+    @classmethod
+    def build(
+        cls,
+        worker_cls: type,
+        world_size: int,
+        mesh: RankMesh | None = None,
+        meshes: Mapping[str, RankMesh] | None = None,
+        role: str | None = None,
+        registry: DispatchRegistry | None = None,
+        group_type: type = object,
+    ) -> "MethodTable":
+        """Resolve every ``@register`` method of ``worker_cls`` for ``mesh`` (default ``RankMesh(dp=world_size)``).
+
+        ``group_type`` is the group class the methods will be set on: a registered method may
+        not shadow one of its attributes.
+        """
+        mesh = mesh if mesh is not None else RankMesh(dp=world_size)
+        table = cls(worker_cls, mesh, check_meshes(world_size, mesh, meshes or {}), role, registry or DEFAULT_REGISTRY, {})
+        taken = set(dir(group_type))
+        for name, (func, spec, static) in registered_methods(worker_cls).items():
+            if name in taken:
+                raise DispatchError(f"{worker_cls.__name__}.{name} is registered but clashes with {group_type.__name__}.{name}")
+            signature = _public_signature(func, static)
+            params = tuple(
+                p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            )
+            table.methods[name] = BoundMethod(
+                table.resolve(name, spec, params), signature, func.__doc__, getattr(func, "__module__", __name__)
+            )
+        return table
+
+    @property
+    def extra_meshes(self) -> dict[str, RankMesh]:
+        """The named meshes besides the default one (what a group was given as ``meshes``)."""
+        return {k: v for k, v in self.meshes.items() if k != DEFAULT_MESH}
+
+    def route(self, name: str) -> tuple[str | None, str]:
+        """The (role, worker method) a call of group method ``name`` runs."""
+        routes: Mapping[str, tuple[str, str]] = getattr(self.worker_cls, ROUTES_ATTR, {})
+        return routes.get(name, (self.role, name))
+
+    def resolve(self, name: str, spec: MethodSpec, params: tuple[str, ...]) -> Binding:
+        """The binding of method ``name`` registered with ``spec`` (``params``: its positional names)."""
+        label = _mode_label(spec.dispatch_mode)
+        site = CallSite(f"{self.worker_cls.__name__}.{name}", params, label)
+        role, target = self.route(name)
+        try:
+            entry = self.registry.resolve(spec.dispatch_mode)
+        except DispatchError as exc:
+            raise site.error(str(exc)) from exc
+        if isinstance(entry, UserMode):
+            return Binding(name, spec, entry, None, site, role, target)
+        if spec.execute_mode is Execute.RANK_ZERO:
+            if entry.split and not entry.broadcast_fallback:
+                raise site.error(
+                    f"Execute.RANK_ZERO runs rank 0 alone and cannot serve a mode that splits arguments over {entry.split}"
+                )
+            entry = entry.replace(
+                split=(), broadcast_fallback=False, padding=False, collect={"rank": 0}, run="collect", output="single"
+            )
+        return Binding(name, spec, entry, self._plan(entry, site), site, role, target)
+
+    def _plan(self, spec: MeshSpec, site: CallSite) -> DispatchPlan | None:
+        mesh = self.meshes.get(spec.mesh)
+        if mesh is None:
+            if spec.split == ("dp",) and spec.collect_map == dict(MEGATRON_COLLECT) and spec.run == "all":
+                return None  # verl style: the workers register this mesh; asked on first call
+            raise site.error(f"uses mesh {spec.mesh!r}, but the group has meshes {sorted(self.meshes)}")
+        try:
+            return spec.plan(mesh)
+        except DispatchError as exc:
+            raise site.error(str(exc)) from exc
+
+
 class WorkerGroup:
     """A group of ranks running one worker class, driven like one local object.
 
@@ -131,93 +277,28 @@ class WorkerGroup:
 
     def __init__(
         self,
-        executor: Executor,
+        executor: Backend,
         worker_cls: type,
         mesh: RankMesh | None = None,
         meshes: Mapping[str, RankMesh] | None = None,
         role: str | None = None,
         registry: DispatchRegistry | None = None,
     ) -> None:
-        self._executor = executor
-        self._worker_cls = worker_cls
-        self._role = role
-        self._registry = registry or DEFAULT_REGISTRY
-        world = executor.world_size
-        self._mesh = mesh if mesh is not None else RankMesh(dp=world)
-        self._meshes = self._check_meshes(world, self._mesh, meshes or {})
-        self._registered_plans: dict[str, DispatchPlan] = {}
-        self._adhoc: dict[tuple[str, str], Binding] = {}
-        self._method_names: list[str] = []
-        for name, (func, spec, static) in registered_methods(worker_cls).items():
-            self._bind(name, func, spec, static)
+        table = MethodTable.build(worker_cls, executor.world_size, mesh, meshes, role, registry, type(self))
+        self._install(executor, table)
 
     # ----- construction ------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_meshes(world: int, mesh: RankMesh, extra: Mapping[str, RankMesh]) -> dict[str, RankMesh]:
-        if not isinstance(mesh, RankMesh):
-            raise DispatchError(f"mesh must be a RankMesh, got {type(mesh).__name__}")
-        if DEFAULT_MESH in extra and extra[DEFAULT_MESH] != mesh:
-            raise DispatchError(f"meshes[{DEFAULT_MESH!r}] differs from mesh; pass the training mesh as mesh=")
-        meshes = {DEFAULT_MESH: mesh, **extra}
-        for name, m in meshes.items():
-            if not isinstance(m, RankMesh):
-                raise DispatchError(f"mesh {name!r} must be a RankMesh, got {type(m).__name__}")
-            if m.world_size != world:
-                raise DispatchError(f"mesh {name!r} ({m}) covers {m.world_size} ranks but the group has {world}")
-        return meshes
-
-    def _bind(self, name: str, func: Callable[..., Any], spec: MethodSpec, static: bool) -> None:
-        if hasattr(type(self), name) or name in self.__dict__:
-            raise DispatchError(f"{self._worker_cls.__name__}.{name} is registered but clashes with WorkerGroup.{name}")
-        signature = _public_signature(func, static)
-        params = tuple(
-            p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        )
-        binding = self._resolve(name, spec, params)
-        group = self
-
-        def method(*args: Any, **kwargs: Any) -> Any:
-            return group._call(binding, args, kwargs)
-
-        method.__name__ = name
-        method.__qualname__ = f"{type(self).__name__}.{name}"
-        method.__doc__ = func.__doc__
-        method.__module__ = getattr(func, "__module__", __name__)
-        method.__signature__ = signature  # type: ignore[attr-defined]
-        method.rankmesh_binding = binding  # type: ignore[attr-defined]
-        setattr(self, name, method)
-        self._method_names.append(name)
-
-    def _resolve(self, name: str, spec: MethodSpec, params: tuple[str, ...]) -> Binding:
-        label = _mode_label(spec.dispatch_mode)
-        site = CallSite(f"{self._worker_cls.__name__}.{name}", params, label)
-        try:
-            entry = self._registry.resolve(spec.dispatch_mode)
-        except DispatchError as exc:
-            raise site.error(str(exc)) from exc
-        if isinstance(entry, UserMode):
-            return Binding(name, spec, entry, None, site)
-        if spec.execute_mode is Execute.RANK_ZERO:
-            if entry.split and not entry.broadcast_fallback:
-                raise site.error(
-                    f"Execute.RANK_ZERO runs rank 0 alone and cannot serve a mode that splits arguments over {entry.split}"
-                )
-            entry = entry.replace(
-                split=(), broadcast_fallback=False, padding=False, collect={"rank": 0}, run="collect", output="single"
-            )
-        return Binding(name, spec, entry, self._plan(entry, site), site)
-
-    def _plan(self, spec: MeshSpec, site: CallSite) -> DispatchPlan | None:
-        mesh = self._meshes.get(spec.mesh)
-        if mesh is None:
-            if spec.split == ("dp",) and spec.collect_map == dict(MEGATRON_COLLECT) and spec.run == "all":
-                return None  # verl style: the workers register this mesh; asked on first call
-            raise site.error(f"uses mesh {spec.mesh!r}, but the group has meshes {sorted(self._meshes)}")
-        try:
-            return spec.plan(mesh)
-        except DispatchError as exc:
-            raise site.error(str(exc)) from exc
+    def _install(self, executor: Backend, table: MethodTable) -> None:
+        """Drive ``executor`` with the methods of ``table`` (the one place a group gets its state)."""
+        if table.mesh.world_size != executor.world_size:
+            raise DispatchError(f"mesh {table.mesh} covers {table.mesh.world_size} ranks but the backend has {executor.world_size}")
+        self._executor = executor
+        self._table = table
+        self._registered_plans: dict[str, DispatchPlan] = {}
+        self._adhoc: dict[tuple[str, str], Binding] = {}
+        for name, bound in table.methods.items():
+            setattr(self, name, GroupMethod(self, bound))
 
     # ----- introspection -----------------------------------------------------------------------
 
@@ -227,35 +308,35 @@ class WorkerGroup:
 
     @property
     def mesh(self) -> RankMesh:
-        return self._mesh
+        return self._table.mesh
 
     @property
     def meshes(self) -> dict[str, RankMesh]:
-        return dict(self._meshes)
+        return dict(self._table.meshes)
 
     @property
-    def executor(self) -> Executor:
+    def executor(self) -> Backend:
         return self._executor
 
     @property
     def registry(self) -> DispatchRegistry:
-        return self._registry
+        return self._table.registry
 
     @property
     def worker_cls(self) -> type:
-        return self._worker_cls
+        return self._table.worker_cls
 
     @property
     def role(self) -> str | None:
-        return self._role
+        return self._table.role
 
     @property
     def method_names(self) -> list[str]:
         """Names of the bound ``@register`` methods."""
-        return list(self._method_names)
+        return list(self._table.methods)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._worker_cls.__name__}, {self._mesh}, methods={len(self._method_names)})"
+        return f"{type(self).__name__}({self.worker_cls.__name__}, {self.mesh}, methods={len(self._table.methods)})"
 
     def with_timeout(self, timeout_s: float) -> TimedGroup:
         """This group with every call bounded by ``timeout_s`` seconds (blocking or ``.get()``).
@@ -264,17 +345,29 @@ class WorkerGroup:
         keep running (stop them with ``shutdown()``).  The in-process backend runs calls before
         returning, so there is nothing to bound there.
         """
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise DispatchError(f"with_timeout needs a positive number of seconds, got {timeout_s!r}")
-        return TimedGroup(self, float(timeout_s))
+        return TimedGroup(self, positive_seconds(timeout_s, "with_timeout(timeout_s)", DispatchError))
+
+    # ----- lifetime ----------------------------------------------------------------------------
+
+    @property
+    def call_timeout_s(self) -> float | None:
+        """Seconds every call may take unless it gives its own (``None``: no limit)."""
+        return self._executor.call_timeout_s
+
+    @property
+    def closed(self) -> bool:
+        return self._executor.closed
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The error that made the backend unusable (a dead process on Ray), else None."""
+        return self._executor.failed
+
+    def shutdown(self) -> None:
+        """Stop the ranks (on Ray: kill the processes, every role spawned from them too)."""
+        self._executor.close()
 
     # ----- calling -----------------------------------------------------------------------------
-
-    def _fetcher(self, timeout: float | None) -> Callable[..., list[Any]]:
-        fetcher = self._executor.fetcher()
-        if timeout is not None and hasattr(fetcher, "with_timeout"):
-            fetcher = fetcher.with_timeout(timeout)
-        return fetcher
 
     def _call(self, binding: Binding, args: Args, kwargs: Kwargs, timeout: float | None = None) -> Any:
         if isinstance(binding.entry, UserMode):
@@ -284,7 +377,7 @@ class WorkerGroup:
         split = split_call(spec, plan.n_pieces, args, kwargs, site, binding.method.padding)
         per_rank = [split.pieces[0 if split.broadcast else plan.piece_of_rank[r]] for r in plan.run_ranks]
         collect = set(plan.collect_ranks)
-        pending = self._submit(binding.name, plan.run_ranks, per_rank, collect)
+        pending = self._submit(binding, plan.run_ranks, per_rank, collect)
         where = {r: i for i, r in enumerate(plan.run_ranks)}
         order = [where[r] for r in plan.collect_ranks]
 
@@ -294,13 +387,11 @@ class WorkerGroup:
         if binding.method.blocking:
             if spec.output != "concat":
                 return finish(self._executor.fetch(pending, timeout=timeout))
-            # concat writes every collected tensor into a fresh batch: fetch them as read-only
+            # concat writes every collected tensor into a fresh batch: borrow them as read-only
             # views, so the controller copies each byte once (not on receive and again in concat).
-            with serialization.borrowed_buffers():
-                outputs = self._executor.fetch(pending, timeout=timeout)
-            return finish(outputs)
+            return finish(self._executor.fetch(pending, timeout=timeout, borrow=True))
         if spec.output == "concat":
-            return output_future(split, [pending[i] for i in order], self._fetcher(timeout))
+            return output_future(split, [pending[i] for i in order], self._executor.fetcher(timeout))
         return GroupFuture(self._executor.fetch, pending, finish, timeout)
 
     def _call_user(self, binding: Binding, mode: UserMode, args: Args, kwargs: Kwargs, timeout: float | None = None) -> Any:
@@ -317,7 +408,7 @@ class WorkerGroup:
                 raise site.error(f"dispatch_fn returned {got} for {site.arg(key)}; need a list of {world} (world size)")
         ranks = (0,) if binding.method.execute_mode is Execute.RANK_ZERO else tuple(range(world))
         per_rank = [(tuple(a[r] for a in arg_lists), {k: v[r] for k, v in kwarg_lists.items()}) for r in ranks]
-        pending = self._submit(binding.name, ranks, per_rank, set(ranks))
+        pending = self._submit(binding, ranks, per_rank, set(ranks))
 
         def finish(outputs: list[Any]) -> Any:
             return mode.collect_fn(self, list(outputs))
@@ -326,7 +417,7 @@ class WorkerGroup:
             return finish(self._executor.fetch(pending, timeout=timeout))
         return GroupFuture(self._executor.fetch, pending, finish, timeout)
 
-    def _submit(self, method: str, ranks: Sequence[int], per_rank: Sequence[tuple[Args, Kwargs]], collect: set[int]) -> list[Any]:
+    def _submit(self, binding: Binding, ranks: Sequence[int], per_rank: Sequence[tuple[Args, Kwargs]], collect: set[int]) -> list[Any]:
         """Ship every distinct non-trivial object once, then submit one RankCall per rank."""
         shared: dict[int, Shared] = {}
 
@@ -342,7 +433,7 @@ class WorkerGroup:
             RankCall(rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect)
             for rank, (args, kwargs) in zip(ranks, per_rank)
         ]
-        return self._executor.submit(self._role, method, calls)
+        return self._executor.submit(binding.role, binding.target, calls)
 
     def _registered_plan(self, mesh_name: str, site: CallSite) -> DispatchPlan:
         """verl's lazy dispatch info: ask every rank what it registered for ``mesh_name``."""
@@ -350,11 +441,11 @@ class WorkerGroup:
         if plan is not None:
             return plan
         for query in ("_query_dispatch_info", "_query_collect_info"):
-            if not callable(getattr(self._worker_cls, query, None)):
-                raise site.error(f"mesh {mesh_name!r} is not declared on the group and {self._worker_cls.__name__} has no {query}")
+            if not callable(getattr(self.worker_cls, query, None)):
+                raise site.error(f"mesh {mesh_name!r} is not declared on the group and {self.worker_cls.__name__} has no {query}")
         calls = [RankCall(r, (mesh_name,)) for r in range(self.world_size)]
-        dp_ranks = self._executor.fetch(self._executor.submit(self._role, "_query_dispatch_info", calls))
-        is_collect = self._executor.fetch(self._executor.submit(self._role, "_query_collect_info", calls))
+        dp_ranks = self._executor.fetch(self._executor.submit(*self._table.route("_query_dispatch_info"), calls))
+        is_collect = self._executor.fetch(self._executor.submit(*self._table.route("_query_collect_info"), calls))
         missing = [r for r, d in enumerate(dp_ranks) if d is None]
         if missing:
             raise site.error(
@@ -374,10 +465,10 @@ class WorkerGroup:
         key = (method, f"{execute.value}/{blocking}")
         binding = self._adhoc.get(key)
         if binding is None:
-            if not isinstance(method, str) or not callable(getattr(self._worker_cls, method, None)):
-                raise DispatchError(f"{self._worker_cls.__name__} has no method {method!r}")
+            if not isinstance(method, str) or not callable(getattr(self.worker_cls, method, None)):
+                raise DispatchError(f"{self.worker_cls.__name__} has no method {method!r}")
             spec = MethodSpec(_EXECUTE_ALL, execute, blocking)
-            binding = self._adhoc[key] = self._resolve(method, spec, ())
+            binding = self._adhoc[key] = self._table.resolve(method, spec, ())
         return binding
 
     def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from rankmesh.errors import MeshError
+from rankmesh.validate import integer, is_int, non_negative_int, positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -27,15 +28,6 @@ AXES: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 
 DENSE_AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
-
-
-def check_size(name: str, value: object) -> int:
-    """Return ``value`` as an int, or raise a :class:`MeshError` naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise MeshError(f"{name} must be a positive integer, got {value!r}")
-    if value <= 0:
-        raise MeshError(f"{name} must be a positive integer, got {value}")
-    return int(value)
 
 
 def parse_order(order: str, sizes: Mapping[str, int]) -> tuple[str, ...]:
@@ -84,17 +76,16 @@ class RankGrid:
         order: str = DEFAULT_ORDER,
         rank_offset: int = 0,
     ) -> None:
-        sizes = {axis: check_size(axis, value) for axis, value in zip(AXES, (tp, cp, ep, dp, pp))}
+        sizes = {axis: positive_int(value, axis, MeshError) for axis, value in zip(AXES, (tp, cp, ep, dp, pp))}
         if sizes["cp"] > 1 and sizes["ep"] > 1:
             raise MeshError(
                 f"cp={sizes['cp']} and ep={sizes['ep']} cannot both exceed 1 in one rank grid: "
                 "megatron-core keeps cp in the dense grid and ep in the expert grid"
             )
-        if isinstance(rank_offset, bool) or not isinstance(rank_offset, (int, np.integer)) or rank_offset < 0:
-            raise MeshError(f"rank_offset must be a non-negative integer, got {rank_offset!r}")
+        rank_offset = non_negative_int(rank_offset, "rank_offset", MeshError)
         self.sizes: dict[str, int] = sizes
         self.axes: tuple[str, ...] = parse_order(order, sizes)
-        self.rank_offset = int(rank_offset)
+        self.rank_offset = rank_offset
         self.world_size = int(np.prod([sizes[a] for a in AXES]))
         # Stride of each axis in the global rank: the first axis in the order varies fastest.
         strides, stride = {}, 1
@@ -157,9 +148,8 @@ class RankGrid:
         return np.stack(columns, axis=1)
 
     def check_rank(self, rank: int, name: str = "rank") -> int:
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
-            raise MeshError(f"{name} must be an integer, got {rank!r}")
-        local = int(rank) - self.rank_offset
+        """``rank`` relative to the grid's first rank; :class:`MeshError` if it is not in the grid."""
+        local = integer(rank, name, MeshError) - self.rank_offset
         if not 0 <= local < self.world_size:
             raise MeshError(
                 f"{name} {rank} is out of range for a mesh of world size {self.world_size}"
@@ -176,11 +166,10 @@ class RankGrid:
         for axis, value in coords.items():
             if axis not in AXES:
                 raise MeshError(f"rank_of: unknown axis {axis!r} (known axes: {', '.join(AXES)})")
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise MeshError(f"rank_of: {axis} must be an integer, got {value!r}")
+            value = integer(value, f"rank_of: {axis}", MeshError)
             if not 0 <= value < self.sizes[axis]:
                 raise MeshError(f"rank_of: {axis}={value} is out of range [0, {self.sizes[axis]})")
-            rank += int(value) * self.strides[axis]
+            rank += value * self.strides[axis]
         return rank
 
 
@@ -232,8 +221,8 @@ class RankMesh:
         etp: int | None = None,
         order: str = DEFAULT_ORDER,
     ) -> None:
-        tp, pp, cp, dp, ep = (check_size(n, v) for n, v in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", dp), ("ep", ep)))
-        etp = tp if etp is None else check_size("etp", etp)
+        tp, pp, cp, dp, ep = (positive_int(v, n, MeshError) for n, v in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", dp), ("ep", ep)))
+        etp = tp if etp is None else positive_int(etp, "etp", MeshError)
         self.dense = RankGrid(tp=tp, cp=cp, dp=dp, pp=pp, order=order)
         world = self.dense.world_size
         expert_model = etp * ep * pp
@@ -274,8 +263,8 @@ class RankMesh:
         order: str = DEFAULT_ORDER,
     ) -> "RankMesh":
         """Build the mesh for ``world_size`` ranks, deriving dp as megatron-core does."""
-        world_size = check_size("world_size", world_size)
-        model = check_size("tp", tp) * check_size("pp", pp) * check_size("cp", cp)
+        world_size = positive_int(world_size, "world_size", MeshError)
+        model = positive_int(tp, "tp", MeshError) * positive_int(pp, "pp", MeshError) * positive_int(cp, "cp", MeshError)
         if world_size % model:
             raise MeshError(f"world_size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model}")
         return cls(tp=tp, pp=pp, cp=cp, dp=world_size // model, ep=ep, etp=etp, order=order)
@@ -427,7 +416,7 @@ class RankMesh:
     def stage_ranks(self, stage: int) -> list[int]:
         """All ranks of pipeline stage ``stage`` (negative counts from the last), in rank order."""
         pp = self.size("pp")
-        if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or not -pp <= stage < pp:
+        if not is_int(stage) or not -pp <= stage < pp:
             raise MeshError(f"stage {stage!r} is out of range for pp={pp}")
         return np.nonzero(self.coord_table()["pp"] == stage % pp)[0].tolist()
 

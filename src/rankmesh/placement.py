@@ -15,6 +15,7 @@ import numpy as np
 
 from rankmesh.errors import PlacementError
 from rankmesh.mesh import RankMesh
+from rankmesh.validate import is_int, positive_int
 
 INTRA_NODE_TOKENS: tuple[str, ...] = ("tp", "cp", "ep")
 """Groups that should stay inside a node: their collectives run on every layer."""
@@ -50,11 +51,9 @@ class Placement:
     def __init__(self, process_on_nodes: Sequence[int]) -> None:
         if isinstance(process_on_nodes, (str, bytes)) or not isinstance(process_on_nodes, Sequence) or not process_on_nodes:
             raise PlacementError(f"process_on_nodes must be a non-empty list of process counts, got {process_on_nodes!r}")
-        counts = []
-        for node, count in enumerate(process_on_nodes):
-            if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count <= 0:
-                raise PlacementError(f"process_on_nodes[{node}] must be a positive integer, got {count!r}")
-            counts.append(int(count))
+        counts = [
+            positive_int(count, f"process_on_nodes[{node}]", PlacementError) for node, count in enumerate(process_on_nodes)
+        ]
         self.process_on_nodes: tuple[int, ...] = tuple(counts)
         self.world_size = sum(counts)
         self._node = np.repeat(np.arange(len(counts)), counts)
@@ -64,10 +63,8 @@ class Placement:
     @classmethod
     def uniform(cls, nodes: int, devices_per_node: int) -> "Placement":
         """``nodes`` nodes with ``devices_per_node`` processes each."""
-        for name, value in (("nodes", nodes), ("devices_per_node", devices_per_node)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise PlacementError(f"{name} must be a positive integer, got {value!r}")
-        return cls([devices_per_node] * nodes)
+        nodes = positive_int(nodes, "nodes", PlacementError)
+        return cls([positive_int(devices_per_node, "devices_per_node", PlacementError)] * nodes)
 
     @property
     def num_nodes(self) -> int:
@@ -77,7 +74,7 @@ class Placement:
         return f"Placement(process_on_nodes={list(self.process_on_nodes)})"
 
     def _check(self, rank: int) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+        if not is_int(rank) or not 0 <= rank < self.world_size:
             raise PlacementError(f"rank {rank!r} is out of range for {self.world_size} placed processes")
         return int(rank)
 

@@ -29,7 +29,8 @@ import pickle
 import threading
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -148,15 +149,19 @@ def tensor_from_buffer(
     return t
 
 
-def _numpy_view(t: torch.Tensor) -> tuple[np.ndarray, bool]:
-    """A numpy view of a contiguous CPU tensor; non-numpy dtypes as a same-width integer."""
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a contiguous CPU tensor, no copy.
+
+    Dtypes numpy lacks (bf16, float8 ...) come back as a same-width integer array; ``TypeError``
+    for a width no integer has.
+    """
     try:
-        return t.numpy(), False
+        return t.numpy()
     except TypeError:
         width = t.element_size()
         if width not in _INT_OF_WIDTH:
             raise
-        return t.view(_INT_OF_WIDTH[width]).numpy(), True
+        return t.view(_INT_OF_WIDTH[width]).numpy()
 
 
 def numpy_backed_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -166,42 +171,14 @@ def numpy_backed_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     allocator does not; first-touch page faults then dominate the cost of filling a fresh
     buffer of hundreds of MiB (several times a memcpy).  Used for big concat outputs.
     """
-    try:
-        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        view_back = False
-    except TypeError:
-        np_dtype = torch.empty(0, dtype=_INT_OF_WIDTH[torch.empty(0, dtype=dtype).element_size()]).numpy().dtype
-        view_back = True
+    np_dtype = numpy_view(torch.empty(0, dtype=dtype)).dtype
     t = torch.from_numpy(np.empty(shape, dtype=np_dtype))
-    return t.view(dtype) if view_back else t
+    return t if t.dtype == dtype else t.view(dtype)
 
 
-def reduce_tensor(t: torch.Tensor, protocol: int = PROTOCOL) -> tuple:
-    """State of a tensor for :func:`rebuild_tensor`; contiguous CPU tensors are not copied.
-
-    Non-contiguous tensors are made contiguous (one copy, unavoidable), GPU tensors are copied
-    to the CPU.  Sparse, quantized and nested tensors fall back to torch's own pickling.
-    """
-    if t.layout != torch.strided or t.is_quantized or t.is_nested:
-        return ("torch", t)
-    device = str(t.device)
-    src = t.detach()
-    if src.device.type != "cpu":
-        src = src.cpu()
-    src = src.resolve_conj().resolve_neg().contiguous()
-    nbytes = src.numel() * src.element_size()
-    if nbytes == 0:
-        return ("empty", t.dtype, tuple(t.shape), t.requires_grad, device)
-    arr, _ = _numpy_view(src)
-    return (
-        "buf",
-        _carrier(arr, protocol),
-        arr.dtype,
-        t.dtype,
-        tuple(t.shape),
-        t.requires_grad,
-        device,
-    )
+# --- states: what travels in the pickle for one tensor or array ---------------------------------
+# Small frozen dataclasses (slots, so a state pickles as its class reference and its field values,
+# the names written once per pickle); ``rebuild`` is the unpickling side of each.
 
 
 def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
@@ -215,54 +192,145 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
         return t
 
 
-def rebuild_tensor(state: tuple) -> torch.Tensor:
-    """Inverse of :func:`reduce_tensor`; copies once unless the buffer is private."""
-    kind = state[0]
-    if kind == "torch":
-        return state[1]
-    if kind == "empty":
-        _, dtype, shape, requires_grad, device = state
-        t = torch.empty(shape, dtype=dtype)
-    else:
-        _, buf, np_dtype, dtype, shape, requires_grad, device = state
-        arr = np.frombuffer(buf, dtype=np_dtype)
-        if _borrowing() and not _is_private(buf):
-            t = _borrowed_tensor(arr, dtype).reshape(shape)
-        else:
-            t = tensor_from_buffer(arr, writable_copy=not _is_private(buf), dtype=dtype).reshape(shape)
+def _finish(t: torch.Tensor, requires_grad: bool, device: str) -> torch.Tensor:
     t = _to_device(t, device)
     if requires_grad:
         t.requires_grad_(True)
     return t
 
 
-def reduce_ndarray(arr: np.ndarray, protocol: int = PROTOCOL) -> tuple:
+@dataclass(frozen=True, slots=True)
+class TorchPickledTensor:
+    """A tensor torch pickles itself (sparse, quantized, nested): travels in band, as torch does."""
+
+    tensor: torch.Tensor
+
+    def rebuild(self) -> torch.Tensor:
+        return self.tensor
+
+
+@dataclass(frozen=True, slots=True)
+class EmptyTensor:
+    """A tensor with no bytes: only its dtype and shape travel."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    requires_grad: bool
+    device: str
+
+    def rebuild(self) -> torch.Tensor:
+        return _finish(torch.empty(self.shape, dtype=self.dtype), self.requires_grad, self.device)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorBytes:
+    """A strided tensor as raw bytes (``carrier``: a PickleBuffer out of band, or a bytearray).
+
+    ``np_dtype`` is the numpy dtype of the bytes; ``dtype`` the torch dtype they are viewed back
+    to (they differ for dtypes numpy lacks, carried as a same-width integer).
+    """
+
+    carrier: Any
+    np_dtype: np.dtype
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    requires_grad: bool
+    device: str
+
+    def rebuild(self) -> torch.Tensor:
+        """Copies once unless the buffer is private (see the module docstring) or borrowed."""
+        arr = np.frombuffer(self.carrier, dtype=self.np_dtype)
+        if _borrowing() and not _is_private(self.carrier):
+            t = _borrowed_tensor(arr, self.dtype)
+        else:
+            t = tensor_from_buffer(arr, writable_copy=not _is_private(self.carrier), dtype=self.dtype)
+        return _finish(t.reshape(self.shape), self.requires_grad, self.device)
+
+
+TensorState = Union[TorchPickledTensor, EmptyTensor, TensorBytes]
+
+
+@dataclass(frozen=True, slots=True)
+class PickledArray:
+    """An array pickled normally, in band (object arrays, numpy subclasses)."""
+
+    array: Any
+
+    def rebuild(self) -> Any:
+        return self.array
+
+
+@dataclass(frozen=True, slots=True)
+class EmptyArray:
+    """An array with no bytes: only its dtype and shape travel."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def rebuild(self) -> np.ndarray:
+        return np.empty(self.shape, dtype=self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayBytes:
+    """A numeric array as raw bytes (``carrier``: a PickleBuffer out of band, or a bytearray)."""
+
+    carrier: Any
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def rebuild(self) -> np.ndarray:
+        """Copies once unless the buffer is private (see the module docstring) or borrowed."""
+        arr = np.frombuffer(self.carrier, dtype=self.dtype)
+        if (not _is_private(self.carrier) or not arr.flags.writeable) and not _borrowing():
+            arr = arr.copy()
+        return arr.reshape(self.shape)
+
+
+ArrayState = Union[PickledArray, EmptyArray, ArrayBytes]
+
+
+def reduce_tensor(t: torch.Tensor, protocol: int = PROTOCOL) -> TensorState:
+    """State of a tensor for :func:`rebuild_tensor`; contiguous CPU tensors are not copied.
+
+    Non-contiguous tensors are made contiguous (one copy, unavoidable), GPU tensors are copied
+    to the CPU.  Sparse, quantized and nested tensors fall back to torch's own pickling.
+    """
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        return TorchPickledTensor(t)
+    device = str(t.device)
+    src = t.detach()
+    if src.device.type != "cpu":
+        src = src.cpu()
+    src = src.resolve_conj().resolve_neg().contiguous()
+    if src.numel() * src.element_size() == 0:
+        return EmptyTensor(t.dtype, tuple(t.shape), t.requires_grad, device)
+    arr = numpy_view(src)
+    return TensorBytes(_carrier(arr, protocol), arr.dtype, t.dtype, tuple(t.shape), t.requires_grad, device)
+
+
+def rebuild_tensor(state: TensorState) -> torch.Tensor:
+    """Inverse of :func:`reduce_tensor`; copies once unless the buffer is private."""
+    return state.rebuild()
+
+
+def reduce_ndarray(arr: np.ndarray, protocol: int = PROTOCOL) -> ArrayState:
     """State of a numpy array for :func:`rebuild_ndarray`.
 
     Numeric (object-free) arrays travel as raw buffers, out of band when large; object arrays
     pickle normally, in band.
     """
     if not isinstance(arr, np.ndarray) or arr.dtype.hasobject or type(arr) is not np.ndarray:
-        return ("pickle", arr)
+        return PickledArray(arr)
     src = np.ascontiguousarray(arr)
     if src.nbytes == 0:
-        return ("empty", arr.dtype, arr.shape)
-    return ("buf", _carrier(src, protocol), arr.dtype, arr.shape)
+        return EmptyArray(arr.dtype, arr.shape)
+    return ArrayBytes(_carrier(src, protocol), arr.dtype, arr.shape)
 
 
-def rebuild_ndarray(state: tuple) -> np.ndarray:
+def rebuild_ndarray(state: ArrayState) -> np.ndarray:
     """Inverse of :func:`reduce_ndarray`; copies once unless the buffer is private."""
-    kind = state[0]
-    if kind == "pickle":
-        return state[1]
-    if kind == "empty":
-        return np.empty(state[2], dtype=state[1])
-    _, buf, dtype, shape = state
-    arr = np.frombuffer(buf, dtype=dtype)
-    if (not _is_private(buf) or not arr.flags.writeable) and not _borrowing():
-        arr = arr.copy()
-    return arr.reshape(shape)
-
+    return state.rebuild()
 
 
 # --- files -------------------------------------------------------------------------------------

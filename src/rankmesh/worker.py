@@ -5,11 +5,10 @@ The backend describes each rank with a :class:`WorkerContext` and constructs the
 ``self.mesh`` already work inside a subclass's ``__init__`` -- even one that forgets to call
 ``super().__init__()`` -- and nothing is parsed from environment variables or other globals.
 
-:func:`invoke` (and :func:`ainvoke` for backends whose workers run an event loop) is the one
-function every backend calls to run a method on a worker: it resolves :class:`Shared` handles,
-runs the method (registered methods materialize ``DataProtoFuture`` arguments themselves), awaits
-async methods, drops the output for ranks outside the collect set, and wraps failures in
-:class:`WorkerError` carrying the rank.
+:func:`invoke` is the one function every backend calls to run a method on a worker: it resolves
+:class:`Shared` handles, runs the method (registered methods materialize ``DataProtoFuture``
+arguments themselves), awaits async methods, drops the output for ranks outside the collect set,
+and wraps failures in :class:`WorkerError` carrying the rank.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import contextlib
 import contextvars
 import inspect
 import logging
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator, Mapping
 
@@ -28,7 +26,7 @@ from rankmesh.dispatch.modes import Dispatch
 from rankmesh.dispatch.register import register
 from rankmesh.dispatch.spec import DEFAULT_MESH
 from rankmesh.errors import DispatchError, WorkerError
-from rankmesh.executor import Shared
+from rankmesh.backend import Shared
 from rankmesh.mesh import DistRankInfo, RankMesh
 
 logger = logging.getLogger(__name__)
@@ -201,8 +199,7 @@ def _describe(worker: Any) -> tuple[int, dict[str, int], str | None]:
 def _fail(worker: Any, method: str, exc: BaseException) -> WorkerError:
     """The rank's error, with its node and the traceback text (which survives pickling)."""
     rank, coords, node = _describe(worker)
-    text = "".join(traceback.format_exception(exc))
-    return WorkerError(rank, coords, f"{type(worker).__name__}.{method}", f"{type(exc).__name__}: {exc}", node, text)
+    return WorkerError.from_exception(exc, rank, coords, f"{type(worker).__name__}.{method}", node)
 
 
 def _prepare(
@@ -263,32 +260,10 @@ def invoke(
     return result if return_output else None
 
 
-async def ainvoke(
-    worker: Any,
-    method: str,
-    args: tuple[Any, ...] = (),
-    kwargs: Mapping[str, Any] | None = None,
-    return_output: bool = True,
-    resolve: Callable[[Shared], Any] | None = None,
-) -> Any:
-    """:func:`invoke` for a worker that lives on a running event loop (e.g. an async Ray actor)."""
-    try:
-        fn, args, call_kwargs = _prepare(worker, method, args, kwargs or {}, resolve)
-        result = fn(*args, **call_kwargs)
-        if inspect.isawaitable(result):
-            result = await result
-    except Exception as exc:
-        raise _fail(worker, method, exc) from exc
-    return result if return_output else None
-
-
 def construct(cls: type, ctx: WorkerContext, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
     """Build one rank's worker with ``ctx`` visible from ``__init__`` on; failures name the rank."""
     with worker_context(ctx):
         try:
             return cls(*args, **dict(kwargs or {}))
         except Exception as exc:
-            text = "".join(traceback.format_exception(exc))
-            raise WorkerError(
-                ctx.rank, ctx.coords(), f"{cls.__name__}.__init__", f"{type(exc).__name__}: {exc}", ctx.node, text
-            ) from exc
+            raise WorkerError.from_exception(exc, ctx.rank, ctx.coords(), f"{cls.__name__}.__init__", ctx.node) from exc

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import copy
 import logging
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from rankmesh.errors import DispatchError, WorkerError
-from rankmesh.executor import RankCall, Shared
+from rankmesh.backend import RankCall, Shared
+from rankmesh.errors import BackendError, DispatchError, WorkerError
 from rankmesh.group import WorkerGroup
 from rankmesh.mesh import RankMesh
 from rankmesh.worker import WorkerContext, construct, invoke
@@ -72,10 +71,15 @@ def _private(shared: Shared) -> Any:
 
 
 class LocalExecutor:
-    """:class:`~rankmesh.executor.Executor` over worker objects living in this process.
+    """:class:`~rankmesh.backend.Backend` over worker objects living in this process.
 
     ``workers`` maps a role (``None`` for a single-role group) to one worker object per rank.
+    Calls run before :meth:`submit` returns, so there is nothing for a timeout to bound
+    (``call_timeout_s`` is always ``None``) and nothing can fail the backend as a whole
+    (``failed`` is always ``None``).
     """
+
+    call_timeout_s: float | None = None
 
     def __init__(self, workers: Mapping[str | None, Sequence[Any]]) -> None:
         sizes = {role: len(ranks) for role, ranks in workers.items()}
@@ -83,6 +87,7 @@ class LocalExecutor:
             raise DispatchError(f"every role needs one worker per rank, got {sizes}")
         self._workers = {role: list(ranks) for role, ranks in workers.items()}
         self.world_size = next(iter(sizes.values()))
+        self._closed = False
 
     @classmethod
     def start(
@@ -111,7 +116,20 @@ class LocalExecutor:
                 return next(iter(self._workers.values()))
             raise DispatchError(f"no role {role!r} here (roles: {sorted(map(str, self._workers))})") from None
 
-    # ----- Executor ----------------------------------------------------------------------------
+    # ----- Backend -----------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def failed(self) -> BaseException | None:
+        return None
+
+    def close(self) -> None:
+        """Drop the worker objects; later calls raise."""
+        self._closed = True
+        self._workers = {role: [] for role in self._workers}
 
     def share(self, obj: Any) -> Shared:
         """Nothing to ship in-process; each rank deep-copies the object when its call runs."""
@@ -119,6 +137,8 @@ class LocalExecutor:
 
     def submit(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[LocalPending]:
         """Run every call now, in the given (rank) order; errors are kept for :meth:`fetch`."""
+        if self._closed:
+            raise BackendError(f"cannot call {method}: the worker group has been shut down")
         workers = self._role(role)
         pending = []
         for call in calls:
@@ -129,15 +149,17 @@ class LocalExecutor:
             except WorkerError as exc:
                 pending.append(LocalPending(call.rank, error=exc))
             except Exception as exc:  # copying the arguments failed: still the rank's failure
-                err = WorkerError(call.rank, {}, method, f"{type(exc).__name__}: {exc}", None, "".join(traceback.format_exception(exc)))
+                err = WorkerError.from_exception(exc, call.rank, {}, method)
                 err.__cause__ = exc
                 pending.append(LocalPending(call.rank, error=err))
         return pending
 
-    def fetch(self, pending: Sequence[Any], timeout: float | None = None) -> list[Any]:
+    def fetch(self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False) -> list[Any]:
+        """Private copies of the outputs, even with ``borrow``: in-process, a borrowed output would
+        be the worker's own object, which the caller could then change under the worker."""
         return fetch_local(pending)
 
-    def fetcher(self) -> Callable[[Sequence[Any]], list[Any]]:
+    def fetcher(self, timeout: float | None = None) -> Callable[[Sequence[Any]], list[Any]]:
         return fetch_local
 
 
@@ -176,10 +198,10 @@ class LocalWorkerGroup(WorkerGroup):
             )
             for rank in range(mesh.world_size)
         ]
-        executor = LocalExecutor.start(worker_cls, contexts, init_args, init_kwargs)
-        super().__init__(executor, worker_cls, mesh=mesh, meshes=meshes)
+        self._local = LocalExecutor.start(worker_cls, contexts, init_args, init_kwargs)
+        super().__init__(self._local, worker_cls, mesh=mesh, meshes=meshes)
 
     @property
     def workers(self) -> list[Any]:
         """The worker objects, by rank (handy in a debugger)."""
-        return self._executor.workers()  # type: ignore[attr-defined]
+        return self._local.workers()

@@ -2,11 +2,14 @@
 
 ``from verl.single_controller.base.decorator import register, Dispatch`` becomes
 ``from rankmesh.compat.verl import register, Dispatch``; the same for ``DataProto``,
-``RayWorkerGroup`` and the rest below.  Where a name is also part of rankmesh's own API it is the
-very same object (``rankmesh.compat.verl.DataProto is rankmesh.DataProto``), so ported code and
-new code mix freely.  The semantics are verl's, without its defects: padding never mutates the
-caller's batch, futures drop pad rows, ``DP_COMPUTE_METRIC`` is never trimmed, ``RANK_ZERO`` works,
-node order is numeric, and worker failures name their rank.
+``RayWorkerGroup`` and the rest below.  verl's mechanics
+(``make_nd_compute_dataproto_dispatch_fn``, ``update_dispatch_mode``, ``DataProtoConfig``, the
+``*_dataproto`` functions) live here and in their own modules, not on rankmesh's front door.
+Where a name is also part of rankmesh's own API it is the very same object
+(``rankmesh.compat.verl.DataProto is rankmesh.DataProto``), so ported code and new code mix
+freely.  The semantics are verl's, without its defects: padding never mutates the caller's
+batch, futures drop pad rows, ``DP_COMPUTE_METRIC`` is never trimmed, ``RANK_ZERO`` works, node
+order is numeric, and worker failures name their rank.
 
 Importing this module imports Ray (the Ray backend's names live here too).
 """
@@ -22,8 +25,7 @@ from rankmesh.backends.ray import (
     create_colocated_worker_cls,
     split_resource_pool,
 )
-from rankmesh.backends.ray.colocate import fused_worker_class
-from rankmesh.backends.ray.group import unwrap_actor_class
+from rankmesh.backends.ray.classes import fused_worker_class, unwrap_actor_class
 from rankmesh.data import (
     DataProto,
     DataProtoConfig,

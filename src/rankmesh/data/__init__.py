@@ -1,17 +1,22 @@
 """Batches that travel between the controller and worker groups.
 
-``DataProto`` keeps verl's names and call semantics (port worker code by changing imports);
-``DataProtoFuture`` is what a non-blocking worker-group call returns.
+``DataProto`` keeps verl's names and call semantics (port worker code by changing imports) and
+owns every operation on its rows; ``DataProtoFuture`` is what a non-blocking worker-group call
+returns.  This package knows no Ray: backends hand futures their own ``fetch``.
+
+Modules, in import order: ``config`` (verl's auto-padding switch), ``columns`` (per-column work:
+checks, equality, concatenation, unions, TensorDict conversion), ``proto`` (DataProto),
+``ops`` (verl's module-level names over DataProto methods), ``future`` (DataProtoFuture).
 """
 
-from rankmesh.data.collate import (
+from rankmesh.data.columns import (
     list_of_dict_to_dict_of_list,
     union_numpy_dict,
     union_tensor_dict,
     union_two_dict,
 )
 from rankmesh.data.config import AUTO_PADDING_KEY, DataProtoConfig, auto_padding_enabled
-from rankmesh.data.future import DataProtoFuture, FuturePart, identity_fetch, ray_fetch
+from rankmesh.data.future import DataProtoFuture, FuturePart, identity_fetch
 from rankmesh.data.ops import (
     fold_batch_dim,
     pad_dataproto_to_divisor,
@@ -32,7 +37,6 @@ __all__ = [
     "identity_fetch",
     "list_of_dict_to_dict_of_list",
     "pad_dataproto_to_divisor",
-    "ray_fetch",
     "union_numpy_dict",
     "union_tensor_dict",
     "union_two_dict",

@@ -1,9 +1,10 @@
 """DataProtoFuture: the result of a non-blocking worker-group call, not yet fetched.
 
-Backend-neutral: a future holds an ordered list of *parts* (an opaque handle, e.g. a Ray
-ObjectRef, plus the part's row count when known), a ``fetch`` callable turning a list of
-handles into DataProtos (``ray.get`` for Ray, identity in process) and a selection of rows over
-the concatenation of the parts.  The selection already excludes the pad rows a dispatch added.
+Backend-neutral (this module knows no Ray): a future holds an ordered list of *parts* (an opaque
+handle, e.g. a Ray ObjectRef, plus the part's row count when known), a ``fetch`` callable turning
+a list of handles into DataProtos (the backend's fetch; :func:`identity_fetch` in process) and a
+selection of rows over the concatenation of the parts.  The selection already excludes the pad
+rows a dispatch added.
 
 Why rows and not just handles: ``chunk`` and ``slice_rows`` narrow the selection without
 fetching anything, and keep only the parts they overlap.  Handing a future to another worker
@@ -11,8 +12,8 @@ group therefore routes each rank exactly the pieces it needs, instead of every r
 every part and cutting its share afterwards (verl's ``DataProtoFuture.chunk``).
 
 When row counts are unknown (a worker returned a number of rows nobody predicted), narrowing
-can't be planned; ``chunk``/``slice_rows``/``unpad`` are then recorded and applied after
-fetching all parts, which is what verl does in every case.
+can't be planned; ``chunk``/``slice_rows``/``unpad`` are then recorded (as :data:`Deferred`
+values) and applied after fetching all parts, which is what verl does in every case.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
-from rankmesh.data import collate
+from rankmesh import validate
+from rankmesh.data import columns
 from rankmesh.data.config import DataProtoConfig
-from rankmesh.data.ops import concat_dataprotos
 from rankmesh.data.proto import DataProto
 from rankmesh.errors import DataProtoError, PaddingError
 
@@ -36,13 +37,6 @@ Segment = tuple[int, int]
 def identity_fetch(handles: list[Any]) -> list[DataProto]:
     """Fetch for the in-process backend: the handles are the DataProtos themselves."""
     return list(handles)
-
-
-def ray_fetch(handles: list[Any]) -> list[DataProto]:
-    """Fetch for Ray ObjectRefs (works on the controller and inside workers)."""
-    import ray  # imported on use: this module does not depend on Ray
-
-    return ray.get(list(handles))
 
 
 def fetch_futures(futures: list[DataProtoFuture]) -> list[DataProto]:
@@ -56,6 +50,47 @@ class FuturePart:
 
     handle: Any
     rows: int | None = None
+
+
+# --- narrowing recorded while row counts are unknown ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredSlice:
+    """Rows ``start:stop`` (Python slice rules), taken after fetching."""
+
+    start: int | None
+    stop: int | None
+
+    def apply(self, data: DataProto) -> DataProto:
+        return data.slice(self.start, self.stop)
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredChunk:
+    """Piece ``index`` of ``chunks``, taken after fetching (uneven lengths need auto padding)."""
+
+    index: int
+    chunks: int
+
+    def apply(self, data: DataProto) -> DataProto:
+        return data.chunk(self.chunks)[self.index]
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredUnpad:
+    """The last ``pad_size`` rows dropped after fetching."""
+
+    pad_size: int
+
+    def apply(self, data: DataProto) -> DataProto:
+        return data.unpad(self.pad_size)
+
+
+Deferred = Union[DeferredSlice, DeferredChunk, DeferredUnpad]
+
+
+# --- row bookkeeping ---------------------------------------------------------------------------
 
 
 def _offsets(parts: Sequence[FuturePart]) -> list[int]:
@@ -125,7 +160,7 @@ class DataProtoFuture:
     parts: tuple[FuturePart, ...]
     fetch: Fetch
     segments: tuple[Segment, ...] | None = None
-    deferred: tuple[tuple[Any, ...], ...] = ()
+    deferred: tuple[Deferred, ...] = ()
 
     # --- construction --------------------------------------------------------------------------
 
@@ -142,12 +177,11 @@ class DataProtoFuture:
         if rows is None:
             fut = cls(tuple(FuturePart(h) for h in handles), fetch)
             return fut.unpad(pad_size) if pad_size else fut
-        rows = [int(r) for r in rows]
-        if len(rows) != len(handles) or any(r < 0 for r in rows):
+        rows = [validate.non_negative_int(r, f"rows[{i}]", DataProtoError) for i, r in enumerate(rows)]
+        if len(rows) != len(handles):
             raise DataProtoError(f"rows {rows} must be {len(handles)} non-negative counts, one per handle")
         total = sum(rows)
-        if not 0 <= pad_size <= total:
-            raise DataProtoError(f"pad_size {pad_size} exceeds the {total} rows of the parts")
+        pad_size = validate.int_in_range(pad_size, "pad_size", 0, total, DataProtoError)
         parts = tuple(FuturePart(h, r) for h, r in zip(handles, rows))
         return cls._select(parts, [(0, total - pad_size)], fetch)
 
@@ -161,13 +195,19 @@ class DataProtoFuture:
         """Concatenate futures; or, verl's spelling, build one from raw handles (ObjectRefs).
 
         Futures that share ``fetch`` and know their rows are merged flat (one fetch call for
-        all); otherwise each becomes a part of a nesting future.  Raw handles use ``fetch``,
-        default :func:`ray_fetch`.
+        all); otherwise each becomes a part of a nesting future.  Raw handles need ``fetch``,
+        the backend's way to turn them into DataProtos (this module knows no backend).
         """
         items = list(data)
         futures = [x for x in items if isinstance(x, DataProtoFuture)]
         if not futures and items:
-            return DataProtoFuture.from_parts(items, fetch or ray_fetch)
+            if fetch is None:
+                raise DataProtoError(
+                    f"DataProtoFuture.concat got {len(items)} raw handle(s) ({type(items[0]).__name__}) and no fetch; "
+                    f"pass fetch=..., the backend's fetch for those handles (e.g. the Ray backend's fetch for "
+                    f"ObjectRefs), or concat DataProtoFutures instead"
+                )
+            return DataProtoFuture.from_parts(items, fetch)
         if len(futures) != len(items):
             raise DataProtoError("concat: mix of DataProtoFutures and raw handles")
         if not items:
@@ -217,13 +257,13 @@ class DataProtoFuture:
 
     # --- narrowing without fetching -----------------------------------------------------------------
 
-    def _defer(self, op: tuple[Any, ...]) -> DataProtoFuture:
+    def _defer(self, op: Deferred) -> DataProtoFuture:
         return dataclasses.replace(self, deferred=(*self.deferred, op))
 
     def slice_rows(self, start: int | None = None, stop: int | None = None) -> DataProtoFuture:
         """Rows ``start:stop`` (Python slice rules, step 1) as a new future; fetches nothing."""
         if self.segments is None:
-            return self._defer(("slice", start, stop))
+            return self._defer(DeferredSlice(start, stop))
         start, stop, _ = slice(start, stop).indices(len(self))
         schema = self.parts[0] if self.parts else None
         kept, segs = _normalize(self.parts, _sub_segments(self.segments, start, stop), schema)
@@ -235,17 +275,17 @@ class DataProtoFuture:
         Like :meth:`DataProto.chunk`: uneven lengths need ``DataProtoConfig.auto_padding`` (the
         per-batch meta flag is not visible before fetching; pad with :meth:`pad_to_divisor`).
         """
-        chunks = collate.check_positive_int(chunks, "chunks")
+        chunks = validate.positive_int(chunks, "chunks", DataProtoError)
         if self.segments is None:
-            return [self._defer(("chunk", i, chunks)) for i in range(chunks)]
+            return [self._defer(DeferredChunk(i, chunks)) for i in range(chunks)]
         length = len(self)
         if length % chunks and not DataProtoConfig.auto_padding:
             raise PaddingError(f"cannot chunk a future of {length} rows into {chunks} equal parts; pad it first")
-        return [self.slice_rows(s, e) for s, e in collate.chunk_bounds(length, chunks)]
+        return [self.slice_rows(s, e) for s, e in columns.chunk_bounds(length, chunks)]
 
-    def pad_to_divisor(self, divisor: int) -> tuple[DataProtoFuture, int]:
-        """Pad with rows repeated from the start (as :func:`pad_dataproto_to_divisor`); no fetch."""
-        divisor = collate.check_positive_int(divisor, "divisor")
+    def pad_to_divisor(self, size_divisor: int) -> tuple[DataProtoFuture, int]:
+        """Pad with rows repeated from the start (as :meth:`DataProto.pad_to_divisor`); no fetch."""
+        divisor = validate.positive_int(size_divisor, "size_divisor", DataProtoError)
         if self.segments is None:
             raise DataProtoError("cannot pad a DataProtoFuture whose row count is unknown; get() it first")
         length = len(self)
@@ -261,12 +301,10 @@ class DataProtoFuture:
 
     def unpad(self, pad_size: int) -> DataProtoFuture:
         """Drop the last ``pad_size`` rows; fetches nothing."""
-        if isinstance(pad_size, bool) or not isinstance(pad_size, int) or pad_size < 0:
-            raise DataProtoError(f"pad_size must be a non-negative integer, got {pad_size!r}")
         if self.segments is None:
-            return self._defer(("unpad", pad_size)) if pad_size else self
-        if pad_size > len(self):
-            raise DataProtoError(f"pad_size {pad_size} exceeds the {len(self)} rows of the future")
+            pad_size = validate.non_negative_int(pad_size, "pad_size", DataProtoError)
+            return self._defer(DeferredUnpad(pad_size)) if pad_size else self
+        pad_size = validate.int_in_range(pad_size, "pad_size", 0, len(self), DataProtoError)
         return self.slice_rows(0, len(self) - pad_size)
 
     # --- fetching ----------------------------------------------------------------------------
@@ -295,11 +333,11 @@ class DataProtoFuture:
             got = [fetched[i] for i in range(len(self.parts))]
             if len(got) == 1:  # no copy: new containers over the fetched part, meta merged as usual
                 data = got[0].slice()
-                data.meta_info = collate.merge_meta_info([got[0].meta_info])
+                data.meta_info = columns.merge_meta_info([got[0].meta_info])
             else:
-                data = concat_dataprotos(got)
+                data = DataProto.concat(got)
             for op in self.deferred:
-                data = _apply(op, data)
+                data = op.apply(data)
             return data
         pieces = _pieces(self.parts, self.segments)
         if not pieces:
@@ -308,21 +346,10 @@ class DataProtoFuture:
             return self._fetch([0])[0].slice(0, 0)
         needed = sorted({i for i, _, _ in pieces})
         fetched = self._fetch(needed)
-        meta = collate.merge_meta_info([fetched[i].meta_info for i in needed])
+        meta = columns.merge_meta_info([fetched[i].meta_info for i in needed])
         views = [fetched[i].slice(s, e) for i, s, e in pieces]
         if len(views) == 1:
             views[0].meta_info = meta
             return views[0]
-        return concat_dataprotos(views, meta_info=meta)
+        return DataProto.concat(views, meta_info=meta)
 
-
-def _apply(op: tuple[Any, ...], data: DataProto) -> DataProto:
-    """Run one deferred narrowing step on fetched data."""
-    kind = op[0]
-    if kind == "slice":
-        return data.slice(op[1], op[2])
-    if kind == "chunk":
-        return data.chunk(op[2])[op[1]]
-    if kind == "unpad":
-        return data.unpad(op[1])
-    raise DataProtoError(f"unknown deferred operation {op!r}")

@@ -1,7 +1,8 @@
-"""DataProto: the batch a controller hands to worker groups (verl's names, fewer surprises).
+"""DataProto: the batch a controller hands to worker groups, and every operation on its rows.
 
-A DataProto holds ``batch`` (a TensorDict with exactly one batch dimension), ``non_tensor_batch``
-(numpy arrays, first dimension = rows) and ``meta_info`` (a plain dict).
+verl's names and call semantics, fewer surprises.  A DataProto holds ``batch`` (a TensorDict
+with exactly one batch dimension), ``non_tensor_batch`` (numpy arrays, first dimension = rows)
+and ``meta_info`` (a plain dict).
 
 Ownership rules, which differ from verl where verl surprised its users:
 
@@ -9,6 +10,9 @@ Ownership rules, which differ from verl where verl surprised its users:
   TensorDict, its own non_tensor dict and a meta_info whose dicts and lists are copied, so
   ``part.meta_info["x"] = 1`` or ``part.batch.pop("k")`` never shows up anywhere else;
 * tensor and array *storage* may be shared: ``chunk``/``split``/slices are views, as in torch;
+* every row operation is a method here (slice, chunk, concat, union, pad, unpad, fold ...);
+  :mod:`rankmesh.data.ops` only gives some of them verl's module-level names, and the per-column
+  work (equality, concatenation of one key, TensorDict conversion) is in :mod:`rankmesh.data.columns`;
 * only operations whose verl name says so change ``self``: ``pop``, ``reorder`` and ``rename``
   (in place, as in verl).  ``union`` and ``to`` return new objects (verl's mutate ``self``), so
   write ``data = data.union(other)`` and ``data = data.to(device)``.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +32,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from rankmesh import serialization
-from rankmesh.data import collate, ops
+from rankmesh import serialization, validate
+from rankmesh.data import columns
 from rankmesh.data.config import AUTO_PADDING_KEY, auto_padding_enabled
 from rankmesh.errors import DataProtoError, PaddingError
 
@@ -60,7 +65,7 @@ class DataProto:
         if not isinstance(meta, Mapping):
             raise DataProtoError(f"meta_info must be a dict, got {type(meta).__name__}")
         # Own containers: the caller's dicts are never modified (list -> array conversion).
-        self.non_tensor_batch = {k: collate.as_column(k, v) for k, v in nt.items()}
+        self.non_tensor_batch = {k: columns.as_column(k, v) for k, v in nt.items()}
         self.meta_info = dict(meta)
         self.check_consistency()
 
@@ -76,7 +81,7 @@ class DataProto:
                 raise DataProtoError(
                     f"batch must have exactly one batch dimension, got batch_size {tuple(self.batch.batch_size)}"
                 )
-            leaves = collate.flat_tensors(self.batch)  # rejects non-tensor entries by key
+            leaves = columns.flat_tensors(self.batch)  # rejects non-tensor entries by key
             pivot = f"batch[{leaves[0][0]!r}]" if leaves else "batch"
             length = self.batch.batch_size[0]
         if not isinstance(self.non_tensor_batch, dict):
@@ -84,7 +89,7 @@ class DataProto:
         for key, val in self.non_tensor_batch.items():
             if not isinstance(val, np.ndarray):  # e.g. a list assigned after construction
                 raise DataProtoError(f"non_tensor_batch[{key!r}] must be a numpy array, got {type(val).__name__}")
-            collate.as_column(key, val)
+            columns.as_column(key, val)
             if length is None:
                 pivot, length = f"non_tensor_batch[{key!r}]", val.shape[0]
             elif val.shape[0] != length:
@@ -102,7 +107,7 @@ class DataProto:
         return 0
 
     def __repr__(self) -> str:
-        keys = [k for k, _ in collate.flat_tensors(self.batch)] if self.batch is not None else None
+        keys = [k for k, _ in columns.flat_tensors(self.batch)] if self.batch is not None else None
         return (
             f"{type(self).__name__}(len={len(self)}, batch_keys={keys}, "
             f"non_tensor_keys={list(self.non_tensor_batch)}, meta_keys={list(self.meta_info)})"
@@ -117,10 +122,10 @@ class DataProto:
         """A new DataProto with every tensor and column mapped row-wise and meta_info copied."""
         batch = None
         if self.batch is not None:
-            items = [(k, tensor_fn(t)) for k, t in collate.flat_tensors(self.batch)]
-            batch = collate.build_td(items, length, self.batch.device)
+            items = [(k, tensor_fn(t)) for k, t in columns.flat_tensors(self.batch)]
+            batch = columns.build_td(items, length, self.batch.device)
         non_tensor = {k: array_fn(v) for k, v in self.non_tensor_batch.items()}
-        return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=collate.copy_meta(self.meta_info))
+        return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=columns.copy_meta(self.meta_info))
 
     def __copy__(self) -> DataProto:
         """New containers, same tensors."""
@@ -139,10 +144,10 @@ class DataProto:
         batch_state = None
         if self.batch is not None:
             device = None if self.batch.device is None else str(self.batch.device)
-            tensors = [(k, serialization.reduce_tensor(t, protocol)) for k, t in collate.flat_tensors(self.batch)]
+            tensors = [(k, serialization.reduce_tensor(t, protocol)) for k, t in columns.flat_tensors(self.batch)]
             batch_state = (len(self), device, tensors)
-        columns = [(k, serialization.reduce_ndarray(v, protocol)) for k, v in self.non_tensor_batch.items()]
-        return (_rebuild_dataproto, (type(self), batch_state, columns, self.meta_info))
+        arrays = [(k, serialization.reduce_ndarray(v, protocol)) for k, v in self.non_tensor_batch.items()]
+        return (_rebuild_dataproto, (type(self), batch_state, arrays, self.meta_info))
 
     # --- construction --------------------------------------------------------------------------
 
@@ -199,15 +204,15 @@ class DataProto:
         Tensors become ``batch``, per-row non-tensor stacks object columns, single non-tensor
         values ``meta_info`` entries.
         """
-        batch, columns, meta = ops.split_tensordict(tensor_dict)
-        columns.update(non_tensors or {})
+        batch, cols, meta = columns.split_tensordict(tensor_dict)
+        cols.update(non_tensors or {})
         meta.update(meta_info or {})
-        return cls(batch=batch, non_tensor_batch=columns, meta_info=meta)
+        return cls(batch=batch, non_tensor_batch=cols, meta_info=meta)
 
     def to_tensordict(self) -> TensorDict:
         """One TensorDict in verl's layout: tensors, columns as per-row non-tensor stacks,
         meta_info entries as single non-tensor values.  Numeric columns come back as objects."""
-        return ops.join_tensordict(self.batch, len(self), self.non_tensor_batch, self.meta_info)
+        return columns.join_tensordict(self.batch, len(self), self.non_tensor_batch, self.meta_info)
 
     # --- indexing ------------------------------------------------------------------------------
 
@@ -225,7 +230,7 @@ class DataProto:
             return DataProtoItem(
                 batch=self.batch[i] if self.batch is not None else None,
                 non_tensor_batch={k: v[i] for k, v in self.non_tensor_batch.items()},
-                meta_info=collate.copy_meta(self.meta_info),
+                meta_info=columns.copy_meta(self.meta_info),
             )
         if isinstance(item, (list, np.ndarray, torch.Tensor, range)):
             return self.select_idxs(item)
@@ -241,7 +246,7 @@ class DataProto:
 
     def select_idxs(self, idxs: Any) -> DataProto:
         """Rows at integer positions or where a boolean mask is true (a copy, as a gather is)."""
-        idx = collate.row_index(idxs, len(self))
+        idx = columns.row_index(idxs, len(self))
         tidx = torch.from_numpy(idx)
         return self._derive(lambda t: t[tidx.to(t.device)], lambda v: v[idx], len(idx))
 
@@ -259,24 +264,59 @@ class DataProto:
         Without auto padding the length must divide evenly (:class:`PaddingError` otherwise);
         with it, sizes differ by at most one and there are always exactly ``chunks`` pieces.
         """
-        chunks = collate.check_positive_int(chunks, "chunks")
+        chunks = validate.positive_int(chunks, "chunks", DataProtoError)
         length = len(self)
         if length % chunks and not self.is_padding_enabled():
             raise PaddingError(
                 f"cannot chunk a batch of {length} rows into {chunks} equal parts; pad it first "
                 f"(pad_to_divisor) or enable auto padding"
             )
-        return [self.slice(s, e) for s, e in collate.chunk_bounds(length, chunks)]
+        return [self.slice(s, e) for s, e in columns.chunk_bounds(length, chunks)]
 
     def split(self, split_size: int) -> list[DataProto]:
         """Consecutive views of ``split_size`` rows (the last may be shorter)."""
-        split_size = collate.check_positive_int(split_size, "split_size")
+        split_size = validate.positive_int(split_size, "split_size", DataProtoError)
         return [self.slice(i, i + split_size) for i in range(0, len(self), split_size)]
 
     @staticmethod
-    def concat(data: Sequence[DataProto]) -> DataProto:
-        """Concatenate rows (copies); meta_info merged by :func:`collate.merge_meta_info`."""
-        return ops.concat_dataprotos(data)
+    def concat(data: Sequence[DataProto], meta_info: Mapping[str, Any] | None = None) -> DataProto:
+        """Row-wise concatenation (copies, one ``torch.cat`` per key).
+
+        meta_info is merged by :func:`columns.merge_meta_info`, or is ``meta_info`` when given.
+        Parts without any column (e.g. empty results) are skipped; the others must have the same
+        keys and, for tensors, the same dtypes.
+        """
+        data = list(data)
+        for i, d in enumerate(data):
+            if not isinstance(d, DataProto):
+                raise DataProtoError(f"concat (part {i}) needs a DataProto, got {type(d).__name__}")
+        cls = type(data[0]) if data else DataProto
+        meta = columns.merge_meta_info([d.meta_info for d in data]) if meta_info is None else dict(meta_info)
+        parts = [d for d in data if d.batch is not None or d.non_tensor_batch]
+        if not parts:
+            return cls(meta_info=meta)
+        batch = None
+        if any(p.batch is not None for p in parts):
+            flats = []
+            for i, p in enumerate(parts):
+                if p.batch is None:
+                    raise DataProtoError(f"concat: part {i} has no tensor batch while others have one")
+                flats.append(dict(columns.flat_tensors(p.batch)))
+            keys = list(flats[0])
+            for i, f in enumerate(flats):
+                if set(f) != set(keys):
+                    diff = sorted(map(str, set(f) ^ set(keys)))
+                    raise DataProtoError(f"concat: batch keys differ between parts (key(s) {diff}, part {i})")
+            length = sum(p.batch.batch_size[0] for p in parts)
+            items = [(k, columns.concat_tensors(k, [f[k] for f in flats])) for k in keys]
+            batch = columns.build_td(items, length, columns.common_device([p.batch for p in parts]))
+        names = set(parts[0].non_tensor_batch)
+        for i, p in enumerate(parts):
+            if set(p.non_tensor_batch) != names:
+                diff = sorted(set(p.non_tensor_batch) ^ names)
+                raise DataProtoError(f"concat: non_tensor_batch keys differ between parts (key(s) {diff}, part {i})")
+        nt = {k: columns.concat_arrays(k, [p.non_tensor_batch[k] for p in parts]) for k in parts[0].non_tensor_batch}
+        return cls(batch=batch, non_tensor_batch=nt, meta_info=meta)
 
     def union(self, other: DataProto) -> DataProto:
         """A new DataProto with the keys of both; shared keys must hold equal values."""
@@ -288,11 +328,11 @@ class DataProto:
         if self.batch is None or other.batch is None:
             batch = next((b.copy() for b in (self.batch, other.batch) if b is not None), None)
         else:
-            batch = collate.union_tensor_dict(self.batch, other.batch)
+            batch = columns.union_tensor_dict(self.batch, other.batch)
         return type(self)(
             batch=batch,
-            non_tensor_batch=collate.union_numpy_dict(self.non_tensor_batch, other.non_tensor_batch),
-            meta_info=collate.copy_meta(collate.union_two_dict(self.meta_info, other.meta_info)),
+            non_tensor_batch=columns.union_numpy_dict(self.non_tensor_batch, other.non_tensor_batch),
+            meta_info=columns.copy_meta(columns.union_two_dict(self.meta_info, other.meta_info)),
         )
 
     # --- key selection -------------------------------------------------------------------------
@@ -332,7 +372,7 @@ class DataProto:
         meta = {k: self.meta_info[k] for k in (mkeys if mkeys is not None else self.meta_info)}
         if deepcopy:
             nt, meta = copy.deepcopy(nt), copy.deepcopy(meta)
-        return type(self)(batch=batch, non_tensor_batch=nt, meta_info=collate.copy_meta(meta))
+        return type(self)(batch=batch, non_tensor_batch=nt, meta_info=columns.copy_meta(meta))
 
     def pop(
         self,
@@ -387,10 +427,7 @@ class DataProto:
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
         """Each row ``repeat_times`` times: ``aabb`` (interleave) or ``abab``.  A copy."""
-        is_int = isinstance(repeat_times, (int, np.integer)) and not isinstance(repeat_times, (bool, np.bool_))
-        if not is_int or repeat_times < 0:
-            raise DataProtoError(f"repeat_times must be a non-negative integer, got {repeat_times!r}")
-        r = int(repeat_times)
+        r = validate.non_negative_int(repeat_times, "repeat_times", DataProtoError)
 
         def _t(t: torch.Tensor) -> torch.Tensor:
             if t.numel() == 0:
@@ -424,7 +461,7 @@ class DataProto:
             return copy.copy(self)
         batch = self.batch.to(device)
         batch = batch.copy() if batch is self.batch else batch
-        meta = collate.copy_meta(self.meta_info)
+        meta = columns.copy_meta(self.meta_info)
         return type(self)(batch=batch, non_tensor_batch=dict(self.non_tensor_batch), meta_info=meta)
 
     def make_iterator(
@@ -435,7 +472,7 @@ class DataProto:
         dataloader_kwargs: Mapping[str, Any] | None = None,
     ) -> Iterator[DataProto]:
         """Mini-batches over ``epochs`` passes; ``dataloader_kwargs={"shuffle": True}`` shuffles."""
-        mini_batch_size = collate.check_positive_int(mini_batch_size, "mini_batch_size")
+        mini_batch_size = validate.positive_int(mini_batch_size, "mini_batch_size", DataProtoError)
         if len(self) % mini_batch_size:
             raise DataProtoError(f"{len(self)} rows do not divide into mini batches of {mini_batch_size}")
         shuffle = bool((dataloader_kwargs or {}).get("shuffle", False))
@@ -451,15 +488,54 @@ class DataProto:
 
         return _iter()
 
+    def fold_batch_dim(self, new_batch_size: int) -> DataProto:
+        """``[bsz, ...]`` -> ``[new_bsz, bsz // new_bsz, ...]`` for every tensor and column (views)."""
+        new = validate.positive_int(new_batch_size, "new_batch_size", DataProtoError)
+        if len(self) % new:
+            raise DataProtoError(f"fold_batch_dim: {len(self)} rows do not divide into {new}")
+        k = len(self) // new
+        return self._derive(lambda t: t.reshape(new, k, *t.shape[1:]), lambda v: v.reshape(new, k, *v.shape[1:]), new)
+
+    def unfold_batch_dim(self, batch_dims: int = 2) -> DataProto:
+        """Merge the first ``batch_dims`` dimensions of every tensor and column into the batch."""
+        bd = validate.positive_int(batch_dims, "batch_dims", DataProtoError)
+        shapes = [(k, tuple(t.shape)) for k, t in columns.flat_tensors(self.batch)] if self.batch is not None else []
+        shapes += [(k, v.shape) for k, v in self.non_tensor_batch.items()]
+        lead = None
+        for key, shape in shapes:
+            if len(shape) < bd or (lead is not None and shape[:bd] != lead):
+                raise DataProtoError(
+                    f"unfold_batch_dim: key {key!r} has shape {shape}; expected {bd} leading dims {lead or ''}".rstrip()
+                )
+            lead = shape[:bd]
+        if lead is None:
+            return copy.copy(self)
+        n = math.prod(lead)
+        return self._derive(lambda t: t.reshape(n, *t.shape[bd:]), lambda v: v.reshape(n, *v.shape[bd:]), n)
+
     # --- padding -------------------------------------------------------------------------------
 
-    def pad_to_divisor(self, divisor: int) -> tuple[DataProto, int]:
-        """A new, padded DataProto and the pad size; see :func:`pad_dataproto_to_divisor`."""
-        return ops.pad_dataproto_to_divisor(self, divisor)
+    def pad_to_divisor(self, size_divisor: int) -> tuple[DataProto, int]:
+        """Pad rows until ``len`` divides by ``size_divisor``; returns ``(new DataProto, pad_size)``.
+
+        Pad rows repeat the batch from its start (cycling when the batch is shorter than the pad),
+        as verl's ``pad_dataproto_to_divisor`` does.  ``self`` is never modified; with nothing to
+        pad the result is a new DataProto sharing ``self``'s tensors.
+        """
+        divisor = validate.positive_int(size_divisor, "size_divisor", DataProtoError)
+        length = len(self)
+        pad_size = -length % divisor
+        if pad_size == 0:
+            if length == 0:
+                logger.debug("padding a DataProto with no rows: nothing to do")
+            return copy.copy(self), 0
+        index = np.concatenate([np.arange(length), np.arange(pad_size) % length])
+        return self.select_idxs(index), pad_size
 
     def unpad(self, pad_size: int) -> DataProto:
-        """A new DataProto without the last ``pad_size`` rows."""
-        return ops.unpad_dataproto(self, pad_size)
+        """A new DataProto without the last ``pad_size`` rows (views)."""
+        pad_size = validate.int_in_range(pad_size, "pad_size", 0, len(self), DataProtoError)
+        return self.slice(0, len(self) - pad_size)
 
     # --- files ---------------------------------------------------------------------------------
 
@@ -476,7 +552,7 @@ class DataProto:
         return obj
 
 
-def _rebuild_dataproto(cls: type, batch_state: tuple | None, columns: list, meta_info: dict) -> DataProto:
+def _rebuild_dataproto(cls: type, batch_state: tuple | None, arrays: list, meta_info: dict) -> DataProto:
     """Unpickling side of :meth:`DataProto.__reduce_ex__`."""
     batch = None
     if batch_state is not None:
@@ -484,6 +560,6 @@ def _rebuild_dataproto(cls: type, batch_state: tuple | None, columns: list, meta
         items = [(k, serialization.rebuild_tensor(s)) for k, s in tensors]
         if device is not None and any(str(t.device) != device for _, t in items):
             device = None  # a device this process lacks: the tensors stayed on the CPU
-        batch = collate.build_td(items, length, device)
-    nt = {k: serialization.rebuild_ndarray(s) for k, s in columns}
+        batch = columns.build_td(items, length, device)
+    nt = {k: serialization.rebuild_ndarray(s) for k, s in arrays}
     return cls(batch=batch, non_tensor_batch=nt, meta_info=meta_info)

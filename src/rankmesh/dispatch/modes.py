@@ -247,11 +247,6 @@ def update_dispatch_mode(dispatch_mode: DispatchMode | str, dispatch_fn: Dispatc
     DEFAULT_REGISTRY.update_dispatch_mode(dispatch_mode, dispatch_fn, collect_fn)
 
 
-def get_predefined_dispatch_fn(dispatch_mode: DispatchMode | str) -> ModeEntry:
-    """The spec or user mode registered for ``dispatch_mode`` in the default registry."""
-    return DEFAULT_REGISTRY.resolve(dispatch_mode)
-
-
 __all__ = [
     "DEFAULT_MESH",
     "DEFAULT_REGISTRY",
@@ -260,7 +255,6 @@ __all__ = [
     "DispatchRegistry",
     "Execute",
     "UserMode",
-    "get_predefined_dispatch_fn",
     "make_nd_compute_dataproto_dispatch_fn",
     "register_dispatch_mode",
     "update_dispatch_mode",

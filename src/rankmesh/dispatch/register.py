@@ -13,6 +13,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
+from rankmesh.data import DataProtoFuture
 from rankmesh.dispatch.modes import Dispatch, DispatchMode, Execute, ModeLike, UserMode
 from rankmesh.dispatch.spec import MeshSpec
 from rankmesh.errors import DispatchError
@@ -62,8 +63,6 @@ def _normalize_mode(mode: ModeLike) -> DispatchMode | MeshSpec | UserMode:
 
 def materialize_futures(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Replace every top-level ``DataProtoFuture`` argument by its data (``.get()``)."""
-    from rankmesh.data import DataProtoFuture
-
     if not any(isinstance(a, DataProtoFuture) for a in (*args, *kwargs.values())):
         return args, kwargs
     args = tuple(a.get() if isinstance(a, DataProtoFuture) else a for a in args)

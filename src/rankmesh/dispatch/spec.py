@@ -19,6 +19,7 @@ import numpy as np
 
 from rankmesh.errors import DispatchError
 from rankmesh.mesh import RankMesh
+from rankmesh.validate import integer, is_int
 
 #: Axes a spec may split over or name in its collect predicate.  ``"rank"`` is the flat global
 #: rank (split over every rank, as verl's DP_COMPUTE does).
@@ -44,8 +45,7 @@ def _normalize_collect(collect: object) -> tuple[tuple[str, int], ...] | None:
     for axis, value in pairs:
         if axis not in SPEC_AXES:
             raise DispatchError(f"collect: unknown axis {axis!r} (known: {', '.join(SPEC_AXES)})")
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise DispatchError(f"collect: {axis} must be an integer coordinate (-1 = last), got {value!r}")
+        integer(value, f"collect: {axis} (a coordinate, -1 = last)", DispatchError)
     if len({axis for axis, _ in pairs}) != len(pairs):
         raise DispatchError(f"collect names an axis twice: {collect!r}")
     return tuple(sorted((axis, int(value)) for axis, value in pairs))
@@ -193,9 +193,6 @@ class DispatchPlan:
     def world_size(self) -> int:
         return len(self.piece_of_rank)
 
-    def ranks_of_piece(self, piece: int) -> list[int]:
-        return [r for r, p in enumerate(self.piece_of_rank) if p == piece]
-
     @classmethod
     def from_dispatch_info(cls, dp_ranks: Sequence[int], is_collect: Sequence[bool]) -> "DispatchPlan":
         """A plan from what workers registered themselves (verl's ``_register_dispatch_collect_info``).
@@ -204,7 +201,7 @@ class DispatchPlan:
         """
         if len(dp_ranks) != len(is_collect):
             raise DispatchError(f"dispatch info covers {len(dp_ranks)} ranks but collect info {len(is_collect)}")
-        bad = [r for r, d in enumerate(dp_ranks) if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0]
+        bad = [r for r, d in enumerate(dp_ranks) if not is_int(d) or d < 0]
         if bad:
             raise DispatchError(f"ranks {bad} registered no valid dp rank (got {[dp_ranks[r] for r in bad]})")
         n_pieces = max(dp_ranks) + 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from rankmesh.data import DataProto, DataProtoConfig, DataProtoFuture, auto_padding_enabled, pad_dataproto_to_divisor
+from rankmesh.data import DataProto, DataProtoConfig, DataProtoFuture, auto_padding_enabled
 from rankmesh.dispatch.spec import MeshSpec
 from rankmesh.errors import DispatchError, PaddingError
 
@@ -123,7 +123,7 @@ def _split_proto(spec: MeshSpec, n: int, args: Args, kwargs: Kwargs, site: CallS
     chunked = []
     for key, value in items:
         if pad:
-            value = value.pad_to_divisor(n)[0] if isinstance(value, DataProtoFuture) else pad_dataproto_to_divisor(value, n)[0]
+            value = value.pad_to_divisor(n)[0]  # DataProto and DataProtoFuture alike
         try:
             chunked.append(value.chunk(n))
         except Exception as exc:  # e.g. a future of unknown rows that later proves uneven

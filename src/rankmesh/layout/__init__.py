@@ -4,13 +4,17 @@ A layout file describes one deployment (a cluster, its resource pools, and each 
 a setup that works can be named, reviewed and checked before anything is launched.  Loading only
 checks structure (fields, types) and raises :class:`LayoutError`; :func:`validate_layout` checks
 the arithmetic (world sizes, divisibility, fit, colocation, node boundaries) and *returns* every
-problem, so ``rankmesh layout validate`` can list them all at once.
+problem, so ``rankmesh layout validate`` can list them all at once; :func:`check_layout` raises
+on the first error.
+
+The model: a :class:`Layout` has a :class:`ClusterSpec` (devices per node), :class:`PoolSpec`
+pools, and :class:`LayoutRole` roles, each with the :class:`MeshSizes` written in the file.
 
 The schema is documented in ``parallel_layouts/cpu_demo.yaml`` and ``docs/layouts.md``.
 """
 
-
-from rankmesh.layout.checks import validate_layout
+from rankmesh.errors import LayoutError, LayoutNotFoundError
+from rankmesh.layout.checks import check_layout, validate_layout
 from rankmesh.layout.files import find_layout, layout_dirs, list_layouts, load_layout
 from rankmesh.layout.parse import parse_layout
 from rankmesh.layout.spec import (
@@ -19,12 +23,10 @@ from rankmesh.layout.spec import (
     LAYOUTS_ENV,
     ClusterSpec,
     Layout,
-    LayoutError,
-    LayoutNotFoundError,
-    MeshSpec,
+    LayoutRole,
+    MeshSizes,
     PoolSpec,
     Problem,
-    RoleSpec,
 )
 
 __all__ = [
@@ -35,10 +37,11 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LayoutNotFoundError",
-    "MeshSpec",
+    "LayoutRole",
+    "MeshSizes",
     "PoolSpec",
     "Problem",
-    "RoleSpec",
+    "check_layout",
     "find_layout",
     "layout_dirs",
     "list_layouts",

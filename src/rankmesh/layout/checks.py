@@ -1,4 +1,9 @@
-"""Layout validation: world sizes, fit, colocation and node boundaries, every problem listed."""
+"""Layout validation: world sizes, fit, colocation and node boundaries, every problem listed.
+
+:func:`validate_layout` *returns* every problem (so ``rankmesh layout validate`` can list them
+all at once); :func:`check_layout` raises on the first error, for code that is about to use the
+layout.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,27 @@ import logging
 from dataclasses import replace
 from typing import Mapping
 
-from rankmesh.errors import MeshError, RankMeshError
-from rankmesh.layout.spec import Layout, Problem, RoleSpec, Severity, _is_int
+from rankmesh.errors import LayoutError, MeshError, RankMeshError
+from rankmesh.layout.spec import Layout, LayoutRole, Problem, Severity
 from rankmesh.mesh import AXES, RankMesh
+from rankmesh.validate import is_int
 
 log = logging.getLogger(__name__)
 
+
+def check_layout(layout: Layout, strict: bool = False) -> Layout:
+    """Raise :class:`LayoutError` naming the first error (and how many there are); return ``layout``.
+
+    Warnings are logged, not raised: a layout that merely runs slowly still runs.
+    """
+    problems = validate_layout(layout, strict=strict)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        more = f" (and {len(errors) - 1} more problem(s); run `rankmesh layout validate`)" if len(errors) > 1 else ""
+        raise LayoutError(f"{errors[0]}{more}")
+    for problem in problems:
+        log.warning("%s: %s", problem.location, problem.message)
+    return layout
 
 
 def validate_layout(layout: Layout, strict: bool = False) -> list[Problem]:
@@ -74,11 +94,11 @@ def _check_pools_fit(layout: Layout, add) -> None:
             add("error", f"node {node} has {devices} devices but pools place {total} processes on it: {parts}", field_="pools")
 
 
-def _check_role_mesh(role: RoleSpec, add) -> RankMesh | None:
-    spec, pool = role.mesh_spec, role.pool
+def _check_role_mesh(role: LayoutRole, add) -> RankMesh | None:
+    spec, pool = role.mesh_sizes, role.pool
     bad = False
     for axis, value in spec.sizes().items():
-        if value is not None and (not _is_int(value) or value <= 0):
+        if value is not None and (not is_int(value) or value <= 0):
             add("error", f"{axis} must be a positive integer, got {value!r}", role.name, f"mesh.{axis}")
             bad = True
     if bad:
@@ -109,7 +129,7 @@ def _check_role_mesh(role: RoleSpec, add) -> RankMesh | None:
         return None
 
 
-def _check_intra_node(layout: Layout, role: RoleSpec, mesh: RankMesh, add) -> None:
+def _check_intra_node(layout: Layout, role: LayoutRole, mesh: RankMesh, add) -> None:
     tokens = [t for t in layout.intra_node if t in AXES]
     try:
         spanning = role.placement().spanning_groups(mesh, tokens)
@@ -172,5 +192,3 @@ def _check_colocation(layout: Layout, meshes: Mapping[str, RankMesh], add) -> No
                 f"pool {pool!r} is shared by {names} without colocate_with: they would run in the same processes",
                 field_=f"pools.{pool}",
             )
-
-

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import yaml
 
-from rankmesh.errors import LayoutError
-from rankmesh.layout.spec import LAYOUTS_ENV, SUFFIXES, Layout, LayoutNotFoundError
+from rankmesh.errors import LayoutError, LayoutNotFoundError
+from rankmesh.layout.checks import check_layout
+from rankmesh.layout.parse import parse_layout
+from rankmesh.layout.spec import LAYOUTS_ENV, SUFFIXES, Layout
 
 log = logging.getLogger(__name__)
-
-from rankmesh.layout.parse import parse_layout
-
-# ----- finding and loading files ---------------------------------------------------------------
 
 
 def layout_dirs() -> list[Path]:
@@ -103,7 +101,7 @@ def load_layout(name_or_path: str | os.PathLike[str], *, check: bool = True) -> 
         raise LayoutError(f"{source}: malformed YAML: {_yaml_message(exc)}") from exc
     layout = parse_layout(data, source)
     log.debug("loaded layout %s from %s", layout.name, source)
-    return layout.check() if check else layout
+    return check_layout(layout) if check else layout
 
 
 def _yaml_message(exc: yaml.YAMLError) -> str:
@@ -111,4 +109,3 @@ def _yaml_message(exc: yaml.YAMLError) -> str:
     mark = getattr(exc, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
     return f"{problem}{where}"
-

@@ -6,24 +6,24 @@ from typing import Any, Mapping
 
 from rankmesh.errors import LayoutError
 from rankmesh.layout.spec import (
-    _CLUSTER_FIELDS,
-    _MESH_FIELDS,
-    _POOL_FIELDS,
-    _ROLE_FIELDS,
-    _TOP_FIELDS,
     DEFAULT_INTRA_NODE,
     DEFAULT_POOL,
     ClusterSpec,
     Layout,
-    MeshSpec,
+    LayoutRole,
+    MeshSizes,
     PoolSpec,
-    RoleSpec,
-    _error,
-    _is_int,
+    layout_error,
 )
 from rankmesh.mesh import AXES
+from rankmesh.validate import is_int
 
-# ----- parsing ---------------------------------------------------------------------------------
+# The fields each part of a layout file may have (anything else is a typo, reported as such).
+_TOP_FIELDS = {"name", "description", "cluster", "pools", "roles", "intra_node"}
+_CLUSTER_FIELDS = {"nodes", "devices_per_node", "process_on_nodes"}
+_POOL_FIELDS = {"process_on_nodes", "devices_per_node", "nodes"}
+_ROLE_FIELDS = {"pool", "mesh", "colocate_with"}
+_MESH_FIELDS = {"tp", "pp", "cp", "dp", "ep", "etp", "order"}
 
 
 class _Reader:
@@ -33,7 +33,7 @@ class _Reader:
         self.file = file
 
     def fail(self, message: str, role: str | None = None, field_: str | None = None) -> LayoutError:
-        return _error(message, self.file, role, field_)
+        return layout_error(message, self.file, role, field_)
 
     def mapping(
         self,
@@ -61,7 +61,7 @@ class _Reader:
         return value
 
     def integer(self, value: object, role: str | None, field_: str) -> int:
-        if not _is_int(value):
+        if not is_int(value):
             raise self.fail(f"expected an integer, got {_describe(value)}", role, field_)
         return int(value)
 
@@ -107,7 +107,7 @@ def parse_layout(data: object, source: str = "<layout>") -> Layout:
     raw_roles = top["roles"]
     if not isinstance(raw_roles, dict) or not raw_roles:
         raise r.fail(f"expected a mapping of at least one role, got {_describe(raw_roles)}", None, "roles")
-    roles: dict[str, RoleSpec] = {}
+    roles: dict[str, LayoutRole] = {}
     for role_name, raw in raw_roles.items():
         if not isinstance(role_name, str):
             raise r.fail(f"role names must be strings, got {role_name!r}", None, "roles")
@@ -184,7 +184,7 @@ def _parse_pool(r: _Reader, name: object, raw: object) -> PoolSpec:
     return PoolSpec(name, tuple(counts), tuple(nodes))
 
 
-def _parse_role(r: _Reader, name: str, raw: object, pools: Mapping[str, PoolSpec]) -> RoleSpec:
+def _parse_role(r: _Reader, name: str, raw: object, pools: Mapping[str, PoolSpec]) -> LayoutRole:
     role = r.mapping(raw, {"mesh"}, _ROLE_FIELDS - {"mesh"}, role=name)
     pool_name = r.string(role.get("pool", DEFAULT_POOL), name, "pool")
     if pool_name not in pools:
@@ -200,6 +200,4 @@ def _parse_role(r: _Reader, name: str, raw: object, pools: Mapping[str, PoolSpec
     if role.get("colocate_with") is not None:
         items = r.list_of(role["colocate_with"], "role names", name, "colocate_with")
         colocate = [r.string(item, name, "colocate_with") for item in items]
-    return RoleSpec(name, pools[pool_name], MeshSpec(**sizes), tuple(colocate), source=r.file)
-
-
+    return LayoutRole(name, pools[pool_name], MeshSizes(**sizes), tuple(colocate), source=r.file)

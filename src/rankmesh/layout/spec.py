@@ -1,16 +1,19 @@
-"""Layout data model: cluster, pools, role meshes and the problems validation reports."""
+"""Layout data model: cluster, pools, role meshes and the problems validation reports.
+
+The classes check their own fields when built (so a ``Layout`` made in code is as sound as one
+read from a file); the arithmetic across fields (world sizes, fit, colocation) is
+:mod:`rankmesh.layout.checks`, which reads this model and is not imported by it.
+"""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
 from rankmesh.errors import LayoutError, MeshError
 from rankmesh.mesh import DEFAULT_ORDER, RankMesh
 from rankmesh.placement import Placement
-
-log = logging.getLogger(__name__)
+from rankmesh.validate import non_negative_int, positive_int
 
 LAYOUTS_ENV = "RANKMESH_LAYOUTS"
 """Environment variable: extra layout directories (``os.pathsep``-separated), searched first."""
@@ -21,18 +24,9 @@ SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
 
 Severity = Literal["error", "warning"]
 
-_TOP_FIELDS = {"name", "description", "cluster", "pools", "roles", "intra_node"}
-_CLUSTER_FIELDS = {"nodes", "devices_per_node", "process_on_nodes"}
-_POOL_FIELDS = {"process_on_nodes", "devices_per_node", "nodes"}
-_ROLE_FIELDS = {"pool", "mesh", "colocate_with"}
-_MESH_FIELDS = {"tp", "pp", "cp", "dp", "ep", "etp", "order"}
-
-
-class LayoutNotFoundError(LayoutError):
-    """No layout of that name, or no such file: a usage error rather than a broken layout."""
-
 
 def _where(file: str | None, role: str | None = None, field_: str | None = None) -> str:
+    """``file: role 'r', field 'f'``: how every layout message says where the problem is."""
     parts = [file or "<layout>"]
     context = []
     if role is not None:
@@ -44,22 +38,16 @@ def _where(file: str | None, role: str | None = None, field_: str | None = None)
     return ": ".join(parts)
 
 
-def _error(message: str, file: str | None, role: str | None = None, field_: str | None = None) -> LayoutError:
+def layout_error(message: str, file: str | None, role: str | None = None, field_: str | None = None) -> LayoutError:
+    """A :class:`LayoutError` whose text starts with where the problem is: file, role, field."""
     return LayoutError(f"{_where(file, role, field_)}: {message}")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _counts(value: object, what: str) -> tuple[int, ...]:
     """Positive process counts, one per node (raises LayoutError without file context)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
         raise LayoutError(f"{what} must be a non-empty list of positive integers, got {value!r}")
-    for i, count in enumerate(value):
-        if not _is_int(count) or count <= 0:
-            raise LayoutError(f"{what}[{i}] must be a positive integer, got {count!r}")
-    return tuple(int(c) for c in value)
+    return tuple(positive_int(count, f"{what}[{i}]", LayoutError) for i, count in enumerate(value))
 
 
 # ----- the model -------------------------------------------------------------------------------
@@ -76,9 +64,8 @@ class ClusterSpec:
 
     @classmethod
     def uniform(cls, nodes: int, devices_per_node: int) -> "ClusterSpec":
-        for name, value in (("nodes", nodes), ("devices_per_node", devices_per_node)):
-            if not _is_int(value) or value <= 0:
-                raise LayoutError(f"cluster.{name} must be a positive integer, got {value!r}")
+        nodes = positive_int(nodes, "cluster.nodes", LayoutError)
+        devices_per_node = positive_int(devices_per_node, "cluster.devices_per_node", LayoutError)
         return cls((devices_per_node,) * nodes)
 
     @property
@@ -109,9 +96,7 @@ class PoolSpec:
             raise LayoutError(
                 f"pools.{self.name}: nodes {list(nodes)} and process_on_nodes {list(counts)} differ in length"
             )
-        for node in nodes:
-            if not _is_int(node) or node < 0:
-                raise LayoutError(f"pools.{self.name}.nodes must hold node indices >= 0, got {node!r}")
+        nodes = tuple(non_negative_int(node, f"pools.{self.name}.nodes[{i}]", LayoutError) for i, node in enumerate(nodes))
         if len(set(nodes)) != len(nodes):
             raise LayoutError(f"pools.{self.name}.nodes lists a node twice: {list(nodes)}")
         object.__setattr__(self, "process_on_nodes", counts)
@@ -127,8 +112,13 @@ class PoolSpec:
 
 
 @dataclass(frozen=True)
-class MeshSpec:
-    """Megatron sizes as written in the file; ``dp=None`` means derived from the pool size."""
+class MeshSizes:
+    """A role's megatron sizes as written in the file; ``dp=None`` means derived from the pool size.
+
+    Not to be confused with :class:`rankmesh.dispatch.MeshSpec` (how a call maps onto a mesh):
+    these are the sizes a :class:`RankMesh` is built from, kept as written so that validation can
+    report a bad size instead of failing on the first one.
+    """
 
     tp: int = 1
     pp: int = 1
@@ -156,27 +146,27 @@ class MeshSpec:
         return mesh
 
     @classmethod
-    def of(cls, mesh: RankMesh) -> "MeshSpec":
+    def of(cls, mesh: RankMesh) -> "MeshSizes":
         s = mesh.sizes
         return cls(tp=s["tp"], pp=s["pp"], cp=s["cp"], dp=s["dp"], ep=s["ep"], etp=s["etp"], order=mesh.order)
 
 
 @dataclass(frozen=True)
-class RoleSpec:
-    """One role (actor, critic, rollout, ...): a mesh running in a pool."""
+class LayoutRole:
+    """One role of a layout (actor, critic, rollout, ...): a mesh running in a pool."""
 
     name: str
     pool: PoolSpec
-    mesh_spec: MeshSpec = field(default_factory=MeshSpec)
+    mesh_sizes: MeshSizes = field(default_factory=MeshSizes)
     colocate_with: tuple[str, ...] = ()
     source: str | None = field(default=None, compare=False)
 
     def mesh(self) -> RankMesh:
         """The role's :class:`RankMesh` (dp derived from the pool when omitted)."""
         try:
-            return self.mesh_spec.build(self.pool.world_size)
+            return self.mesh_sizes.build(self.pool.world_size)
         except MeshError as exc:
-            raise _error(f"{exc} (pool {self.pool.name!r})", self.source, self.name, "mesh") from exc
+            raise layout_error(f"{exc} (pool {self.pool.name!r})", self.source, self.name, "mesh") from exc
 
     def placement(self) -> Placement:
         """Where the role's ranks run: its pool's nodes, filled in rank order."""
@@ -189,21 +179,25 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """A named deployment: a cluster, its pools and the roles placed on them."""
+    """A named deployment: a cluster, its pools and the roles placed on them.
+
+    To check one: :func:`~rankmesh.layout.validate_layout` lists every problem,
+    :func:`~rankmesh.layout.check_layout` raises on the first error.
+    """
 
     name: str
     cluster: ClusterSpec
     pools: Mapping[str, PoolSpec]
-    roles: Mapping[str, RoleSpec]
+    roles: Mapping[str, LayoutRole]
     description: str = ""
     intra_node: tuple[str, ...] = DEFAULT_INTRA_NODE
     source: str | None = field(default=None, compare=False)
 
-    def role(self, name: str) -> RoleSpec:
+    def role(self, name: str) -> LayoutRole:
         try:
             return self.roles[name]
         except KeyError:
-            raise _error(f"unknown role {name!r} (roles: {', '.join(self.roles)})", self.source) from None
+            raise layout_error(f"unknown role {name!r} (roles: {', '.join(self.roles)})", self.source) from None
 
     @property
     def label(self) -> str:
@@ -229,27 +223,6 @@ class Layout:
             groups.setdefault(find(name), []).append(name)
         return [tuple(g) for g in groups.values()]
 
-    def validate(self, strict: bool = False) -> list["Problem"]:
-        from rankmesh.layout.checks import validate_layout
-
-        return validate_layout(self, strict=strict)
-
-    def check(self, strict: bool = False) -> "Layout":
-        """Raise :class:`LayoutError` naming the first error (and how many there are); return self.
-
-        Warnings are logged, not raised: a layout that merely runs slowly still runs.
-        """
-        from rankmesh.layout.checks import validate_layout
-
-        problems = validate_layout(self, strict=strict)
-        errors = [p for p in problems if p.severity == "error"]
-        if errors:
-            more = f" (and {len(errors) - 1} more problem(s); run `rankmesh layout validate`)" if len(errors) > 1 else ""
-            raise LayoutError(f"{errors[0]}{more}")
-        for problem in problems:
-            log.warning("%s: %s", problem.location, problem.message)
-        return self
-
     @classmethod
     def from_mesh(
         cls,
@@ -261,11 +234,11 @@ class Layout:
         """A one-role layout around an existing mesh (what ``rankmesh layout show --tp ...`` uses)."""
         counts = tuple(process_on_nodes) if process_on_nodes else (mesh.world_size,)
         pool = PoolSpec(DEFAULT_POOL, counts)
-        spec = RoleSpec(role, pool, MeshSpec.of(mesh))
+        spec = LayoutRole(role, pool, MeshSizes.of(mesh))
         return cls(name=name, cluster=ClusterSpec(counts), pools={pool.name: pool}, roles={role: spec})
 
 
-# ----- problems and validation -----------------------------------------------------------------
+# ----- problems -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ controller-side pieces (``check``, ``group``, ``reference``) never do.
 
 from __future__ import annotations
 
-import importlib
 import warnings
-from typing import Any
+
+from rankmesh.lazy import lazy_exports
 
 # megatron-core warns at import time, in every process, that the optional fused kernels are
 # missing; on CPU that is expected and the warning is noise.
@@ -46,15 +46,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rankmesh.megatron' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

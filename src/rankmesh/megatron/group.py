@@ -7,36 +7,14 @@ pure comparison of :mod:`rankmesh.megatron.check`.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Mapping
 
+from rankmesh.backends import ray as ray_backend  # names load on first use: no Ray at import
 from rankmesh.megatron.check import RankReport, check_reports, compare_reports, Mismatch
 from rankmesh.mesh import RankMesh
 
 logger = logging.getLogger(__name__)
-
-
-def connect_ray(address: str | None = None, num_cpus: int | None = None) -> Any:
-    """Join ``address`` (or ``RAY_ADDRESS``), reuse this process's Ray, or start a private one on 127.0.0.1.
-
-    Why not plain ``ensure_ray``: a ``ray.init`` call without an address attaches to *any* Ray already
-    running on the machine (it scans for GCS processes), e.g. another user's, or the test session
-    of a parent process, and then fails on ``num_cpus``.  A local start must say
-    ``address="local"``.  Returns the runtime's ``RayConnection``.
-    """
-    import ray
-
-    from rankmesh.backends.ray import runtime
-
-    if ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"):
-        joining = bool(address or os.environ.get("RAY_ADDRESS")) and not ray.is_initialized()
-        return runtime.ensure_ray(address, num_cpus=None if joining else num_cpus)
-    runtime.set_loopback_env()
-    runtime._loopback_in_this_process()  # noqa: SLF001 - same loopback rules as ensure_ray
-    ray.init(address="local", _node_ip_address=runtime.LOOPBACK, include_dashboard=False,
-             num_cpus=num_cpus, logging_level=logging.WARNING)
-    return runtime.RayConnection(address=runtime._current_address(), started_here=True)  # noqa: SLF001
 
 
 def collect_reports(group: Any, allreduce: bool = False) -> list[RankReport]:
@@ -82,10 +60,8 @@ def start_megatron_group(
     and :class:`~rankmesh.errors.MeshMismatchError` raised, so no caller ever trains on groups
     that differ from what the controller dispatches by.
     """
-    from rankmesh.backends.ray import RayWorkerGroup
-
     start = time.perf_counter()
-    group = RayWorkerGroup(resource_pool, cls_with_init, mesh=mesh, **group_kwargs)
+    group = ray_backend.RayWorkerGroup(resource_pool, cls_with_init, mesh=mesh, **group_kwargs)
     spawned: Mapping[str, Any] | None = group.spawn(roles) if roles else None
     try:
         if verify:

@@ -93,12 +93,3 @@ def run_pipeline(
         if prev is not None:
             _send(inp.grad, prev)
     return result
-
-
-def broadcast_from_last_stage(obj: Any) -> Any:
-    """Give every pipeline stage the last stage's Python object (e.g. metrics)."""
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    return box[0]

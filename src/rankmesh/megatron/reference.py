@@ -152,12 +152,6 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_log_probs(cfg: TinyConfig, tokens: torch.Tensor, seed: int | None = None) -> torch.Tensor:
-    """Single-process log-probs of ``tokens`` under the seed-initialized model: [b, s-1]."""
-    return token_log_probs(ReferenceModel(cfg, seed=seed)(tokens), tokens)
-
-
-@torch.no_grad()
 def sample(model: ReferenceModel, prompts: torch.Tensor, length: int, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``length`` tokens after each prompt; row i draws from a generator seeded ``seeds[i]``.
 

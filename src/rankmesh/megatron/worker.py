@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from rankmesh.backends.ray.rendezvous import init_torch_distributed
 from rankmesh.dispatch.modes import Dispatch
 from rankmesh.dispatch.register import register
 from rankmesh.megatron.check import RankReport
@@ -117,11 +118,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> No
         # Ray usually shows each actor only its own GPU; otherwise pick by local rank.
         count = torch.cuda.device_count()
         torch.cuda.set_device(0 if count == 1 else int(os.environ.get("LOCAL_RANK", "0")) % count)
-    try:
-        from rankmesh.backends.ray.rendezvous import init_torch_distributed
-    except ImportError:  # pragma: no cover - a backend without the helper
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        return
     init_torch_distributed(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 

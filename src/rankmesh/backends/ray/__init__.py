@@ -6,47 +6,51 @@
 * :func:`init_torch_distributed`: join torch.distributed from inside a worker.
 * :func:`ensure_ray`: join a cluster or start a local one bound to 127.0.0.1.
 
+The modules, along the process boundary: :mod:`.host` runs in every worker process (the host
+actor of one rank); :mod:`.wire` is the format of one call between the two sides; the
+controller has :mod:`.hosts` (starting and stopping a group's processes), :mod:`.waiting`
+(waiting for calls, translating failures), :mod:`.executor` (the backend contract),
+:mod:`.classes` (what to build in each process), :mod:`.group` (the worker group) and
+:mod:`.pool` (placement).
+
 Names are imported on first use: every worker process imports this package (the host actor
 lives in it), and most workers never need the controller-side modules (and their imports).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rankmesh.lazy import lazy_exports
 
 _EXPORTS = {
-    "ColocatedClassWithInitArgs": "colocate",
-    "create_colocated_worker_cls": "colocate",
-    "RayClassWithInitArgs": "group",
-    "RayWorkerGroup": "group",
-    "RayResourcePool": "pool",
-    "split_resource_pool": "pool",
-    "RendezvousError": "rendezvous",
-    "init_torch_distributed": "rendezvous",
-    "ensure_ray": "runtime",
-    "RayExecutor": "transport",
+    "ColocatedClassWithInitArgs": "rankmesh.backends.ray.classes",
+    "create_colocated_worker_cls": "rankmesh.backends.ray.classes",
+    "RayClassWithInitArgs": "rankmesh.backends.ray.classes",
+    "RayWorkerGroup": "rankmesh.backends.ray.group",
+    "RayResourcePool": "rankmesh.backends.ray.pool",
+    "split_resource_pool": "rankmesh.backends.ray.pool",
+    "init_torch_distributed": "rankmesh.backends.ray.rendezvous",
+    "ensure_ray": "rankmesh.backends.ray.runtime",
+    "RayExecutor": "rankmesh.backends.ray.executor",
+    "fetch_refs": "rankmesh.backends.ray.waiting",
+    "RendezvousError": "rankmesh.errors",
 }
 
 __all__ = sorted(_EXPORTS)
 
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
 if TYPE_CHECKING:  # pragma: no cover
-    from rankmesh.backends.ray.colocate import ColocatedClassWithInitArgs, create_colocated_worker_cls
-    from rankmesh.backends.ray.group import RayClassWithInitArgs, RayWorkerGroup
+    from rankmesh.backends.ray.classes import (
+        ColocatedClassWithInitArgs,
+        RayClassWithInitArgs,
+        create_colocated_worker_cls,
+    )
+    from rankmesh.backends.ray.executor import RayExecutor
+    from rankmesh.backends.ray.group import RayWorkerGroup
     from rankmesh.backends.ray.pool import RayResourcePool, split_resource_pool
-    from rankmesh.backends.ray.rendezvous import RendezvousError, init_torch_distributed
+    from rankmesh.backends.ray.rendezvous import init_torch_distributed
     from rankmesh.backends.ray.runtime import ensure_ray
-    from rankmesh.backends.ray.transport import RayExecutor
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    from rankmesh.backends.ray.waiting import fetch_refs
+    from rankmesh.errors import RendezvousError

@@ -12,21 +12,34 @@ the rank order once:
 Placement groups that land on the same node count as one node: LOCAL_RANK and LOCAL_WORLD_SIZE
 describe the processes of the group on that physical node, as torchrun would.  Entries may have
 different sizes (heterogeneous nodes); :attr:`RayResourcePool.placement` tells what was granted.
+
+Connecting: a pool is what first needs Ray, so it is the pool that starts the embedded Ray when
+no cluster is given (:meth:`RayResourcePool.connect`), declaring at least the logical CPUs the
+pool reserves.  Ray's CPU counts are scheduling tokens, not cores: on a 2-core laptop, a pool of
+8 CPU worker processes is a normal development setup (the processes share the cores), and a
+bare ``ray.init()`` (as many CPUs as cores) would leave it unplaceable.  A Ray that is already
+running, or a cluster joined by address, is never resized: there a pool that does not fit fails
+with :class:`ResourcePoolError`.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import math
+import os
 import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
 from rankmesh.errors import PlacementError, ResourcePoolError
 from rankmesh.placement import Placement, RankPlace
 
-from .runtime import alive_nodes, ensure_ray
+from .runtime import RayConnection, alive_nodes, ensure_ray
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +81,12 @@ class RayResourcePool:
     1 CPU and ``1 / max_colocate_count`` GPU).  Placement groups are created on first use
     (:meth:`slots`), and removed when the last worker group using them shuts down
     (:meth:`release`) or on :meth:`remove`.  ``detached=True`` makes them outlive the driver.
+
+    Bundles always hold whole CPUs, so the accounting is the same on a laptop and on a cluster.
+    What adapts is the embedded Ray: when no Ray is running and no address is given, the first
+    use of the pool starts one with ``max(cores, reserved_cpus)`` logical CPUs (see
+    :meth:`connect`), so ``RayResourcePool([8], use_gpu=False)`` places on a 2-core machine.
+    GPUs are never invented: a ``use_gpu=True`` pool needs GPUs that exist.
     """
 
     def __init__(
@@ -113,6 +132,12 @@ class RayResourcePool:
         return sum(self._counts)
 
     @property
+    def reserved_cpus(self) -> float:
+        """Logical CPUs the whole pool reserves (every bundle of the root pool, views included)."""
+        root = self._root
+        return sum(root._counts) * root.bundle["CPU"]
+
+    @property
     def bundle(self) -> dict[str, float]:
         """Resources of one bundle."""
         bundle: dict[str, float] = {"CPU": float(self.max_colocate_count)}
@@ -138,6 +163,18 @@ class RayResourcePool:
         )
 
     # ----- placement ---------------------------------------------------------------------------
+
+    def connect(self) -> RayConnection:
+        """Make this process a Ray driver the way the pool needs: an embedded Ray sized for it.
+
+        Already connected, or ``RAY_ADDRESS`` set: as :func:`ensure_ray` (nothing is resized).
+        Otherwise the embedded Ray starts with ``max(os.cpu_count(), reserved_cpus)`` logical
+        CPUs, so the pool fits on one machine whatever its core count.  Worker groups call this
+        before anything else touches Ray; call :func:`ensure_ray` with ``num_cpus=`` yourself
+        first to size the embedded Ray for several pools at once.
+        """
+        cores = os.cpu_count() or 1
+        return ensure_ray(num_cpus=max(cores, math.ceil(self.reserved_cpus)))
 
     def slots(self, timeout: float | None = None) -> list[Slot]:
         """Every bundle in rank order; creates the placement groups on first call."""
@@ -189,10 +226,7 @@ class RayResourcePool:
         return "\n".join(lines)
 
     def _create(self, timeout: float) -> list[Slot]:
-        import ray
-        from ray.util.placement_group import placement_group, placement_group_table
-
-        ensure_ray()
+        self.connect()
         lifetime = "detached" if self.detached else None
         pgs = [
             placement_group(
@@ -229,10 +263,6 @@ class RayResourcePool:
         return slots
 
     def _unplaced_message(self, pgs: list[Any], ready: list[bool], timeout: float) -> str:
-        import ray
-
-        from ray.util.placement_group import placement_group_table
-
         parts = [
             f"resource pool {self.name_prefix!r} (process_on_nodes={list(self._counts)}) could not be "
             f"placed within {timeout:g} s; each node entry needs its bundles on ONE node (STRICT_PACK)."
@@ -259,6 +289,12 @@ class RayResourcePool:
                 f"{k} {avail.get(node_id, {}).get(k, 0):g}/{totals[node_id].get(k, 0):g}" for k in keys
             )
             parts.append(f"    {ip} {node_id[:8]}: {res}")
+        parts.append(
+            "  to fix: ask for fewer processes per node entry; or declare more logical CPUs (Ray counts CPUs as "
+            "scheduling tokens: `ray start --num-cpus N` on a cluster; for the embedded Ray, "
+            "`rankmesh.backends.ray.ensure_ray(num_cpus=N)` before the first pool); GPUs must exist "
+            "(use_gpu=False runs on CPU)."
+        )
         return "\n".join(parts)
 
     # ----- lifetime ----------------------------------------------------------------------------
@@ -287,8 +323,6 @@ class RayResourcePool:
 
 
 def _remove_pg(pg: Any) -> None:
-    from ray.util.placement_group import remove_placement_group
-
     try:
         remove_placement_group(pg)
     except Exception as exc:  # already removed, or Ray is gone

@@ -24,7 +24,11 @@ import socket
 import threading
 from dataclasses import dataclass
 
-from rankmesh.errors import RankMeshError
+import torch
+import torch.distributed as dist
+
+from rankmesh.errors import RendezvousError
+from rankmesh.validate import positive_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +44,6 @@ RESERVED_ENV: tuple[str, ...] = (
 
 _lock = threading.Lock()
 _reserved: dict[tuple[str, int], socket.socket] = {}
-
-
-class RendezvousError(RankMeshError, RuntimeError):
-    """The torch.distributed environment of a worker is missing or inconsistent."""
 
 
 @dataclass(frozen=True)
@@ -130,15 +130,11 @@ def _take_reserved(host: str, port: int) -> socket.socket | None:
 
 def default_backend() -> str:
     """``nccl`` when CUDA is usable in this process, else ``gloo``."""
-    import torch
-
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def create_store(env: DistEnv, timeout: datetime.timedelta):
     """The TCPStore of ``env``: the master (on the reserved socket) on rank 0, a client elsewhere."""
-    import torch.distributed as dist
-
     sock = _take_reserved(env.master_addr, env.master_port) if env.rank == 0 else None
     if sock is not None:
         # The store owns (and will close) the descriptor from here on.
@@ -164,13 +160,11 @@ def init_torch_distributed(
     Call it inside a worker (``__init__`` or any method) on every rank of the group.  ``backend``
     defaults to nccl with CUDA and gloo without.  A second call is a no-op.
     """
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     env = DistEnv.from_environ()
     if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
+        timeout = datetime.timedelta(seconds=positive_seconds(timeout, "init_torch_distributed(timeout)", RendezvousError))
     backend = backend or default_backend()
     store = create_store(env, timeout)
     logger.debug("rank %d/%d joins %s at %s:%d", env.rank, env.world_size, backend, env.master_addr, env.master_port)

@@ -17,10 +17,14 @@ own configuration decides where its processes listen.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any
+
+import ray
+from ray._private import ray_constants
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,11 @@ class RayConnection:
 
     address: str | None
     started_here: bool
+
+    def close(self) -> None:
+        """Shut Ray down if this connection started it; a joined cluster is left alone."""
+        if self.started_here and ray.is_initialized():
+            ray.shutdown()
 
 
 def set_loopback_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -68,8 +77,6 @@ def ensure_ray(
     cluster.  Otherwise start a new local Ray on loopback with the dashboard off (never attach
     to another Ray found on the machine); ``num_cpus`` etc. only apply to that case.
     """
-    import ray
-
     if ray.is_initialized():
         return RayConnection(address=_current_address(), started_here=False)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -81,11 +88,11 @@ def ensure_ray(
             # A cluster on 127.0.0.1 (e.g. simulated nodes): without this Ray rewrites the
             # address to the machine's interface and the connection hangs.
             set_loopback_env()
-            _loopback_in_this_process()
+            loopback_in_this_process()
         ray.init(address=address, namespace=namespace, **init_kwargs)
         return RayConnection(address=_current_address(), started_here=False)
     set_loopback_env()
-    _loopback_in_this_process()
+    loopback_in_this_process()
     logger.info("starting a local Ray on %s (num_cpus=%s, num_gpus=%s)", LOOPBACK, num_cpus, num_gpus)
     # address="local": always start a new Ray.  Without it ray.init() attaches to whatever Ray
     # it finds on this machine (another user's, or a parent process's test session).
@@ -107,8 +114,6 @@ def ensure_ray(
 
 def _is_loopback_address(address: str) -> bool:
     """Whether ``host:port`` names this machine's loopback (``ray://`` and ``auto`` do not)."""
-    import ipaddress
-
     host = address.rsplit(":", 1)[0] if ":" in address and "://" not in address else ""
     if host == "localhost":
         return True
@@ -118,15 +123,13 @@ def _is_loopback_address(address: str) -> bool:
         return False
 
 
-def _loopback_in_this_process() -> None:
+def loopback_in_this_process() -> None:
     """Make an already-imported Ray treat 127.0.0.1 as this node's address.
 
     Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when ``ray`` is first imported; when
     the variable was not set then, ``ray.init`` silently replaces ``_node_ip_address="127.0.0.1"``
-    by the machine's interface address.  Only the local-start path calls this.
+    by the machine's interface address.  Called before starting or joining a loopback Ray.
     """
-    from ray._private import ray_constants
-
     if getattr(ray_constants, "ENABLE_RAY_CLUSTER", False):
         logger.debug("ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set; applying it now")
         ray_constants.ENABLE_RAY_CLUSTER = False
@@ -134,8 +137,6 @@ def _loopback_in_this_process() -> None:
 
 def _current_address() -> str | None:
     try:
-        import ray
-
         return ray.get_runtime_context().gcs_address
     except Exception:  # pragma: no cover - older Ray or not connected
         return None
@@ -143,13 +144,9 @@ def _current_address() -> str | None:
 
 def node_ip_address() -> str:
     """This process's node address as Ray sees it (127.0.0.1 on a loopback cluster)."""
-    import ray
-
     return ray.util.get_node_ip_address()
 
 
 def alive_nodes() -> dict[str, dict[str, Any]]:
     """Node id (hex) -> the ``ray.nodes()`` record, for live nodes only."""
-    import ray
-
     return {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}

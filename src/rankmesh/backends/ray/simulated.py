@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Sequence
 
-from rankmesh.backends.ray.runtime import LOOPBACK, _loopback_in_this_process
+import ray
+from ray.cluster_utils import Cluster
+
+from rankmesh.backends.ray.runtime import LOOPBACK, loopback_in_this_process
 
 
 def loopback_cluster(
@@ -27,10 +30,7 @@ def loopback_cluster(
     """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-    from ray.cluster_utils import Cluster
-
-    _loopback_in_this_process()
+    loopback_in_this_process()
     head = {"num_cpus": 0, "include_dashboard": False, **dict(head_args or {}), "node_ip_address": LOOPBACK}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     handles = [cluster.add_node(**{**dict(node), "node_ip_address": LOOPBACK}) for node in nodes]

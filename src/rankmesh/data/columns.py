@@ -1,7 +1,11 @@
-"""Column-level helpers behind DataProto: equality, unions, concatenation, meta_info merging.
+"""Columns behind DataProto: checks, equality, concatenation, unions, meta_info merging, TensorDicts.
 
-They work on plain TensorDicts, numpy dicts and meta dicts, never on the caller's containers in
-place: every function returns new containers (tensor storage may be shared, containers never).
+DataProto's row operations are written in terms of its columns (the tensor leaves of ``batch``,
+the numpy arrays of ``non_tensor_batch``) and its meta dict; the per-column work lives here, so
+``proto.py`` reads as the operations themselves.  Every function works on plain TensorDicts,
+numpy dicts and meta dicts, never on the caller's containers in place: each returns new
+containers (tensor storage may be shared, containers never).  verl's module-level names for the
+dict unions (``union_tensor_dict`` ...) are these functions.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any, Union
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase, is_non_tensor
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor
 
 from rankmesh import serialization
 from rankmesh.errors import DataProtoError
@@ -107,13 +111,6 @@ def chunk_bounds(length: int, chunks: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
-
-
-def check_positive_int(value: Any, what: str) -> int:
-    """Reject bools, non-integers and values < 1 with a message naming ``what``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise DataProtoError(f"{what} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 # --- equality (NaN-aware, type-strict) ---------------------------------------------------------
@@ -241,8 +238,8 @@ def _numpy_concat_into(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bo
     Returns False (nothing written) when a part has no plain numpy view (conj/neg bits ...).
     """
     try:
-        dst, _ = serialization._numpy_view(out)
-        srcs = [serialization._numpy_view(t.detach())[0] for t in tensors]
+        dst = serialization.numpy_view(out)
+        srcs = [serialization.numpy_view(t.detach()) for t in tensors]
     except (TypeError, RuntimeError):
         return False
     if any(s.dtype != dst.dtype for s in srcs):
@@ -349,3 +346,43 @@ def union_two_dict(dict1: Mapping[str, Any], dict2: Mapping[str, Any]) -> dict[s
             raise DataProtoError(f"union: meta_info key {key!r} exists in both with different values")
         out.setdefault(key, val)
     return out
+
+
+# --- TensorDict conversion ---------------------------------------------------------------------
+
+
+def split_tensordict(td: TensorDictBase) -> tuple[TensorDict, dict[str, np.ndarray], dict[str, Any]]:
+    """Tensors, per-row non-tensor stacks (as object columns) and single non-tensor values."""
+    if not isinstance(td, TensorDictBase):
+        raise DataProtoError(f"from_tensordict needs a TensorDict, got {type(td).__name__}")
+    if len(td.batch_size) != 1:
+        raise DataProtoError(f"TensorDict must have exactly one batch dimension, got {tuple(td.batch_size)}")
+    tensors: dict[str, Any] = {}
+    columns: dict[str, np.ndarray] = {}
+    meta: dict[str, Any] = {}
+    for key, val in td.items():
+        if isinstance(val, NonTensorStack):
+            columns[key] = to_object_array(val.tolist())
+        elif is_non_tensor(val):
+            meta[key] = val.data
+        else:
+            tensors[key] = val
+    return TensorDict(tensors, batch_size=td.batch_size, device=td.device), columns, meta
+
+
+def join_tensordict(
+    batch: TensorDictBase | None, length: int, columns: Mapping[str, np.ndarray], meta: Mapping[str, Any]
+) -> TensorDict:
+    """Inverse of :func:`split_tensordict`; key clashes are errors."""
+    td = batch.copy() if batch is not None else TensorDict({}, batch_size=[length])
+    for key, col in columns.items():
+        if key in td.keys():
+            raise DataProtoError(f"to_tensordict: key {key!r} is both a tensor and a non-tensor column")
+        if len(col) == 0:
+            raise DataProtoError(f"to_tensordict: non-tensor column {key!r} has no rows to stack")
+        td.set(key, NonTensorStack(*[NonTensorData(data=v, batch_size=[]) for v in col]))
+    for key, val in meta.items():
+        if key in td.keys():
+            raise DataProtoError(f"to_tensordict: meta_info key {key!r} clashes with a column")
+        td.set_non_tensor(key, val)
+    return td

@@ -1,0 +1,94 @@
+"""The backend contract: everything a worker group needs from where its ranks live (in-process or Ray).
+
+A worker group decides *what* each rank receives and whose output is kept (dispatch, using the
+group's mesh); a backend only knows *how* to ship one object to the workers, run a method on some
+ranks, fetch the outputs it is told to fetch, and report whether it can still do so.  Keeping the
+contract this small is what lets the in-process backend and the Ray backend pass the same
+dispatch tests; keeping it *complete* is what lets :class:`rankmesh.group.WorkerGroup` drive any
+backend without probing for optional methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """One rank's share of a group call.
+
+    ``args``/``kwargs`` may contain :class:`Shared` handles returned by :meth:`Backend.share`; the
+    backend resolves them on the worker side.  ``return_output=False`` tells the worker to run the
+    method but send nothing back (ranks outside the collect set), so a large output costs one
+    transfer per replica instead of one per rank.
+    """
+
+    rank: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    return_output: bool = True
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A handle to one object shipped once and read by any number of ranks.
+
+    ``ref`` is backend-specific (a Ray ObjectRef, or the object itself in-process).  Every rank
+    that receives it gets its own private, writable copy of the tensors inside: a worker that
+    changes its input in place changes neither the caller's batch nor another rank's.
+    """
+
+    ref: Any
+
+
+Fetch = Callable[[Sequence[Any]], list[Any]]
+"""A picklable function from pending handles to outputs (what futures carry)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a backend provides to :class:`rankmesh.group.WorkerGroup` (both backends implement all of it).
+
+    ``call_timeout_s`` bounds every fetch that gives no timeout of its own (``None``: wait as long
+    as the ranks run).  ``closed`` is true after :meth:`close`; ``failed`` is the error that made
+    the backend unusable (a dead process on Ray), else ``None``.  A closed or failed backend
+    refuses :meth:`submit`.
+    """
+
+    world_size: int
+    call_timeout_s: float | None
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def failed(self) -> BaseException | None: ...
+
+    def share(self, obj: Any) -> Shared:
+        """Ship ``obj`` once (e.g. one ``ray.put``) so that several ranks can receive it."""
+
+    def submit(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[Any]:
+        """Start ``method`` of ``role``'s worker on the ranks named in ``calls``; one pending handle per call.
+
+        ``role`` selects the worker object inside a process that hosts several colocated roles
+        (``None`` for a process with a single worker).
+        """
+
+    def fetch(self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False) -> list[Any]:
+        """Wait for the pending handles and return their outputs, in the same order.
+
+        ``timeout=None`` means :attr:`call_timeout_s`.  ``borrow=True`` lets the backend hand
+        back read-only views of shared memory instead of private copies: only for a caller that
+        copies every tensor itself before anyone sees it (the concat of collected outputs).
+        """
+
+    def fetcher(self, timeout: float | None = None) -> Fetch:
+        """A picklable :data:`Fetch` for futures, usable from any process of the backend.
+
+        Futures (``DataProtoFuture``) carry it so that a worker of another group can fetch just
+        the parts it needs.  ``timeout`` bounds each fetch (``None``: :attr:`call_timeout_s`).
+        """
+
+    def close(self) -> None:
+        """Stop the ranks and release what they hold; later calls raise.  Idempotent."""

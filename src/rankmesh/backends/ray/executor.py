@@ -1,0 +1,163 @@
+"""RayExecutor: the backend contract (:class:`rankmesh.backend.Backend`) over one group's host processes.
+
+* ``share`` is one ``ray.put`` per distinct object.  Tensors inside a DataProto pickle out of band
+  as numpy views, so the put is one memcpy into plasma, and every reader maps it without a copy;
+  the data layer's rebuild then makes the single private, writable copy per rank.
+* ``submit`` encodes each rank's call (:mod:`.wire`) and runs it on the rank's host.  Ranks
+  outside the collect set run with ``return_output=False`` and send back ``None``.
+* ``fetch`` waits fail-fast (:func:`.waiting.fetch_outputs`).  A dead process fails the whole
+  group: :meth:`RayExecutor.fail` kills the other ranks (so their blocked collectives end) and
+  later calls raise at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import ray
+
+from rankmesh.backend import RankCall, Shared
+from rankmesh.errors import BackendError, WorkerDiedError
+from rankmesh.validate import optional_seconds
+
+from .hosts import HostSet
+from .waiting import Pending, fetch_outputs
+from .wire import encode_call
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CallStats:
+    """Counters for tests and benchmarks: puts made, calls submitted."""
+
+    puts: int = 0
+    calls: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, puts: int = 0, calls: int = 0) -> None:
+        with self.lock:
+            self.puts += puts
+            self.calls += calls
+
+
+#: Executors of this process by token, so that a fetcher (which travels inside futures) can
+#: fail its group when it finds a dead rank in the controller.
+_EXECUTORS: "weakref.WeakValueDictionary[str, RayExecutor]" = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True)
+class GroupFetcher:
+    """The picklable fetch function of one group's futures (:meth:`RayExecutor.fetcher`).
+
+    Equal for one group (futures of one call merge flat); ``timeout_s`` bounds each fetch.
+    In the controller it fails the group on a dead rank, as a blocking call does; in any other
+    process it just raises.
+    """
+
+    token: str
+    timeout_s: float | None = None
+
+    def __call__(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        return fetch_outputs(handles, self.timeout_s if timeout is None else timeout, self.died)
+
+    def died(self, err: WorkerDiedError) -> None:
+        """Fail the group this fetcher belongs to, when it lives in this process."""
+        executor = _EXECUTORS.get(self.token)
+        if executor is not None:
+            executor.fail(err)
+
+
+class RayExecutor:
+    """:class:`rankmesh.backend.Backend` over the processes of ``hosts`` (one per rank).
+
+    ``coords[r]`` (optional) names rank ``r``'s mesh coordinates in error messages.
+    ``call_timeout_s`` bounds every fetch that gives no timeout of its own (``None``: wait as long
+    as the ranks run).  Role groups spawned from one group share its executor: one closed flag,
+    one failure, one set of stats.
+    """
+
+    def __init__(
+        self,
+        hosts: HostSet,
+        coords: Sequence[dict[str, int]] | None = None,
+        call_timeout_s: float | None = None,
+    ) -> None:
+        self.hosts = hosts
+        self.world_size = len(hosts.actors)
+        self.nodes = hosts.nodes
+        self.coords = list(coords) if coords is not None else [None] * self.world_size
+        self.call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
+        self.stats = CallStats()
+        self._failed: WorkerDiedError | None = None
+        self.token = uuid.uuid4().hex
+        _EXECUTORS[self.token] = self
+
+    @property
+    def closed(self) -> bool:
+        return self.hosts.closed
+
+    @property
+    def failed(self) -> WorkerDiedError | None:
+        return self._failed
+
+    def close(self) -> None:
+        """Kill the processes and release their placement groups (idempotent)."""
+        self.hosts.shutdown()
+
+    def fail(self, err: WorkerDiedError) -> None:
+        """Mark the group failed after ``err`` and kill its other processes.
+
+        Killing is what ends peers blocked in a collective the dead rank will never join; a
+        group with a dead rank cannot run another collective call anyway.
+        """
+        if self._failed is not None:
+            return
+        self._failed = err
+        logger.error("worker group failed: %s; stopping its %d processes", err, self.world_size)
+        self.hosts.kill()
+
+    def _check_usable(self, method: str) -> None:
+        if self.closed:
+            raise BackendError(f"cannot call {method}: the worker group has been shut down")
+        if self._failed is not None:
+            f = self._failed
+            raise WorkerDiedError(
+                f.rank,
+                f.method,
+                f"cannot run {method}: the group failed earlier ({f.detail}) and its processes were stopped; "
+                "shut it down and start a new group",
+                f.node,
+                ranks=f.ranks,
+                coords=f.coords,
+            )
+
+    def share(self, obj: Any) -> Shared:
+        if isinstance(obj, Shared):
+            return obj
+        self.stats.add(puts=1)
+        return Shared(ray.put(obj))
+
+    def submit(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[Pending]:
+        self._check_usable(method)
+        pending = []
+        for call in calls:
+            if not 0 <= call.rank < self.world_size:
+                raise BackendError(f"{method}: rank {call.rank} is out of range for world size {self.world_size}")
+            header, refs = encode_call(role, method, call)
+            ref = self.hosts.actors[call.rank].execute.remote(header, *refs)
+            pending.append(Pending(ref, call.rank, method, self.nodes[call.rank], self.coords[call.rank]))
+        self.stats.add(calls=len(pending))
+        return pending
+
+    def fetch(self, pending: Sequence[Pending], timeout: float | None = None, borrow: bool = False) -> list[Any]:
+        """Outputs of ``pending``; ``timeout=None`` means the group's ``call_timeout_s``."""
+        return fetch_outputs(pending, self.call_timeout_s if timeout is None else timeout, self.fail, borrow)
+
+    def fetcher(self, timeout: float | None = None) -> GroupFetcher:
+        return GroupFetcher(self.token, self.call_timeout_s if timeout is None else timeout)

@@ -1,0 +1,176 @@
+"""The worker-process side of the Ray backend: the generic host actor of one rank.
+
+Why one generic actor instead of ``ray.remote(UserClass)``: the host sets the rank's environment
+and builds the user's class inside :func:`rankmesh.worker.construct`, so ``self.rank``/``self.mesh``
+work in ``__init__``; it can host several colocated roles in one process; and every call goes
+through :func:`rankmesh.worker.invoke`, the same worker-side path as the in-process backend, so
+errors and output dropping behave identically.
+
+Creation takes three steps so that MASTER_PORT is known before any user code runs:
+``WorkerHost(rank)`` (cheap), rank 0's :meth:`WorkerHost.reserve_master_port`, then
+:meth:`WorkerHost.setup` on every rank with the full environment.  The controller drives these
+steps from :mod:`.hosts`; this module is what every worker process imports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import ray
+
+from rankmesh.errors import BackendError
+from rankmesh.mesh import RankMesh
+from rankmesh.worker import WorkerContext, construct, invoke
+
+from .rendezvous import reserve_port
+from .runtime import node_ip_address
+from .wire import decode_call
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoleInit:
+    """One worker class to build in each process, with its constructor arguments."""
+
+    cls: type
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HostSetup:
+    """Everything one rank's host needs to build its workers (sent once, at setup)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_index: int
+    mesh: RankMesh
+    meshes: Mapping[str, RankMesh]
+    roles: Mapping[str | None, RoleInit]
+    env: Mapping[str, str]
+    group_name: str
+
+
+class WorkerHost:
+    """Ray actor body; wrapped with ``ray.remote`` by :func:`.hosts.launch_hosts` (options differ per group)."""
+
+    def __init__(self, rank: int, group_name: str) -> None:
+        self._rank = rank
+        self._group_name = group_name
+        self._setup: HostSetup | None = None
+        self._workers: dict[str | None, Any] = {}
+        self._master: tuple[str, int] | None = None
+        self._env_before: dict[str, str | None] = {}
+
+    # ----- creation ----------------------------------------------------------------------------
+
+    def node_info(self) -> dict[str, Any]:
+        """Where this process runs, as Ray sees it (checked against the pool by the group)."""
+        ctx = ray.get_runtime_context()
+        pg = ctx.get_placement_group_id()
+        try:
+            gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        except Exception:  # pragma: no cover - no GPU support in this Ray
+            gpu_ids = []
+        return {
+            "rank": self._rank,
+            "node_id": ctx.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "placement_group_id": pg,
+            "gpu_ids": gpu_ids,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+
+    def reserve_master_port(self) -> tuple[str, int]:
+        """Rank 0 only: keep a socket bound on this node and publish (MASTER_ADDR, MASTER_PORT)."""
+        if self._master is None:
+            addr = node_ip_address()
+            self._master = (addr, reserve_port(addr))
+        return self._master
+
+    def setup(self, setup: HostSetup) -> None:
+        """Set the environment, then build every role inside the rank's worker context."""
+        if self._setup is not None:
+            raise BackendError(f"rank {self._rank} of {self._group_name} is already set up")
+        self._env_before = {k: os.environ.get(k) for k in setup.env}
+        os.environ.update({k: str(v) for k, v in setup.env.items()})
+        node = ray.util.get_node_ip_address()
+        for role, spec in setup.roles.items():
+            ctx = WorkerContext(
+                rank=setup.rank,
+                world_size=setup.world_size,
+                mesh=setup.mesh,
+                meshes=dict(setup.meshes),
+                local_rank=setup.local_rank,
+                local_world_size=setup.local_world_size,
+                node=node,
+                role=role,
+            )
+            self._workers[role] = construct(spec.cls, ctx, tuple(spec.args), dict(spec.kwargs))
+        self._setup = setup
+
+    def teardown(self) -> None:
+        """Drop the role objects and restore the environment, so :meth:`setup` may run again.
+
+        Process-wide state the workers created (an initialized torch.distributed, module
+        globals) stays: this exists to reuse processes in tests, not to isolate workloads.
+        """
+        self._workers.clear()
+        for key, value in self._env_before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._setup = None
+
+    # ----- calls -------------------------------------------------------------------------------
+
+    def _worker(self, role: str | None) -> Any:
+        """The worker object of ``role`` (``None``: the process's only worker)."""
+        if role in self._workers:
+            return self._workers[role]
+        if role is None and len(self._workers) == 1:
+            return next(iter(self._workers.values()))
+        raise BackendError(
+            f"rank {self._rank} of {self._group_name} hosts roles {sorted(map(str, self._workers))}; "
+            f"a call for role {role!r} names none of them (call a role's group from wg.spawn(...))"
+        )
+
+    def execute(self, header: bytes, *shared: Any) -> Any:
+        """Run one call (see :mod:`.wire` for ``header`` and ``shared``) through :func:`rankmesh.worker.invoke`.
+
+        ``shared`` are the values of the call's shared objects, fetched by Ray before the call
+        starts and already rebuilt as this rank's private copies by the data layer.
+        """
+        call = decode_call(header, shared)
+        return invoke(self._worker(call.role), call.method, call.args, call.kwargs, return_output=call.return_output)
+
+    # ----- introspection (attaching to detached groups, tests) ---------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """What another driver needs to attach: rank, world size, mesh, roles, placement."""
+        info = self.node_info()
+        s = self._setup
+        if s is not None:
+            info.update(
+                world_size=s.world_size,
+                local_rank=s.local_rank,
+                local_world_size=s.local_world_size,
+                node_index=s.node_index,
+                mesh=s.mesh,
+                meshes=dict(s.meshes),
+                roles={role: f"{spec.cls.__module__}.{spec.cls.__qualname__}" for role, spec in s.roles.items()},
+                role_classes={role: spec.cls for role, spec in s.roles.items()},
+                group_name=s.group_name,
+            )
+        return info
+
+    def ping(self) -> int:
+        return self._rank

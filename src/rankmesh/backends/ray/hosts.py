@@ -1,0 +1,252 @@
+"""The controller's lifecycle of one group's host processes: launch, build, tear down, shut down.
+
+A :class:`HostSet` is the processes of one group (shared by every role group spawned from it).
+Starting takes two steps so that tests can reuse processes: :func:`launch_hosts` starts one empty
+:class:`~.host.WorkerHost` per bundle of a pool and reserves MASTER_PORT on rank 0;
+:func:`build_workers` sets every rank's environment and builds its worker objects.
+:func:`start_hosts` does both and kills everything on failure.  :func:`attach_hosts` finds the
+hosts of a detached group started by another driver.  :meth:`HostSet.shutdown` kills the
+processes and releases (or removes) their placement groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import ray
+from ray._raylet import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rankmesh.errors import BackendError, WorkerEnvError
+from rankmesh.mesh import RankMesh
+from rankmesh.placement import RankPlace
+
+from .host import HostSetup, RoleInit, WorkerHost
+from .rendezvous import RESERVED_ENV
+from .runtime import DETACHED_NAMESPACE
+from .waiting import Pending, fetch_outputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HostSet:
+    """The processes of one group (shared by the role groups spawned from it).
+
+    ``pool``: released on shutdown (its placement groups go with its last user).  ``pg_ids``:
+    placement groups to remove on shutdown when there is no pool object (a group attached with
+    :func:`attach_hosts`).  ``places``/``master``: rank placement and rendezvous address.
+    """
+
+    actors: list[Any]
+    names: list[str]
+    info: list[dict[str, Any]]
+    name_prefix: str
+    detached: bool
+    pool: Any = None
+    pg_ids: list[str] = field(default_factory=list)
+    closed: bool = False
+    places: list[RankPlace] = field(default_factory=list)
+    master: tuple[str, int] | None = None
+
+    @property
+    def nodes(self) -> list[str | None]:
+        """Node address of every rank (for error messages)."""
+        return [i.get("node_ip") for i in self.info] if self.info else [None] * len(self.actors)
+
+    def kill(self) -> None:
+        """Kill every process now (no restart); the placement groups stay reserved."""
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - already dead
+                logger.debug("killing %s: %s", actor, exc)
+
+    def teardown_workers(self, timeout: float = 60.0) -> None:
+        """Drop the role objects in every host, keeping the processes (see ``WorkerHost.teardown``)."""
+        fetch_outputs([Pending(a.teardown.remote(), r, "teardown") for r, a in enumerate(self.actors)], timeout)
+
+    def shutdown(self) -> None:
+        """Kill every host (all roles in them), then release or remove the placement groups."""
+        if self.closed:
+            return
+        self.closed = True
+        self.kill()
+        if self.pool is not None:
+            self.pool.release()
+        for pg_id in dict.fromkeys(self.pg_ids):
+            remove_placement_group_by_id(pg_id)
+        logger.info("worker group %s shut down (%d processes)", self.name_prefix, len(self.actors))
+
+
+def remove_placement_group_by_id(pg_id: str) -> None:
+    """Remove the placement group with hex id ``pg_id`` (no-op if it is gone already)."""
+    try:
+        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+    except Exception as exc:  # noqa: BLE001 - already removed
+        logger.debug("removing placement group %s: %s", pg_id, exc)
+
+
+def actor_name(name_prefix: str, rank: int) -> str:
+    """Name of a detached group's actor: ``{name_prefix}_{rank}`` (prefix + rank)."""
+    return f"{name_prefix}_{rank}"
+
+
+def rank_of_name(name: str, name_prefix: str) -> int | None:
+    """Inverse of :func:`actor_name`; ``None`` for names of other groups (even ``{prefix}_x_1``)."""
+    head = f"{name_prefix}_"
+    rest = name[len(head) :] if name.startswith(head) else ""
+    return int(rest) if rest.isdigit() else None
+
+
+def check_worker_env(worker_env: Mapping[str, Any] | None) -> dict[str, str]:
+    """``worker_env`` as strings; refuses the variables the group sets itself."""
+    env = dict(worker_env or {})
+    clash = sorted(set(env) & set(RESERVED_ENV))
+    if clash:
+        raise WorkerEnvError(
+            f"worker_env may not set {', '.join(clash)}: the group sets {', '.join(RESERVED_ENV)} for every rank"
+        )
+    bad = [k for k, v in env.items() if not isinstance(k, str) or not k or v is None]
+    if bad:
+        raise WorkerEnvError(f"worker_env has invalid entries: {bad!r}")
+    return {k: str(v) for k, v in env.items()}
+
+
+def launch_hosts(pool: Any, name_prefix: str, detached: bool, options: Mapping[str, Any], timeout: float) -> HostSet:
+    """Start one (empty) host per bundle of ``pool`` and reserve MASTER_PORT on rank 0."""
+    slots = pool.slots()
+    remote = ray.remote(WorkerHost)
+    actors, names = [], []
+    for rank, slot in enumerate(slots):
+        opts: dict[str, Any] = {
+            **pool.actor_resources,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=slot.pg, placement_group_bundle_index=slot.bundle_index
+            ),
+            **dict(options),
+        }
+        names.append(actor_name(name_prefix, rank))
+        if detached:
+            opts.update(name=names[-1], namespace=DETACHED_NAMESPACE, lifetime="detached")
+        actors.append(remote.options(**opts).remote(rank, name_prefix))
+    hosts = HostSet(actors=actors, names=names, info=[], name_prefix=name_prefix, detached=detached)
+    hosts.places = pool.places()
+    try:
+        pend = [Pending(a.node_info.remote(), r, "start") for r, a in enumerate(actors)]
+        pend.append(Pending(actors[0].reserve_master_port.remote(), 0, "reserve_master_port"))
+        *info, master = fetch_outputs(pend, timeout=timeout)
+        for rank, (slot, got) in enumerate(zip(slots, info)):
+            if got["node_id"] != slot.node_id:  # Ray broke the bundle's node: refuse to guess
+                raise BackendError(f"rank {rank} runs on node {got['node_id']} but its bundle is on {slot.node_id}")
+    except BaseException:
+        hosts.shutdown()
+        raise
+    hosts.info, hosts.master = info, tuple(master)
+    return hosts
+
+
+def build_workers(
+    hosts: HostSet,
+    roles: Mapping[str | None, RoleInit],
+    mesh: RankMesh,
+    meshes: Mapping[str, RankMesh],
+    worker_env: Mapping[str, str],
+    timeout: float,
+) -> None:
+    """Set every rank's environment and build its role objects (all ranks in parallel)."""
+    world = len(hosts.actors)
+    addr, port = hosts.master
+    setups = []
+    for rank, place in enumerate(hosts.places):
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(place.local_rank),
+            "LOCAL_WORLD_SIZE": str(place.local_world_size),
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": str(port),
+            **dict(worker_env),
+        }
+        setup = HostSetup(
+            rank=rank,
+            world_size=world,
+            local_rank=place.local_rank,
+            local_world_size=place.local_world_size,
+            node_index=place.node,
+            mesh=mesh,
+            meshes=dict(meshes),
+            roles=dict(roles),
+            env=env,
+            group_name=hosts.name_prefix,
+        )
+        setups.append(Pending(hosts.actors[rank].setup.remote(setup), rank, "setup", hosts.nodes[rank]))
+    fetch_outputs(setups, timeout=timeout)
+
+
+def start_hosts(
+    pool: Any,
+    roles: Mapping[str | None, RoleInit],
+    mesh: RankMesh,
+    meshes: Mapping[str, RankMesh],
+    name_prefix: str,
+    detached: bool,
+    worker_env: Mapping[str, str],
+    options: Mapping[str, Any],
+    timeout: float,
+) -> HostSet:
+    """:func:`launch_hosts` then :func:`build_workers`; on failure every host is killed.
+
+    The pool is acquired here and released by :meth:`HostSet.shutdown` (or at once on failure).
+    """
+    pool.acquire()
+    try:
+        hosts = launch_hosts(pool, name_prefix, detached, options, timeout)
+    except BaseException:
+        pool.release()
+        raise
+    hosts.pool = pool
+    try:
+        build_workers(hosts, roles, mesh, meshes, worker_env, timeout)
+    except BaseException:
+        hosts.shutdown()
+        raise
+    return hosts
+
+
+def attach_hosts(name_prefix: str, timeout: float) -> HostSet:
+    """The hosts of the detached group ``name_prefix``, as their processes describe themselves.
+
+    ``info[r]`` is rank ``r``'s :meth:`~.host.WorkerHost.describe` (class, mesh, placement); the
+    placement groups the hosts run in are removed on shutdown.
+    """
+    found = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != DETACHED_NAMESPACE:
+            continue
+        rank = rank_of_name(entry["name"], name_prefix)
+        if rank is not None:
+            found[rank] = entry["name"]
+    if not found:
+        raise BackendError(f"no detached worker group named {name_prefix!r} (namespace {DETACHED_NAMESPACE!r})")
+    world = max(found) + 1
+    missing = sorted(set(range(world)) - set(found))
+    if missing:
+        raise BackendError(f"detached group {name_prefix!r} lacks ranks {missing} (dead or still starting)")
+    actors = [ray.get_actor(found[r], namespace=DETACHED_NAMESPACE) for r in range(world)]
+    info = fetch_outputs([Pending(a.describe.remote(), r, "describe") for r, a in enumerate(actors)], timeout)
+    if any("world_size" not in i for i in info):
+        raise BackendError(f"detached group {name_prefix!r} is not set up yet")
+    if info[0]["world_size"] != world:
+        raise BackendError(f"detached group {name_prefix!r} reports world size {info[0]['world_size']}, found {world} actors")
+    return HostSet(
+        actors=actors,
+        names=[found[r] for r in range(world)],
+        info=info,
+        name_prefix=name_prefix,
+        detached=True,
+        pg_ids=[i["placement_group_id"] for i in info if i.get("placement_group_id")],
+    )

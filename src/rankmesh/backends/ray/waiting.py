@@ -1,0 +1,166 @@
+"""Waiting for rank calls on Ray and turning their failures into rankmesh's errors.
+
+:func:`fetch_outputs` gets outputs in order, but fails fast: it waits in short slices
+(``ray.wait``) and raises the first worker error or dead process as soon as it is known, naming
+the rank, instead of waiting behind a rank that blocks forever in a collective its failed peer
+never joins.  Ranks failing together are reported together (:func:`combine_errors`): dead
+processes first (the root cause), else the lowest rank's :class:`WorkerError` with the others
+attached.  Usable in any Ray process: the controller, or a worker fetching a future's parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import ray
+import ray.exceptions as rex
+
+from rankmesh.errors import FetchTimeoutError, RemoteTraceback, WorkerDiedError, WorkerError
+from rankmesh.serialization import borrowed_buffers
+
+#: How often ``fetch_outputs`` looks for finished calls while some are still running (seconds).
+POLL_INTERVAL = 0.5
+#: After a first failure, how long ``fetch_outputs`` waits for the other ranks' outcome (seconds),
+#: so that ranks failing together are reported together and dead ranks are told from ranks that
+#: merely lost their peer.
+FAIL_GRACE = 0.5
+
+#: Ray's errors that mean the process (or its node) is gone.  OutOfMemoryError: Ray's memory
+#: monitor killed the process.
+PROCESS_DIED = (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError, rex.ObjectLostError, rex.OutOfMemoryError)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One submitted rank call: the Ray reference plus who runs it (for error messages)."""
+
+    ref: Any
+    rank: int
+    method: str
+    node: str | None = None
+    coords: Any = None  # mesh coordinates of the rank (a dict), for error messages
+
+
+def translate_error(pending: Pending, exc: BaseException) -> BaseException:
+    """Turn a Ray error of one rank call into rankmesh's error, keeping the remote traceback."""
+    coords = dict(pending.coords or {})
+    if isinstance(exc, rex.RayTaskError):
+        cause = getattr(exc, "cause", None)
+        text = getattr(exc, "traceback_str", "") or str(exc)
+        if isinstance(cause, WorkerError):
+            if not cause.remote_traceback:
+                cause.remote_traceback = text
+            if cause.node is None:
+                cause.node = pending.node
+            cause.__cause__ = RemoteTraceback(cause.remote_traceback)
+            return cause.with_traceback(None)
+        if isinstance(cause, BaseException):  # raised by the host before the worker ran
+            err = WorkerError.from_exception(cause, pending.rank, coords, pending.method, pending.node)
+            err.remote_traceback = text  # the worker's traceback; ``cause`` lost it in transit
+        else:
+            err = WorkerError(pending.rank, coords, pending.method, text, pending.node, text)
+        err.__cause__ = RemoteTraceback(text)
+        return err
+    if isinstance(exc, PROCESS_DIED):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        err = WorkerDiedError(pending.rank, pending.method, first, pending.node, coords={pending.rank: coords} if coords else None)
+        err.__cause__ = exc
+        return err
+    return exc
+
+
+def combine_errors(failures: Sequence[tuple[Pending, BaseException]]) -> BaseException:
+    """One error for several failed ranks: dead processes first (the root cause), else the
+    lowest rank's WorkerError with the others attached."""
+    translated = sorted(((p, translate_error(p, e)) for p, e in failures), key=lambda f: f[0].rank)
+    died = [(p, e) for p, e in translated if isinstance(e, WorkerDiedError)]
+    if died:
+        p0, e0 = died[0]
+        coords = {p.rank: dict(p.coords) for p, _ in died if p.coords}
+        nodes = sorted({p.node for p, _ in died if p.node})
+        err = WorkerDiedError(
+            p0.rank, p0.method, e0.detail, ", ".join(nodes) or None, ranks=[p.rank for p, _ in died], coords=coords
+        )
+        err.__cause__ = e0.__cause__
+        return err
+    errors = [e for _, e in translated if isinstance(e, WorkerError)]
+    if errors:
+        return errors[0].attach(errors[1:])
+    return translated[0][1]
+
+
+def fetch_outputs(
+    pending: Sequence[Pending],
+    timeout: float | None = None,
+    on_died: Callable[[WorkerDiedError], None] | None = None,
+    borrow: bool = False,
+) -> list[Any]:
+    """Wait for ``pending`` calls and return their outputs in order (usable in any Ray process).
+
+    Every output is fetched exactly once: finished calls are collected while others still run,
+    so a failure among them is raised at once (after :data:`FAIL_GRACE` to gather ranks that
+    fail together).  ``on_died`` is told about dead processes before the error is raised.
+    ``borrow=True`` rebuilds tensors as read-only views of the object store instead of private
+    copies (:func:`rankmesh.serialization.borrowed_buffers`; see :meth:`rankmesh.backend.Backend.fetch`).
+    """
+    if not pending:
+        return []
+    with borrowed_buffers() if borrow else contextlib.nullcontext():
+        return _wait(pending, timeout, on_died)
+
+
+def _wait(
+    pending: Sequence[Pending], timeout: float | None, on_died: Callable[[WorkerDiedError], None] | None
+) -> list[Any]:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    by_ref = {p.ref: p for p in pending}
+    results: dict[Any, Any] = {}
+    remaining = [p.ref for p in pending]
+    while remaining:
+        wait_for = POLL_INTERVAL
+        if deadline is not None:
+            wait_for = max(0.0, min(wait_for, deadline - time.monotonic()))
+        ready, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=wait_for, fetch_local=False)
+        failures = _collect([by_ref[r] for r in ready], results) if ready else []
+        if failures:
+            if remaining:  # ranks failing together are reported together
+                more, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=FAIL_GRACE, fetch_local=False)
+                failures += _collect([by_ref[r] for r in more], results)
+            err = combine_errors(failures)
+            if isinstance(err, WorkerDiedError) and on_died is not None:
+                on_died(err)
+            raise err
+        if remaining and deadline is not None and time.monotonic() >= deadline:
+            slow = sorted(by_ref[r].rank for r in remaining)
+            raise FetchTimeoutError(pending[0].method, slow, timeout or 0.0)
+    return [results[p.ref] for p in pending]
+
+
+def _collect(done: Sequence[Pending], results: dict[Any, Any]) -> list[tuple[Pending, BaseException]]:
+    """Get finished calls into ``results``; return the failed ones (Ray's errors, untranslated)."""
+    try:
+        values = ray.get([p.ref for p in done])
+    except Exception:  # noqa: BLE001 - find which ranks failed
+        # Retrieve every finished call (so Ray does not log the other errors as unhandled).
+        failures = []
+        for p in done:
+            try:
+                results[p.ref] = ray.get(p.ref)
+            except Exception as exc:  # noqa: BLE001
+                failures.append((p, exc))
+        return failures
+    for p, value in zip(done, values):
+        results[p.ref] = value
+    return []
+
+
+def fetch_refs(handles: Sequence[Any]) -> list[Any]:
+    """Fetch for futures built from bare ObjectRefs (verl's ``DataProtoFuture.concat(refs)``).
+
+    Picklable and usable in any Ray process; the outputs are private copies.
+    """
+    return ray.get(list(handles))
+

@@ -1,0 +1,137 @@
+"""The README tour and every ```python block of docs/*.md run as written (see tests/doc_blocks.py).
+
+Blocks that use Ray run on the session's Ray (``ray_session``); whatever worker groups and pools
+a file's blocks leave in their namespace are shut down after the file, so no process outlives it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rankmesh import RayResourcePool, WorkerGroup  # noqa: E402
+from rankmesh.cli import main as rankmesh_cli  # noqa: E402
+from tests.doc_blocks import BlockFailed, layout_commands, python_blocks, run_blocks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _uses_ray(blocks) -> bool:
+    return any("Ray" in block.source or "megatron_group" in block.source for block in blocks if block.skip is None)
+
+
+def _release(namespace: dict[str, Any]) -> None:
+    """Shut down the worker groups, then remove the pools, that the blocks left behind."""
+    values = list(namespace.values())
+    values += [v for d in list(values) if isinstance(d, dict) for v in d.values()]
+    for value in values:
+        if isinstance(value, WorkerGroup) and callable(getattr(value, "shutdown", None)):
+            value.shutdown()
+    for value in values:
+        if isinstance(value, RayResourcePool):
+            value.remove()
+
+
+def _free_cpus() -> float:
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def _wait_free_cpus(expected: float, timeout: float = 15.0) -> float:
+    deadline = time.monotonic() + timeout
+    while _free_cpus() < expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _free_cpus()
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_doc_python_blocks_run(path, request):
+    blocks = python_blocks(path)
+    uses_ray = _uses_ray(blocks)
+    if uses_ray:
+        request.getfixturevalue("ray_session")
+        free_before = _free_cpus()
+    namespace: dict[str, Any] = {"__name__": f"doc_{path.stem}"}
+    try:
+        run_blocks(blocks, namespace)
+    finally:
+        _release(namespace)
+    if uses_ray:  # every process and placement group the blocks started is gone again
+        assert _wait_free_cpus(free_before) >= free_before
+
+
+LAYOUT_COMMANDS = [(path, line, argv) for path in DOC_FILES for line, argv in layout_commands(path)]
+
+
+@pytest.mark.parametrize(
+    "path, line, argv", LAYOUT_COMMANDS, ids=[f"{p.name}:{line}" for p, line, _ in LAYOUT_COMMANDS]
+)
+def test_doc_layout_commands_succeed(path, line, argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # `layout draw -o moe.png` writes here
+    code = rankmesh_cli(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, f"{path}:{line}: `rankmesh {' '.join(argv)}` exited {code}\n{err[-2000:]}"
+    assert out.strip()
+
+
+def test_the_tour_is_covered():
+    """The files this test runs really hold the examples (a renamed fence would silently drop them)."""
+    readme = python_blocks(ROOT / "README.md")
+    assert len(readme) >= 2 and all(block.skip is None for block in readme)
+    assert any("RayResourcePool(process_on_nodes=[8], use_gpu=False)" in block.source for block in readme)
+
+
+# ----- the collector itself ----------------------------------------------------------------------
+
+SAMPLE = """# title
+
+```python
+x = 1
+```
+
+```bash
+this is not python
+```
+
+<!-- skip: needs a GPU -->
+
+```python
+import torch_on_a_gpu_only
+```
+
+```python
+y = x + 1
+assert y == 3, "wrong"
+```
+"""
+
+
+def test_blocks_share_one_namespace_and_failures_name_file_and_line(tmp_path):
+    doc = tmp_path / "sample.md"
+    doc.write_text(SAMPLE)
+    blocks = python_blocks(doc)
+    assert [(b.line, b.skip) for b in blocks] == [(4, None), (14, "needs a GPU"), (18, None)]
+    namespace: dict[str, Any] = {}
+    with pytest.raises(BlockFailed) as info:
+        run_blocks(blocks, namespace)
+    assert namespace["y"] == 2  # the third block saw the first block's x
+    assert f"block at {doc}:18 failed at line 19: AssertionError: wrong" in str(info.value)
+
+
+def test_skipped_blocks_must_still_compile(tmp_path):
+    doc = tmp_path / "bad.md"
+    doc.write_text("<!-- skip: needs a cluster -->\n```python\ndef broken(:\n```\n")
+    with pytest.raises(SyntaxError):
+        run_blocks(python_blocks(doc), {})
+
+
+def test_unclosed_fence_is_an_error(tmp_path):
+    doc = tmp_path / "open.md"
+    doc.write_text("```python\nx = 1\n")
+    with pytest.raises(ValueError, match="open.md:1: code fence never closed"):
+        python_blocks(doc)
