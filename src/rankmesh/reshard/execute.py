@@ -2,11 +2,12 @@
 
 Why through the object store and not through the controller: the naive refit gathers every full
 tensor on the controller and sends each destination its slice, so every byte crosses the driver
-twice and the driver's memory must hold the model.  Here each source rank ``ray.put``s, once, one
-object per destination rank holding every region that destination reads from it; the controller
-gets back object references only and hands each destination rank the references (and the plan)
-meant for it; the destination ``ray.get``s them and copies each region into its parameter in place.
-Objects are owned by the source rank and freed when the controller drops the references.
+twice and the driver's memory must hold the model.  Here each source rank ``ray.put``s each of its
+outgoing regions once (regions read by the same destinations share one object; a region several
+destination replicas read is put once for all of them); the controller gets back object
+references only and hands each destination rank the references (and the plan) meant for it; the
+destination ``ray.get``s them and copies each region into its parameter in place.  Objects are
+owned by the source rank and freed when the controller drops the references.
 
 Colocated plans (both roles in the same processes) keep local regions out of the object store:
 the source role leaves views of its tensors in a per-process outbox, and the destination role of
@@ -156,15 +157,15 @@ class ReshardWorker(Worker):
         return layouts_from_module(self.reshard_module(), self.reshard_mesh(), self.rank)
 
     @register(Dispatch.ALL_TO_ALL)
-    def reshard_send(self, job: dict[str, Any]) -> dict[int, Any]:
-        """Put one object per destination rank (its regions, in plan order); return destination -> ref."""
+    def reshard_send(self, job: dict[str, Any]) -> list[Any]:
+        """Put each object of ``job["objects"]`` (a list of regions) into the object store; return the refs."""
         import ray
 
         tensors = self.reshard_tensors()
-        refs = {}
-        for dst, regions in job["out"].items():
-            arrays = [np.ascontiguousarray(_numpy_view(tensors[name][sl].detach().cpu())) for name, sl in regions]
-            refs[dst] = ray.put(arrays)
+        refs = []
+        for regions in job["objects"]:
+            # A region that is already contiguous (a whole shard, whole rows) is not copied before the put.
+            refs.append(ray.put([np.ascontiguousarray(_numpy_view(tensors[name][sl].detach().cpu())) for name, sl in regions]))
         if job["local"]:
             _OUTBOX[(job["token"], self.rank)] = [tensors[name][sl] for name, sl in job["local"]]
         return refs
@@ -212,36 +213,49 @@ def _check_group(group: Any, mesh: RankMesh, side: str) -> None:
             raise ReshardError(f"the {side} group's workers have no registered {method}: derive them from ReshardWorker")
 
 
+def _objects_of(plan: ReshardPlan, src_rank: int) -> list[tuple[list[tuple[str, tuple]], dict[int, list[tuple[str, tuple]]]]]:
+    """``src_rank``'s objects: (regions to put, destination -> where each region goes), in put order.
+
+    A region several destinations read (dp replicas of the destination) is put once, and the
+    regions read by the same set of destinations share one object: a tp1·dp8 generator refit from
+    a tp2 trainer costs each source one put, read by every destination that needs it.
+    """
+    readers: dict[tuple, dict[int, Transfer]] = {}
+    for t in plan.sends(src_rank):
+        if not t.local:
+            key = (t.name, tuple((s.start, s.stop) for s in t.src_slices))
+            readers.setdefault(key, {})[t.dst_rank] = t
+    groups: dict[frozenset, list[tuple]] = {}
+    for key, by_dst in readers.items():
+        groups.setdefault(frozenset(by_dst), []).append(key)
+    out = []
+    for dsts, keys in groups.items():
+        regions = [(name, readers[(name, bounds)][min(dsts)].src_slices) for name, bounds in keys]
+        places = {d: [(readers[k][d].name, readers[k][d].dst_slices) for k in keys] for d in sorted(dsts)}
+        out.append((regions, places))
+    return out
+
+
 def reshard(src_group: Any, dst_group: Any, plan: ReshardPlan) -> ReshardStats:
     """Move the weights of ``src_group`` into ``dst_group`` as ``plan`` says; only references pass here."""
     _check_group(src_group, plan.src, "source")
     _check_group(dst_group, plan.dst, "destination")
     token = uuid.uuid4().hex
-
-    def regions(transfers: Iterable[Transfer], slices: str) -> list[tuple[str, tuple]]:
-        return [(t.name, getattr(t, slices)) for t in transfers]
-
-    send_jobs = []
+    send_jobs, recv_jobs = [], [{"token": token, "refs": [], "local": []} for _ in range(plan.dst.world_size)]
+    wanted: list[tuple[int, int, int, list]] = []  # (destination, source, object index, regions)
     for r in range(plan.src.world_size):
-        out: dict[int, list[Transfer]] = {}
-        for t in plan.sends(r):
-            if not t.local:
-                out.setdefault(t.dst_rank, []).append(t)
-        local = [t for t in plan.sends(r) if t.local]
-        send_jobs.append({"token": token, "out": {d: regions(ts, "src_slices") for d, ts in out.items()},
-                          "local": regions(local, "src_slices")})
-    start = time.perf_counter()
-    refs: list[dict[int, Any]] = src_group.reshard_send(send_jobs)
-    send_s = time.perf_counter() - start
-    recv_jobs = []
+        objects = _objects_of(plan, r)
+        for i, (_, places) in enumerate(objects):
+            wanted += [(d, r, i, regions) for d, regions in places.items()]
+        send_jobs.append({"token": token, "objects": [regions for regions, _ in objects],
+                          "local": [(t.name, t.src_slices) for t in plan.sends(r) if t.local]})
     for d in range(plan.dst.world_size):
-        by_src: dict[int, list[Transfer]] = {}
-        for t in plan.receives(d):
-            if not t.local:
-                by_src.setdefault(t.src_rank, []).append(t)
-        local = [t for t in plan.receives(d) if t.local]
-        recv_jobs.append({"token": token, "refs": [(refs[s][d], regions(ts, "dst_slices")) for s, ts in by_src.items()],
-                          "local": regions(local, "dst_slices")})
+        recv_jobs[d]["local"] = [(t.name, t.dst_slices) for t in plan.receives(d) if t.local]
+    start = time.perf_counter()
+    refs: list[list[Any]] = src_group.reshard_send(send_jobs)
+    send_s = time.perf_counter() - start
+    for d, r, i, regions in wanted:
+        recv_jobs[d]["refs"].append((refs[r][i], regions))
     start = time.perf_counter()
     received = sum(dst_group.reshard_recv(recv_jobs))
     recv_s = time.perf_counter() - start
