@@ -187,23 +187,33 @@ class ReshardPlan:
 
     def describe(self) -> str:
         """A table a person can read: totals, then bytes sent per source and received per destination."""
-        mib = 1024 * 1024
         sent, got = self.bytes_per_src_rank, self.bytes_per_dst_rank
+        unit, scale = _unit(max([*sent.values(), *got.values(), 1]))
         remote = [t for t in self.transfers if not t.local]
+        mean = sum(sent.values()) / max(1, len(sent))
         lines = [
             f"reshard {self.src!r} -> {self.dst!r}{' (colocated)' if self.colocated else ''}",
-            f"  {len(self.params)} parameters, {sum(p.nbytes for p in self.params.values()) / mib:.2f} MiB in full; "
-            f"{len(remote)} regions travel ({self.bytes_moved / mib:.2f} MiB), "
-            f"{len(self.transfers) - len(remote)} stay local ({self.bytes_local / mib:.2f} MiB)",
-            f"  {'rank':>6} {'sends MiB':>10} {'receives MiB':>13} {'peers out':>10} {'peers in':>9}",
+            f"  {len(self.params)} parameters, {sum(p.nbytes for p in self.params.values()) / scale:.2f} {unit} in full; "
+            f"{len(remote)} regions travel ({self.bytes_moved / scale:.2f} {unit}), "
+            f"{len(self.transfers) - len(remote)} stay local ({self.bytes_local / scale:.2f} {unit}); "
+            f"busiest sender {max(sent.values(), default=0) / scale:.2f} {unit}, mean {mean / scale:.2f} {unit}",
+            f"  {'rank':>6} {'sends ' + unit:>10} {'receives ' + unit:>13} {'peers out':>10} {'peers in':>9}",
         ]
         peers_out = {r: len({t.dst_rank for t in self.sends(r) if not t.local}) for r in sent}
         peers_in = {r: len({t.src_rank for t in self.receives(r) if not t.local}) for r in got}
         for r in range(max(len(sent), len(got))):
-            s = f"{sent[r] / mib:>10.3f}" if r in sent else f"{'-':>10}"
-            g = f"{got[r] / mib:>13.3f}" if r in got else f"{'-':>13}"
+            s = f"{sent[r] / scale:>10.3f}" if r in sent else f"{'-':>10}"
+            g = f"{got[r] / scale:>13.3f}" if r in got else f"{'-':>13}"
             lines.append(f"  {r:>6} {s} {g} {peers_out.get(r, '-'):>10} {peers_in.get(r, '-'):>9}")
         return "\n".join(lines)
+
+
+def _unit(largest: int) -> tuple[str, int]:
+    """The binary unit that prints ``largest`` with at most four integer digits."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if largest >= scale:
+            return unit, scale
+    return "B", 1
 
 
 # ----- shards -----------------------------------------------------------------------------------
