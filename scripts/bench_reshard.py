@@ -159,13 +159,13 @@ def parse_mesh(text: str) -> RankMesh:
     return RankMesh(**sizes)
 
 
-def median_time(fn, repeat: int) -> tuple[float, Any]:
-    times, value = [], None
+def median_time(fn, repeat: int) -> tuple[float, list[Any]]:
+    times, values = [], []
     for _ in range(repeat):
         start = time.perf_counter()
-        value = fn()
+        values.append(fn())
         times.append(time.perf_counter() - start)
-    return statistics.median(times), value
+    return statistics.median(times), values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,17 +205,21 @@ def main(argv: list[str] | None = None) -> int:
                 minimum = sum(int(np.prod(local_shape(p, dst_mesh))) * p.itemsize
                               for p in dst_layouts for r in range(dst_mesh.world_size) if holds(p, dst_mesh, r))
                 reshard(src_group, dst_group, plan)  # warm-up (first object-store use of each process)
-                plan_time, stats = median_time(lambda: reshard(src_group, dst_group, plan), args.repeat)
+                plan_time, runs = median_time(lambda: reshard(src_group, dst_group, plan), args.repeat)
+                stats = runs[0]
+                send_s, recv_s = statistics.median(r.send_s for r in runs), statistics.median(r.recv_s for r in runs)
                 after_plan = dst_group.checksum()
                 dst_group.zero()
                 naive_refit(src_group, dst_group, layouts, dst_layouts, src_mesh, dst_mesh)  # warm-up
-                naive_time, naive = median_time(lambda: naive_refit(src_group, dst_group, layouts, dst_layouts, src_mesh, dst_mesh), args.repeat)
+                naive_time, naives = median_time(lambda: naive_refit(src_group, dst_group, layouts, dst_layouts, src_mesh, dst_mesh), args.repeat)
+                naive = naives[0]
                 same = dst_group.checksum() == after_plan
                 sent = plan.bytes_per_src_rank
                 row = {
                     "src": repr(src_mesh), "dst": repr(dst_mesh), "plan_s": plan_s,
                     "bytes_plan": plan.bytes_moved, "bytes_naive": naive["bytes"], "bytes_minimum": minimum,
                     "time_reshard_s": plan_time, "time_naive_s": naive_time, "speedup": naive_time / plan_time,
+                    "reshard_send_s": send_s, "reshard_recv_s": recv_s,
                     "max_src_bytes_plan": max(sent.values()), "mean_src_bytes_plan": sum(sent.values()) / len(sent),
                     "max_src_bytes_naive": naive["max_src"], "regions": len(plan.transfers), "objects": stats.objects,
                     "identical_weights": same,
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(gather {naive['gathered'] / MIB:.1f} + scatter {naive['sent'] / MIB:.1f})   minimum {minimum / MIB:9.1f} MiB"
                       f"   {'== minimum' if plan.bytes_moved == minimum else '!= MINIMUM'}")
                 print(f"  time (median of {args.repeat})  reshard {plan_time:7.3f} s   naive {naive_time:7.3f} s   "
-                      f"ratio {plan_time / naive_time:.2f} (target <= 0.5)")
+                      f"ratio {plan_time / naive_time:.2f} (target <= 0.5); reshard = send {send_s:.3f} + receive {recv_s:.3f}")
                 print(f"  max bytes by one source rank  reshard {max(sent.values()) / MIB:.1f} MiB "
                       f"(mean {sum(sent.values()) / len(sent) / MIB:.1f}, ratio {max(sent.values()) / (sum(sent.values()) / len(sent)):.3f})"
                       f"   naive {naive['max_src'] / MIB:.1f} MiB (to the controller, which then sends {naive['sent'] / MIB:.1f} MiB)")
