@@ -116,3 +116,14 @@ def test_layouts_from_module_reads_megatron_attributes() -> None:
     assert layouts["layers.4.weight"] == ParamLayout("layers.4.weight", (12, 4), tp_dim=0, pp_stage=1, tp_stride=3)
     assert layouts["layers.5.weight"] == ParamLayout("layers.5.weight", (4, 6), pp_stage=1)
     assert global_parameter_names(torch.nn.Linear(2, 2)) == {"weight": "weight", "bias": "bias"}
+
+
+def test_regions_travel_bit_exact_for_dtypes_numpy_lacks() -> None:
+    from rankmesh.reshard.execute import _copy_into, _numpy_view
+
+    src = torch.randn(6, 8).to(torch.bfloat16)
+    dst = torch.zeros(4, 8, dtype=torch.bfloat16)
+    region = np.ascontiguousarray(_numpy_view(src[1:5, 2:6]))  # as a source puts it
+    region.setflags(write=False)  # as a destination gets it from the object store
+    _copy_into(dst[:, 4:8], region)
+    assert torch.equal(dst[:, 4:8], src[1:5, 2:6]) and not dst[:, :4].any()
