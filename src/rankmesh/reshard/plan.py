@@ -25,6 +25,7 @@ share plus one element.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -100,7 +101,7 @@ class ParamLayout:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.itemsize
+        return math.prod(self.shape) * self.itemsize
 
     def replace(self, **changes: Any) -> "ParamLayout":
         return replace(self, **changes)
@@ -308,7 +309,7 @@ def linear_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
         return []
     if len(shape) == 1:
         return [((start, stop),)]
-    inner = int(np.prod(shape[1:]))
+    inner = math.prod(shape[1:])
     full_rest = tuple((0, n) for n in shape[1:])
     r0, o0 = divmod(start, inner)
     r1, o1 = divmod(stop, inner)
@@ -325,31 +326,25 @@ def linear_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
     return out
 
 
-@dataclass(frozen=True)
 class _Region:
-    """A destination region that one of ``holders`` must send (before the holder is chosen)."""
+    """A destination region that one of its holders must send (before the holder is chosen)."""
 
-    dst_rank: int
-    name: str
-    src_box: Box
-    dst_box: Box
-    itemsize: int
+    __slots__ = ("dst_rank", "name", "src_box", "dst_box", "itemsize", "shape", "nbytes")
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(hi - lo for lo, hi in self.src_box)
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.itemsize
+    def __init__(self, dst_rank: int, name: str, src_box: Box, dst_box: Box, itemsize: int) -> None:
+        self.dst_rank, self.name, self.src_box, self.dst_box, self.itemsize = dst_rank, name, src_box, dst_box, itemsize
+        self.shape = tuple(hi - lo for lo, hi in src_box)
+        self.nbytes = math.prod(self.shape) * itemsize
 
     def part(self, start: int, stop: int) -> list[tuple[Box, Box, int]]:
         """Elements ``[start, stop)`` of the region as (src box, dst box, bytes) pieces."""
+        if start == 0 and stop * self.itemsize == self.nbytes:
+            return [(self.src_box, self.dst_box, self.nbytes)]
         out = []
         for b in linear_boxes(self.shape, start, stop):
             src = tuple((s[0] + lo, s[0] + hi) for s, (lo, hi) in zip(self.src_box, b))
             dst = tuple((d[0] + lo, d[0] + hi) for d, (lo, hi) in zip(self.dst_box, b))
-            out.append((src, dst, int(np.prod([hi - lo for lo, hi in b])) * self.itemsize))
+            out.append((src, dst, math.prod([hi - lo for lo, hi in b]) * self.itemsize))
         return out
 
 
@@ -369,8 +364,9 @@ def _spread(holders: list[int], regions: list[_Region]) -> list[tuple[int, _Regi
         # element of this region where each cut falls (the first element starting at or after it)
         bounds = [0] + [min(n, max(0, -(-(c - offset) // item))) for c in cuts] + [n]
         for j in range(k):
-            for src, dst, nbytes in region.part(bounds[j], bounds[j + 1]):
-                out.append((holders[j], region, src, dst, nbytes))
+            if bounds[j] < bounds[j + 1]:
+                for src, dst, nbytes in region.part(bounds[j], bounds[j + 1]):
+                    out.append((holders[j], region, src, dst, nbytes))
         offset += region.nbytes
     return out
 
@@ -443,7 +439,7 @@ def plan_reshard(
         )
     layouts = _as_layouts(params, "params")
     dst_map = _destination_layouts(layouts, src, dst, dst_layouts)
-    local: list[Transfer] = []
+    rows: list[tuple[int, int, str, Box, Box, int, bool]] = []  # (src, dst, name, src box, dst box, bytes, local)
     pending: dict[tuple[int, ...], list[_Region]] = defaultdict(list)
     for name, p in layouts.items():
         d = dst_map[name]
@@ -460,21 +456,25 @@ def plan_reshard(
                     at_home = colocated and rank in holders
                     for s_box, d_box in pieces:
                         if at_home:
-                            nbytes = int(np.prod([hi - lo for lo, hi in s_box])) * p.itemsize
-                            local.append(Transfer(rank, rank, name, _slices(s_box), _slices(d_box), nbytes, True))
+                            nbytes = math.prod([hi - lo for lo, hi in s_box]) * p.itemsize
+                            rows.append((rank, rank, name, s_box, d_box, nbytes, True))
                         else:
                             pending[tuple(holders)].append(_Region(rank, name, s_box, d_box, p.itemsize))
-    transfers = list(local)
     for holders, regions in pending.items():
         regions.sort(key=lambda r: (r.dst_rank, r.name, r.dst_box))
         for sender, region, s_box, d_box, nbytes in _spread(list(holders), regions):
-            transfers.append(Transfer(sender, region.dst_rank, region.name, _slices(s_box), _slices(d_box), nbytes))
-    transfers.sort(key=lambda t: (t.src_rank, t.dst_rank, t.name, [(s.start, s.stop) for s in t.dst_slices]))
+            rows.append((sender, region.dst_rank, region.name, s_box, d_box, nbytes, False))
+    rows.sort(key=lambda row: (row[0], row[1], row[2], row[4]))
+    slices: dict[Box, Slices] = {}  # boxes repeat across ranks: build each tuple of slices once
+
+    def as_slices(box: Box) -> Slices:
+        out = slices.get(box)
+        if out is None:
+            out = slices[box] = tuple(slice(lo, hi) for lo, hi in box)
+        return out
+
+    transfers = [Transfer(s, d, name, as_slices(sb), as_slices(db), nb, loc) for s, d, name, sb, db, nb, loc in rows]
     return ReshardPlan(src, dst, layouts, dst_map, transfers, colocated)
-
-
-def _slices(box: Box) -> Slices:
-    return tuple(slice(lo, hi) for lo, hi in box)
 
 
 def merge_layouts(per_rank: Iterable[Iterable[ParamLayout]], pp: int = 1) -> list[ParamLayout]:
