@@ -43,6 +43,7 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "mesh": (1, ("rankmesh.mesh",)),
     "serialization": (1, ("rankmesh.serialization",)),
     "placement": (2, ("rankmesh.placement",)),
+    "reshard planner": (2, ("rankmesh.reshard",)),
     "data": (2, ("rankmesh.data",)),
     "dispatch": (3, ("rankmesh.dispatch",)),
     "layout": (3, ("rankmesh.layout",)),

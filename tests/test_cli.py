@@ -143,7 +143,7 @@ BAD_FILE = "name: bad\ncluster: {nodes: 1, devices_per_node: 8\n"
         (["--tp", "2", "--pp", "2", "--dp", "2", "--rank", "8"], "rank 8 is out of range for a mesh of world size 8"),
         (["cpu_demo", "--rank", "-1"], "rank -1 is out of range"),
         (["no_such_layout"], "unknown layout 'no_such_layout' (known layouts: cpu_demo"),
-        (["cpu_demo", "--role", "judge"], "unknown role 'judge' (roles: actor, ref, critic)"),
+        (["cpu_demo", "--role", "judge"], "unknown role 'judge' (roles: actor, ref, critic, rollout)"),
         (["cpu_demo", "--tp", "2"], "either a layout or explicit sizes"),
         ([], "give a layout name or file, or explicit sizes"),
         (["BAD_FILE"], "malformed YAML"),

@@ -53,6 +53,14 @@ EXPECTED: dict[str, dict[str, dict]] = {
             "pp": [[0], [1], [2], [3]],
             "collect": [0, 2],
         },
+        "rollout": {
+            "world": 4,
+            "pool": "rollout_pool",
+            "tp": [[0], [1], [2], [3]],
+            "dp": [[0, 1, 2, 3]],
+            "pp": [[0], [1], [2], [3]],
+            "collect": [0, 1, 2, 3],
+        },
     },
     "single_node_8gpu": {
         "actor": {"world": 8, "pool": "global", **TP2_PP2_DP2},
@@ -108,7 +116,7 @@ EXPECTED: dict[str, dict[str, dict]] = {
 }
 
 CLUSTERS = {
-    "cpu_demo": (12,),
+    "cpu_demo": (16,),
     "single_node_8gpu": (8,),
     "llama70b_4x8": (8, 8, 8, 8),
     "long_context_cp": (8, 8),

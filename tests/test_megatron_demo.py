@@ -24,7 +24,12 @@ def test_demo_two_iterations(ray_session, tmp_path, capsys) -> None:
     assert result["replica_max_diff"] == 0.0
     its = result["iterations"]
     assert len(its) == 2
-    assert its[1]["actor_loss"] < its[0]["actor_loss"] and its[1]["critic_loss"] < its[0]["critic_loss"]
+    for it in its:  # on-policy: every update lowers its batch's losses, seen through the refit rollout
+        assert it["actor_loss_after"] < it["actor_loss"] and it["critic_loss_after"] < it["critic_loss"]
+        assert it["rollout_diff"] <= 1e-5
+    assert result["final_rollout_diff"] <= 1e-5
+    assert result["refit_bytes"] == [result["refit_minimum_bytes"]] * 3  # startup + one per update
+    assert "tp=1" in result["rollout_mesh"] and "dp=4" in result["rollout_mesh"]
     assert "tp=2" in result["actor_mesh"] and "pp=2" in result["actor_mesh"] and "dp=2" in result["actor_mesh"]
     assert "demo PASS" in out.strip().splitlines()[-1]
 

@@ -1,24 +1,27 @@
 """The actor/critic demo: PPO-style iterations over Megatron-parallel worker groups on local Ray.
 
 An actor group on a 3D mesh (tp2·pp2·dp2 from ``parallel_layouts/cpu_demo.yaml``) hosts a
-colocated reference role in the same processes; a critic group (tp2·dp2) runs in its own pool.
-Every iteration goes through the dispatch modes: generate (DP_COMPUTE_PROTO), log-probs,
-reference log-probs and values (MEGATRON_COMPUTE_PROTO), advantages on the controller, then the
-actor and critic updates, which return metrics.
+colocated reference role in the same processes; a critic group (tp2·dp2) and a rollout group
+(tp1·dp4, the generator's layout: whole model per rank, no pipeline) run in pools of their own.
+Every iteration goes through the dispatch modes: generate on the rollout (DP_COMPUTE_PROTO),
+log-probs, reference log-probs and values (MEGATRON_COMPUTE_PROTO), advantages on the controller,
+the actor and critic updates, then the refit: :func:`rankmesh.backends.ray.reshard.reshard` moves the actor's
+new weights from its shards into the rollout's processes (planned once from the two meshes).
 
-The demo checks itself and exits non-zero unless
+The loop is on-policy, and the demo checks itself and exits non-zero unless
 
 * the actor's log-probs from the 3D-parallel group equal those of the same model built unsharded
   in the controller from the same seed (before training, and after it from the gathered weights),
-* the reference's and the sampler's log-probs match the controller too, every iteration,
-* the dp replicas hold identical weights after training, and
-* the actor's and the critic's losses fall.
+* the reference's log-probs match the controller every iteration,
+* after every refit the rollout's log-probs equal the actor's on the same batch,
+* every refit moves exactly the bytes the rollout keeps (the minimum), and
+* every update lowers the actor's loss on its batch, as seen through the refit rollout (the update
+  is visible in the next rollout), and the critic's.
 
-The rollout is a fixed replay: the sampler is the frozen initial policy with per-row seeds, so
-every iteration sees the same batch and the losses are deterministic functions of the weights
-(see docs/megatron.md).  Nothing here imports megatron-core or Ray at module level (the roles
-and the Ray backend are imported when the groups start), so ``rankmesh --help`` stays quick.  The command
-line (``rankmesh demo``, options and exit codes) is :mod:`rankmesh.demo_cli`.
+Sampling seeds are fixed per row, so a run is deterministic (see docs/megatron.md).  Nothing here
+imports megatron-core or Ray at module level (the roles and the Ray backend are imported when the
+groups start), so ``rankmesh --help`` stays quick.  The command line (``rankmesh demo``, options and
+exit codes) is :mod:`rankmesh.demo_cli`.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class DemoConfig:
     actor_dp: int = 2
     critic_tp: int = 2
     critic_dp: int = 2
+    rollout_dp: int = 4
     prompts: int = 8
     samples_per_prompt: int = 4
     prompt_length: int = 4
@@ -78,6 +82,8 @@ class IterationStats:
     logprob_diff: float
     ref_diff: float
     rollout_diff: float
+    actor_loss_after: float = float("nan")
+    critic_loss_after: float = float("nan")
     times: dict[str, float] = field(default_factory=dict)
 
 
@@ -88,6 +94,10 @@ class DemoResult:
     config: DemoConfig
     actor_mesh: str = ""
     critic_mesh: str = ""
+    rollout_mesh: str = ""
+    refit_bytes: list[int] = field(default_factory=list)
+    refit_minimum_bytes: int = 0
+    final_rollout_diff: float = float("nan")
     iterations: list[IterationStats] = field(default_factory=list)
     startup_s: float = 0.0
     total_s: float = 0.0
@@ -162,6 +172,42 @@ def resolve_meshes(cfg: DemoConfig):
     return actor, [actor.world_size], critic, [critic.world_size], "explicit sizes"
 
 
+def resolve_rollout(cfg: DemoConfig):
+    """(rollout mesh, pool counts): the layout's ``rollout`` role, else tp1 x ``cfg.rollout_dp``."""
+    from rankmesh.mesh import RankMesh
+
+    if cfg.layout:
+        try:
+            from rankmesh.layout import load_layout
+
+            role = load_layout(cfg.layout).role("rollout")
+            return role.mesh(), list(role.pool.process_on_nodes)
+        except Exception as exc:  # noqa: BLE001 - any layout problem: use the explicit size
+            logger.warning("layout %r has no usable rollout role (%s); using --rollout-dp", cfg.layout, exc)
+    mesh = RankMesh(dp=cfg.rollout_dp)
+    return mesh, [mesh.world_size]
+
+
+def start_rollout(cfg: DemoConfig, model: dict):
+    """Start the rollout group (plain workers: no torch.distributed, no megatron-core)."""
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rankmesh.megatron.rollout import RolloutWorker
+
+    mesh, counts = resolve_rollout(cfg)
+    if mesh.size("tp") != 1 or mesh.size("pp") != 1:
+        raise ValueError(f"the demo's rollout holds the whole model per rank: its mesh must be tp1, pp1, got {mesh!r}")
+    return RayWorkerGroup(RayResourcePool(counts, use_gpu=False, name_prefix="rollout_pool"),
+                          RayClassWithInitArgs(RolloutWorker, model=model), mesh=mesh, name_prefix="demo-rollout")
+
+
+def ppo_loss(log_probs, old_log_probs, advantages, clip_ratio: float):
+    """The actor's clipped surrogate, as ``ActorWorker.update_actor`` computes it (one micro-batch)."""
+    import torch
+
+    ratio = torch.exp(log_probs - old_log_probs)
+    return float(torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)).mean())
+
+
 def start_groups(cfg: DemoConfig, model: dict):
     """Start actor+ref (colocated) and critic, each cross-checked against its mesh."""
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, create_colocated_worker_cls
@@ -200,6 +246,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
     from tqdm import tqdm
 
     from rankmesh.backends.ray.runtime import ensure_ray
+    from rankmesh.backends.ray.reshard import plan_between, reshard
 
     out = out or sys.stdout
     t_start = time.perf_counter()
@@ -207,15 +254,24 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
     tcfg = TinyConfig(seed=cfg.seed, max_seq_len=cfg.prompt_length + cfg.response_length)
     conn = ensure_ray(cfg.address, num_cpus=16)
     bar = tqdm(total=cfg.iterations + 1, desc="starting groups", unit="step", disable=not cfg.progress, file=sys.stderr)
-    actor = ref = critic = None
+    actor = ref = critic = rollout = None
     try:
         actor, ref, critic, source = start_groups(cfg, tcfg.to_dict())
-        result.actor_mesh, result.critic_mesh = repr(actor.mesh), repr(critic.mesh)
+        rollout = start_rollout(cfg, tcfg.to_dict())
+        result.actor_mesh, result.critic_mesh, result.rollout_mesh = repr(actor.mesh), repr(critic.mesh), repr(rollout.mesh)
+        # Planned once from the two meshes and the actor's own parameter attributes.
+        plan = plan_between(actor, rollout)
+        result.refit_minimum_bytes = rollout.world_size * sum(p.numel() * p.element_size() for p in ReferenceModel(tcfg).parameters())
+        result.refit_bytes.append(reshard(actor, rollout, plan).bytes_moved)
         result.startup_s = time.perf_counter() - t_start
         bar.update(1)
         # tqdm.write keeps the progress bar (stderr) intact while the table goes to ``out``.
+        sent = plan.bytes_per_src_rank
         tqdm.write(f"actor+ref: {actor.mesh!r} ({actor.world_size} processes, {source})\n"
                    f"critic:    {critic.mesh!r} ({critic.world_size} processes)\n"
+                   f"rollout:   {rollout.mesh!r} ({rollout.world_size} processes), refit from the actor by reshard: "
+                   f"{len(plan.transfers)} regions, {plan.bytes_moved / 1024:.0f} KiB, busiest sender "
+                   f"{max(sent.values()) / 1024:.0f} KiB (mean {sum(sent.values()) / len(sent) / 1024:.0f} KiB)\n"
                    f"groups started and cross-checked against parallel_state in {result.startup_s:.1f}s", file=out)
         tqdm.write(_table_header(), file=out)
         reference = ReferenceModel(tcfg).eval()
@@ -232,7 +288,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
                 return value
 
             t_iter = time.perf_counter()
-            batch = timed("gen", actor.generate_sequences, prompts)
+            batch = timed("gen", rollout.generate_sequences, prompts)
             batch = batch.union(timed("logp", actor.compute_log_prob, batch))
             batch = batch.union(timed("ref", ref.compute_ref_log_prob, batch))
             batch = batch.union(timed("values", critic.compute_values, batch))
@@ -248,17 +304,24 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
             times["adv"] = time.perf_counter() - t
             m_actor = timed("upd_actor", actor.update_actor, batch)
             m_critic = timed("upd_critic", critic.update_critic, batch)
+            result.refit_bytes.append(timed("refit", reshard, actor, rollout, plan).bytes_moved)
             times["total"] = time.perf_counter() - t_iter
+            # The update as the next rollout sees it: the refit rollout's log-probs on this batch.
+            new_lp = rollout.compute_log_prob(batch).batch["rollout_log_probs"]
+            values_after = critic.compute_values(batch).batch["values"]
             stats = IterationStats(
                 iteration=it,
                 actor_loss=_mean_metric(m_actor, "actor/pg_loss"),
                 critic_loss=_mean_metric(m_critic, "critic/vf_loss"),
+                actor_loss_after=ppo_loss(new_lp, batch.batch["old_log_probs"], adv, cfg.clip_ratio),
+                critic_loss_after=float(0.5 * (values_after - returns).pow(2).mean()),
                 score=float(scores.mean()),
                 kl=float((lp - ref_lp).mean()),
                 # Only the first iteration compares the actor: later its weights have moved on.
                 logprob_diff=float((lp - expected).abs().max()) if it == 0 else float("nan"),
                 ref_diff=float((ref_lp - expected).abs().max()),
-                rollout_diff=float((batch.batch["rollout_log_probs"] - expected).abs().max()),
+                # The rollout generated with the weights of the last refit: they must be the actor's.
+                rollout_diff=float((batch.batch["rollout_log_probs"] - lp).abs().max()),
                 times=times,
             )
             result.iterations.append(stats)
@@ -272,6 +335,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
         with torch.no_grad():
             final_ref = token_log_probs(trained(batch.batch["input_ids"]), batch.batch["input_ids"])[:, resp]
         result.final_logprob_max_diff = float((final - final_ref).abs().max())
+        result.final_rollout_diff = float((new_lp - final).abs().max())
     finally:
         bar.close()
         if ref is not None:
@@ -282,6 +346,8 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
         for group in (actor, critic):
             if group is not None:
                 shutdown_megatron_group(group)
+        if rollout is not None:
+            rollout.shutdown()
         conn.close()
     result.total_s = time.perf_counter() - t_start
     _judge(result)
@@ -295,26 +361,31 @@ def _judge(result: DemoResult) -> None:
         "actor log-probs (3D-parallel) == single-process reference": result.logprob_max_diff <= tol,
         "actor log-probs after training == reference from gathered weights": result.final_logprob_max_diff <= tol,
         "reference log-probs == single-process reference, every iteration": all(s.ref_diff <= tol for s in its),
-        "sampler log-probs == single-process reference, every iteration": all(s.rollout_diff <= tol for s in its),
+        "rollout log-probs == actor log-probs after every refit (same batch)":
+            bool(its) and all(s.rollout_diff <= tol for s in its) and result.final_rollout_diff <= tol,
+        "every refit moved exactly the bytes the rollout keeps": bool(result.refit_bytes)
+            and all(b == result.refit_minimum_bytes for b in result.refit_bytes),
         "dp replicas hold identical weights": result.replica_max_diff <= tol,
-        "actor loss falls": len(its) >= 2 and its[-1].actor_loss < its[0].actor_loss,
-        "critic loss falls": len(its) >= 2 and its[-1].critic_loss < its[0].critic_loss,
+        "actor loss falls with every update (seen through the refit rollout)":
+            bool(its) and all(s.actor_loss_after < s.actor_loss for s in its),
+        "critic loss falls with every update": bool(its) and all(s.critic_loss_after < s.critic_loss for s in its),
     }
 
 
-_PHASES = ("gen", "logp", "ref", "values", "adv", "upd_actor", "upd_critic", "total")
+_PHASES = ("gen", "logp", "ref", "values", "adv", "upd_actor", "upd_critic", "refit", "total")
 
 
 def _table_header() -> str:
     phases = " ".join(f"{p:>10}" for p in _PHASES)
-    return f"\n{'iter':>4} {'actor loss':>11} {'critic loss':>11} {'score':>6} {'kl':>9} {'logp diff':>9} | seconds: {phases}"
+    return (f"\n{'iter':>4} {'actor loss':>11} {'-> after':>11} {'critic loss':>11} {'-> after':>11} {'score':>6} "
+            f"{'kl':>9} {'logp diff':>9} {'roll diff':>9} | seconds: {phases}")
 
 
 def _table_row(s: IterationStats) -> str:
     diff = "-" if s.logprob_diff != s.logprob_diff else f"{s.logprob_diff:.1e}"
     phases = " ".join(f"{s.times.get(p, 0.0):>10.3f}" for p in _PHASES)
-    return (f"{s.iteration + 1:>4} {s.actor_loss:>11.5f} {s.critic_loss:>11.5f} {s.score:>6.3f} {s.kl:>9.2e} "
-            f"{diff:>9} |          {phases}")
+    return (f"{s.iteration + 1:>4} {s.actor_loss:>11.5f} {s.actor_loss_after:>11.5f} {s.critic_loss:>11.5f} "
+            f"{s.critic_loss_after:>11.5f} {s.score:>6.3f} {s.kl:>9.2e} {diff:>9} {s.rollout_diff:>9.1e} |          {phases}")
 
 
 def format_summary(result: DemoResult) -> str:
@@ -322,9 +393,13 @@ def format_summary(result: DemoResult) -> str:
     its = result.iterations
     lines = [""]
     if its:
-        lines.append(f"actor loss {its[0].actor_loss:.5f} -> {its[-1].actor_loss:.5f}, "
-                     f"critic loss {its[0].critic_loss:.5f} -> {its[-1].critic_loss:.5f}, "
-                     f"score {its[0].score:.3f} (fixed replay batch)")
+        lines.append(f"each update, on its own batch: actor loss {its[0].actor_loss:.5f} -> {its[0].actor_loss_after:.5f} "
+                     f"(first) ... {its[-1].actor_loss:.5f} -> {its[-1].actor_loss_after:.5f} (last); critic loss "
+                     f"{its[0].critic_loss:.5f} -> {its[0].critic_loss_after:.5f} ... {its[-1].critic_loss:.5f} -> "
+                     f"{its[-1].critic_loss_after:.5f}; score {its[0].score:.3f} -> {its[-1].score:.3f} (on-policy)")
+        lines.append(f"refits: {len(result.refit_bytes)} x {result.refit_minimum_bytes / 1024:.0f} KiB "
+                     f"(the minimum), rollout vs actor log-probs max diff "
+                     f"{max([s.rollout_diff for s in its] + [result.final_rollout_diff]):.1e}")
     lines.append(f"log-prob max |3D-parallel - single-process|: {result.logprob_max_diff:.2e} before training, "
                  f"{result.final_logprob_max_diff:.2e} after (tolerance {result.config.tolerance:.0e}); "
                  f"dp replicas differ by {result.replica_max_diff:.1e}")

@@ -23,10 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (shared by ``rankmesh demo`` and scripts/launch_actor_critic.py)."""
     d = DemoConfig()
     parser.add_argument("--iterations", type=int, default=d.iterations, help="PPO iterations, at least 2 (default %(default)s)")
-    parser.add_argument("--layout", default=d.layout, help="layout with actor/ref/critic roles (default %(default)s)")
+    parser.add_argument("--layout", default=d.layout, help="layout with actor/ref/critic/rollout roles (default %(default)s)")
     parser.add_argument("--no-layout", dest="layout", action="store_const", const=None,
-                        help="ignore layouts; use the --actor-*/--critic-* sizes")
-    for name in ("actor_tp", "actor_pp", "actor_dp", "critic_tp", "critic_dp", "prompts", "samples_per_prompt",
+                        help="ignore layouts; use the --actor-*/--critic-*/--rollout-* sizes")
+    for name in ("actor_tp", "actor_pp", "actor_dp", "critic_tp", "critic_dp", "rollout_dp", "prompts", "samples_per_prompt",
                  "prompt_length", "response_length", "micro_batches", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=getattr(d, name),
                             help="(default %(default)s)")

@@ -192,3 +192,7 @@ class FetchTimeoutError(BackendError, TimeoutError):
 
 class WorkerEnvError(BackendError, ValueError):
     """``worker_env`` tried to set a variable the backend owns (RANK, MASTER_PORT, ...)."""
+
+
+class ReshardError(MeshError):
+    """A reshard cannot be planned or run: a parameter does not fit a mesh, or the two sides disagree."""

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
 
 from rankmesh.megatron.reference import TinyConfig, causal_attention, full_weights, shard_dim
@@ -108,6 +109,21 @@ class TinyStage(torch.nn.Module):
                 self.head = tensor_parallel.ColumnParallelLinear(
                     h, cfg.vocab_size, config=mcfg, init_method=_identity_init, bias=False, gather_output=False
                 )
+
+        self._mark_tensor_parallel()
+
+    def _mark_tensor_parallel(self) -> None:
+        """Set megatron's tp attributes on every sharded weight that lacks them.
+
+        megatron-core's parallel layers set ``tensor_model_parallel`` / ``partition_dim`` /
+        ``partition_stride`` on a weight only inside their weight-initialization paths, which this
+        model skips (``perform_initialization=False``: weights come from :meth:`load_full`);
+        :mod:`rankmesh.reshard` reads the attributes to describe the parameters.
+        """
+        for name, param in self.named_parameters():
+            dim = shard_dim(name)
+            if dim is not None and not hasattr(param, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(param, True, dim, 1)
 
     @torch.no_grad()
     def load_full(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,4 +1,4 @@
-"""The PPO roles of the demo: actor (with a rollout sampler), reference and critic workers.
+"""The PPO roles of the demo: actor, reference and critic workers (the rollout is in :mod:`.rollout`).
 
 Each is a :class:`MegatronWorker` holding one pipeline stage of the tiny model (its tp shards),
 built from the same seed so that every dp replica starts identical.  Training runs the CPU
@@ -51,6 +51,10 @@ class TinyModelWorker(MegatronWorker):
         self.stage = TinyStage.from_seed(self.cfg, value_head=self.value_head)
         self.optimizer = torch.optim.Adam(self.stage.parameters(), lr=lr) if lr > 0 else None
         self.micro_batches = micro_batches
+
+    def reshard_module(self) -> torch.nn.Module:
+        """This rank's stage: what ``param_layouts()`` describes and a reshard reads or writes."""
+        return self.stage
 
     # ----- helpers -----------------------------------------------------------------------------
 

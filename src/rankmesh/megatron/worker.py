@@ -26,7 +26,7 @@ from rankmesh.dispatch.modes import Dispatch
 from rankmesh.dispatch.register import register
 from rankmesh.megatron.check import RankReport
 from rankmesh.mesh import DistGlobalInfo, DistRankInfo, RankMesh
-from rankmesh.worker import Worker
+from rankmesh.backends.ray.reshard import ReshardWorker
 
 logger = logging.getLogger(__name__)
 
@@ -153,11 +153,15 @@ def release_parallel_state() -> None:
         dist.destroy_process_group()
 
 
-class MegatronWorker(Worker):
+class MegatronWorker(ReshardWorker):
     """A worker of a Megatron-parallel group: torch.distributed + parallel_state from the mesh.
 
     Subclasses (actor, critic, reference) build their model after ``super().__init__()``;
     ``self.rank_info``/``self.global_info`` then hold parallel_state's view of this rank.
+    Its parameters can be resharded into another group (:mod:`rankmesh.reshard`):
+    ``param_layouts()`` reads megatron-core's ``tensor_model_parallel`` / ``partition_dim`` /
+    ``partition_stride`` attributes and the layers' ``layer_number`` (the pipeline's offsets) from
+    :meth:`reshard_module` (default ``self.model``).
     """
 
     def __init__(

@@ -34,6 +34,10 @@ _EXPORTS = {
     "ensure_ray": "rankmesh.backends.ray.runtime",
     "RayExecutor": "rankmesh.backends.ray.executor",
     "fetch_refs": "rankmesh.backends.ray.waiting",
+    "ReshardWorker": "rankmesh.backends.ray.reshard",
+    "reshard": "rankmesh.backends.ray.reshard",
+    "plan_between": "rankmesh.backends.ray.reshard",
+    "layouts_from_module": "rankmesh.backends.ray.reshard",
     "RendezvousError": "rankmesh.errors",
 }
 

@@ -1,0 +1,281 @@
+"""Run a ReshardPlan on Ray: sources put their regions into the object store, destinations fetch only theirs.
+
+Why through the object store and not through the controller: the naive refit gathers every full
+tensor on the controller and sends each destination its slice, so every byte crosses the driver
+twice and the driver's memory must hold the model.  Here each source rank ``ray.put``s each of its
+outgoing regions once (regions read by the same destinations share one object; a region several
+destination replicas read is put once for all of them); the controller gets back object
+references only and hands each destination rank the references (and the plan) meant for it; the
+destination ``ray.get``s them and copies each region into its parameter in place.  Objects are
+owned by the source rank and freed when the controller drops the references.
+
+Colocated plans (both roles in the same processes) keep local regions out of the object store:
+the source role leaves views of its tensors in a per-process outbox, and the destination role of
+that process copies from them.
+
+What this relies on from the worker-group API: registered methods may return ``ObjectRef`` values
+and receive them inside their arguments (Ray keeps them alive while referenced).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+import ray
+import torch
+
+from rankmesh.dispatch import Dispatch, register
+from rankmesh.errors import ReshardError
+from rankmesh.mesh import RankMesh
+from rankmesh.reshard.plan import ParamLayout, ReshardPlan, Transfer, merge_layouts, plan_reshard
+from rankmesh.serialization import numpy_view
+from rankmesh.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+#: Regions a colocated source role left for the destination role of the same process, by
+#: (reshard token, rank).  Entries live from ``reshard_send`` to the matching ``reshard_recv``.
+_OUTBOX: dict[tuple[str, int], list[torch.Tensor]] = {}
+
+def _copy_into(dst: torch.Tensor, src: np.ndarray) -> None:
+    """``dst[...] = src`` in place, one copy (``src`` may be a read-only object-store view)."""
+    if dst.device.type == "cpu":
+        np.copyto(numpy_view(dst), src.reshape(dst.shape), casting="no")
+        return
+    with warnings.catch_warnings():  # a read-only view is fine: it is copied, never written
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(src)
+    if source.dtype != dst.dtype:
+        source = source.view(dst.dtype)
+    dst.copy_(source.reshape(dst.shape), non_blocking=False)
+
+
+_LAYER = re.compile(r"^(.*\blayers)\.(\d+)$")
+
+
+def global_parameter_names(module: torch.nn.Module) -> dict[str, str]:
+    """Local parameter name -> name in the whole model, undoing the pipeline's layer offsets.
+
+    megatron-core numbers the layers of a stage from 0 (``decoder.layers.0``) and keeps the
+    global number in ``TransformerLayer.layer_number`` (1-based); a module without that
+    attribute keeps its name.
+    """
+    renames = {}
+    for qual, sub in module.named_modules():
+        number = getattr(sub, "layer_number", None)
+        match = _LAYER.match(qual)
+        if match and isinstance(number, int):
+            renames[qual + "."] = f"{match.group(1)}.{number - 1}."
+    out = {}
+    for name, _ in module.named_parameters():
+        new = name
+        for prefix, repl in renames.items():
+            if name.startswith(prefix):
+                new = repl + name[len(prefix):]
+                break
+        out[name] = new
+    return out
+
+
+def layouts_from_module(module: torch.nn.Module, mesh: RankMesh, rank: int) -> list[ParamLayout]:
+    """This rank's parameters as ParamLayouts, from megatron-core's own parameter attributes.
+
+    ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride`` (set by megatron's
+    parallel layers) give the tp split; the full size along ``partition_dim`` is the local one
+    times tp; ``pp_stage`` is this rank's stage (:func:`~rankmesh.reshard.merge_layouts` turns a
+    parameter every stage reports into ``None``).  A parameter without the attributes is replicated.
+    """
+    coords = mesh.coords(rank)
+    names = global_parameter_names(module)
+    out = []
+    for local, param in module.named_parameters():
+        if getattr(param, "allreduce", True) is False:
+            raise ReshardError(
+                f"parameter {local!r} is an expert-parallel parameter: its expert layout is not in megatron's "
+                "attributes; override param_layouts() and describe it with ParamLayout(expert=True, ep_dim=...)"
+            )
+        shape = list(param.shape)
+        tp_dim = None
+        if getattr(param, "tensor_model_parallel", False):
+            tp_dim = int(getattr(param, "partition_dim"))
+            shape[tp_dim] *= mesh.size("tp")
+        out.append(ParamLayout(
+            names[local], tuple(shape), tp_dim=tp_dim, pp_stage=coords.pp_rank,
+            tp_stride=int(getattr(param, "partition_stride", 1)) if tp_dim is not None else 1,
+            dtype=str(param.dtype).removeprefix("torch."),
+        ))
+    return out
+
+
+class ReshardWorker(Worker):
+    """Worker methods that describe, send and receive parameters for :func:`reshard`.
+
+    Subclasses say where their parameters are by overriding :meth:`reshard_module` (default:
+    ``self.model``) or, for full control, :meth:`reshard_tensors` and :meth:`param_layouts`.
+    """
+
+    def reshard_module(self) -> torch.nn.Module:
+        """The module whose parameters are resharded (override; the default is ``self.model``)."""
+        model = getattr(self, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise ReshardError(
+                f"{type(self).__name__} has no torch module at self.model: override reshard_module() to return "
+                "the module whose parameters are resharded"
+            )
+        return model
+
+    def reshard_mesh(self) -> RankMesh:
+        """The mesh this role's parameters are laid out by (default: the group's; a colocated role
+        with a layout of its own returns one of ``self.meshes``)."""
+        return self.mesh
+
+    def reshard_tensors(self) -> dict[str, torch.Tensor]:
+        """Global parameter name -> this rank's tensor (read by sends, written in place by receives)."""
+        module = self.reshard_module()
+        names = global_parameter_names(module)
+        return {names[n]: p.data for n, p in module.named_parameters()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def param_layouts(self) -> list[ParamLayout]:
+        """This rank's parameters (one list per rank; merge them with :func:`merge_layouts`)."""
+        return layouts_from_module(self.reshard_module(), self.reshard_mesh(), self.rank)
+
+    @register(Dispatch.ALL_TO_ALL)
+    def reshard_send(self, job: dict[str, Any]) -> list[Any]:
+        """Put each object of ``job["objects"]`` (a list of regions) into the object store; return the refs."""
+        tensors = self.reshard_tensors()
+        refs = []
+        for regions in job["objects"]:
+            # A region that is already contiguous (a whole shard, whole rows) is not copied before the put.
+            refs.append(ray.put([np.ascontiguousarray(numpy_view(tensors[name][sl].detach().cpu())) for name, sl in regions]))
+        if job["local"]:
+            _OUTBOX[(job["token"], self.rank)] = [tensors[name][sl] for name, sl in job["local"]]
+        return refs
+
+    @register(Dispatch.ALL_TO_ALL)
+    def reshard_recv(self, job: dict[str, Any]) -> int:
+        """Fetch this rank's objects and copy every region into place; return the bytes received."""
+        tensors = self.reshard_tensors()
+        received = 0
+        if job["refs"]:
+            objects = ray.get([ref for ref, _ in job["refs"]])
+            for arrays, (_, regions) in zip(objects, job["refs"]):
+                for array, (name, sl) in zip(arrays, regions):
+                    _copy_into(tensors[name][sl], array)
+                    received += array.nbytes
+        if job["local"]:
+            views = _OUTBOX.pop((job["token"], self.rank))
+            for view, (name, sl) in zip(views, job["local"]):
+                tensors[name][sl].copy_(view)
+        return received
+
+
+@dataclass(frozen=True)
+class ReshardStats:
+    """What one :func:`reshard` call moved, and how long its two phases took."""
+
+    bytes_moved: int
+    bytes_local: int
+    objects: int
+    send_s: float
+    recv_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.send_s + self.recv_s
+
+
+def _check_group(group: Any, mesh: RankMesh, side: str) -> None:
+    if mesh not in group.meshes.values():
+        raise ReshardError(f"the plan's {side} mesh is {mesh!r} but the {side} group's is {group.mesh!r}; plan again")
+    for method in ("reshard_send", "reshard_recv"):
+        if method not in group.method_names:
+            raise ReshardError(f"the {side} group's workers have no registered {method}: derive them from ReshardWorker")
+
+
+def _objects_of(plan: ReshardPlan, src_rank: int) -> list[tuple[list[tuple[str, tuple]], dict[int, list[tuple[str, tuple]]]]]:
+    """``src_rank``'s objects: (regions to put, destination -> where each region goes), in put order.
+
+    A region several destinations read (dp replicas of the destination) is put once, and the
+    regions read by the same set of destinations share one object: a tp1·dp8 generator refit from
+    a tp2 trainer costs each source one put, read by every destination that needs it.
+    """
+    readers: dict[tuple, dict[int, Transfer]] = {}
+    for t in plan.sends(src_rank):
+        if not t.local:
+            key = (t.name, tuple((s.start, s.stop) for s in t.src_slices))
+            readers.setdefault(key, {})[t.dst_rank] = t
+    groups: dict[frozenset, list[tuple]] = {}
+    for key, by_dst in readers.items():
+        groups.setdefault(frozenset(by_dst), []).append(key)
+    out = []
+    for dsts, keys in groups.items():
+        regions = [(name, readers[(name, bounds)][min(dsts)].src_slices) for name, bounds in keys]
+        places = {d: [(readers[k][d].name, readers[k][d].dst_slices) for k in keys] for d in sorted(dsts)}
+        out.append((regions, places))
+    return out
+
+
+def reshard(src_group: Any, dst_group: Any, plan: ReshardPlan) -> ReshardStats:
+    """Move the weights of ``src_group`` into ``dst_group`` as ``plan`` says; only references pass here."""
+    _check_group(src_group, plan.src, "source")
+    _check_group(dst_group, plan.dst, "destination")
+    token = uuid.uuid4().hex
+    send_jobs, recv_jobs = [], [{"token": token, "refs": [], "local": []} for _ in range(plan.dst.world_size)]
+    wanted: list[tuple[int, int, int, list]] = []  # (destination, source, object index, regions)
+    for r in range(plan.src.world_size):
+        objects = _objects_of(plan, r)
+        for i, (_, places) in enumerate(objects):
+            wanted += [(d, r, i, regions) for d, regions in places.items()]
+        send_jobs.append({"token": token, "objects": [regions for regions, _ in objects],
+                          "local": [(t.name, t.src_slices) for t in plan.sends(r) if t.local]})
+    for d in range(plan.dst.world_size):
+        recv_jobs[d]["local"] = [(t.name, t.dst_slices) for t in plan.receives(d) if t.local]
+    start = time.perf_counter()
+    refs: list[list[Any]] = src_group.reshard_send(send_jobs)
+    send_s = time.perf_counter() - start
+    for d, r, i, regions in wanted:
+        recv_jobs[d]["refs"].append((refs[r][i], regions))
+    start = time.perf_counter()
+    received = sum(dst_group.reshard_recv(recv_jobs))
+    recv_s = time.perf_counter() - start
+    if received != plan.bytes_moved:
+        raise ReshardError(f"destinations received {received} bytes, the plan moves {plan.bytes_moved}")
+    return ReshardStats(plan.bytes_moved, plan.bytes_local, sum(len(r) for r in refs), send_s, recv_s)
+
+
+def plan_between(
+    src_group: Any,
+    dst_group: Any,
+    colocated: bool = False,
+    names: Iterable[str] | None = None,
+    src_mesh: RankMesh | None = None,
+    dst_mesh: RankMesh | None = None,
+) -> ReshardPlan:
+    """Ask both groups for their parameter layouts and plan the reshard between their meshes.
+
+    ``names`` restricts the plan to some parameters (e.g. leave out a value head the destination
+    lacks); otherwise both sides must hold the same parameters.  ``src_mesh`` / ``dst_mesh``: a
+    role whose layout follows one of its group's named meshes (see ``ReshardWorker.reshard_mesh``).
+    """
+    src_mesh, dst_mesh = src_mesh or src_group.mesh, dst_mesh or dst_group.mesh
+    src = merge_layouts(src_group.param_layouts(), src_mesh.size("pp"))
+    dst = merge_layouts(dst_group.param_layouts(), dst_mesh.size("pp"))
+    if names is not None:
+        keep = set(names)
+        src, dst = [p for p in src if p.name in keep], [p for p in dst if p.name in keep]
+    only_src = sorted({p.name for p in src} - {p.name for p in dst})
+    only_dst = sorted({p.name for p in dst} - {p.name for p in src})
+    if only_src or only_dst:
+        raise ReshardError(
+            f"the groups hold different parameters (only source: {only_src[:5]}, only destination: {only_dst[:5]}); "
+            "pass names=[...] to reshard the common ones"
+        )
+    return plan_reshard(src, src_mesh, dst_mesh, dst_layouts=dst, colocated=colocated)
