@@ -48,7 +48,7 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "dispatch": (3, ("rankmesh.dispatch",)),
     "layout": (3, ("rankmesh.layout",)),
     "backend contract": (4, ("rankmesh.backend",)),
-    "worker": (5, ("rankmesh.worker",)),
+    "worker": (5, ("rankmesh.worker", "rankmesh.devices")),
     "groups": (6, ("rankmesh.group",)),
     "backends": (7, ("rankmesh.backends",)),
     "front door": (8, ("rankmesh",)),

@@ -31,6 +31,10 @@ from rankmesh.mesh import DistRankInfo, RankMesh
 
 logger = logging.getLogger(__name__)
 
+#: Attribute of a fused worker (verl's ``create_colocated_worker_raw_cls``) that maps each role
+#: name to the role object it built in the same process; backends route a role's calls there.
+FUSED_ROLES_ATTR = "fused_worker_dict"
+
 
 @dataclass(frozen=True)
 class WorkerContext:

@@ -23,7 +23,8 @@ import ray
 
 from rankmesh.errors import BackendError
 from rankmesh.mesh import RankMesh
-from rankmesh.worker import WorkerContext, construct, invoke
+from rankmesh.devices import unify_visible_devices
+from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 
 from .rendezvous import reserve_port
 from .runtime import node_ip_address
@@ -101,6 +102,7 @@ class WorkerHost:
             raise BackendError(f"rank {self._rank} of {self._group_name} is already set up")
         self._env_before = {k: os.environ.get(k) for k in setup.env}
         os.environ.update({k: str(v) for k, v in setup.env.items()})
+        self._unify_devices()
         node = ray.util.get_node_ip_address()
         for role, spec in setup.roles.items():
             ctx = WorkerContext(
@@ -115,6 +117,20 @@ class WorkerHost:
             )
             self._workers[role] = construct(spec.cls, ctx, tuple(spec.args), dict(spec.kwargs))
         self._setup = setup
+
+    def _unify_devices(self) -> None:
+        """CUDA_VISIBLE_DEVICES as the one visibility variable (see :mod:`rankmesh.devices`)."""
+        ids = ray.get_runtime_context().get_accelerator_ids()
+        change = unify_visible_devices(os.environ, ids)
+        for key in (*change.set, *change.unset):
+            self._env_before.setdefault(key, os.environ.get(key))
+        for key in change.unset:
+            os.environ.pop(key, None)
+        os.environ.update(change.set)
+        if change.device_index is not None:
+            import torch  # deferred: only a process with accelerators gets here
+
+            torch.cuda.set_device(change.device_index)
 
     def teardown(self) -> None:
         """Drop the role objects and restore the environment, so :meth:`setup` may run again.
@@ -136,8 +152,13 @@ class WorkerHost:
         """The worker object of ``role`` (``None``: the process's only worker)."""
         if role in self._workers:
             return self._workers[role]
-        if role is None and len(self._workers) == 1:
-            return next(iter(self._workers.values()))
+        if len(self._workers) == 1:
+            only = next(iter(self._workers.values()))
+            if role is None:
+                return only
+            fused = getattr(only, FUSED_ROLES_ATTR, None)  # verl's fused worker holds its roles
+            if isinstance(fused, dict) and role in fused:
+                return fused[role]
         raise BackendError(
             f"rank {self._rank} of {self._group_name} hosts roles {sorted(map(str, self._workers))}; "
             f"a call for role {role!r} names none of them (call a role's group from wg.spawn(...))"

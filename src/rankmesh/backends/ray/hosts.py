@@ -31,6 +31,9 @@ from .waiting import Pending, fetch_outputs
 
 logger = logging.getLogger(__name__)
 
+#: Every variable the group sets for each rank (worker_env may not override them).
+OWNED_ENV: tuple[str, ...] = (*RESERVED_ENV, "RAY_LOCAL_RANK", "RAY_LOCAL_WORLD_SIZE")
+
 
 @dataclass
 class HostSet:
@@ -105,10 +108,10 @@ def rank_of_name(name: str, name_prefix: str) -> int | None:
 def check_worker_env(worker_env: Mapping[str, Any] | None) -> dict[str, str]:
     """``worker_env`` as strings; refuses the variables the group sets itself."""
     env = dict(worker_env or {})
-    clash = sorted(set(env) & set(RESERVED_ENV))
+    clash = sorted(set(env) & set(OWNED_ENV))
     if clash:
         raise WorkerEnvError(
-            f"worker_env may not set {', '.join(clash)}: the group sets {', '.join(RESERVED_ENV)} for every rank"
+            f"worker_env may not set {', '.join(clash)}: the group sets {', '.join(OWNED_ENV)} for every rank"
         )
     bad = [k for k, v in env.items() if not isinstance(k, str) or not k or v is None]
     if bad:
@@ -167,6 +170,8 @@ def build_workers(
             "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(place.local_rank),
             "LOCAL_WORLD_SIZE": str(place.local_world_size),
+            "RAY_LOCAL_RANK": str(place.local_rank),  # verl's names for the same two values
+            "RAY_LOCAL_WORLD_SIZE": str(place.local_world_size),
             "MASTER_ADDR": addr,
             "MASTER_PORT": str(port),
             **dict(worker_env),
