@@ -390,7 +390,7 @@ class WorkerGroup:
             # concat writes every collected tensor into a fresh batch: borrow them as read-only
             # views, so the controller copies each byte once (not on receive and again in concat).
             return finish(self._executor.fetch(pending, timeout=timeout, borrow=True))
-        if spec.output == "concat":
+        if spec.output == "concat" and not split.tensordicts:  # TensorDicts join in finish()
             return output_future(split, [pending[i] for i in order], self._executor.fetcher(timeout))
         return GroupFuture(self._executor.fetch, pending, finish, timeout)
 

@@ -48,7 +48,8 @@ class SplitCall:
 
     ``broadcast``: every rank receives ``pieces[0]`` (replicated arguments).  ``rows``: rows of
     the caller's batch (``None`` without batch arguments or when unknown); ``pad``: pad rows
-    appended before splitting; ``piece_rows``: rows of each piece after padding.
+    appended before splitting; ``piece_rows``: rows of each piece after padding;
+    ``tensordicts``: the batches were TensorDicts (outputs join as a TensorDict, not a DataProto).
     """
 
     pieces: tuple[tuple[Args, Kwargs], ...]
@@ -56,6 +57,7 @@ class SplitCall:
     rows: int | None = None
     pad: int = 0
     piece_rows: int | None = None
+    tensordicts: bool = False
 
 
 def _items(args: Args, kwargs: Kwargs) -> list[tuple[int | str, Any]]:
@@ -141,7 +143,8 @@ def _split_proto(spec: MeshSpec, n: int, args: Args, kwargs: Kwargs, site: CallS
     keys = list(kwargs)
     pieces = tuple(_rebuild([*func, *(c[i] for c in chunked)], len(func) + len(args), keys) for i in range(n))
     piece_rows = None if rows is None else (rows + pad) // n
-    return SplitCall(pieces, broadcast=False, rows=rows, pad=pad, piece_rows=piece_rows)
+    tensordicts = any(isinstance(v, TensorDictBase) for _, v in items)
+    return SplitCall(pieces, broadcast=False, rows=rows, pad=pad, piece_rows=piece_rows, tensordicts=tensordicts)
 
 
 def _rows(value: Any) -> int:

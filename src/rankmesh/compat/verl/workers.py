@@ -201,17 +201,36 @@ class RayWorkerGroup(CoreRayWorkerGroup):
 
 
 class RayResourcePool(CoreRayResourcePool):
-    """rankmesh's RayResourcePool with verl's per-process lists (``local_world_size_list`` ...)."""
+    """rankmesh's RayResourcePool in verl's argument order, with verl's per-process lists."""
 
-    @property
+    def __init__(
+        self,
+        process_on_nodes: Sequence[int] | None = None,
+        use_gpu: bool = True,
+        name_prefix: str | None = None,
+        max_colocate_count: int = 1,
+        detached: bool = False,
+        accelerator_type: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """verl's positional order; rankmesh's ``ready_timeout`` as a keyword.  ``max_colocate_count``
+        keeps rankmesh's default (1: colocate roles with ``create_colocated_worker_cls``)."""
+        super().__init__(
+            list(process_on_nodes or []),
+            use_gpu=use_gpu,
+            max_colocate_count=max_colocate_count,
+            name_prefix=name_prefix,
+            detached=detached,
+            accelerator_type=accelerator_type,
+            **kwargs,
+        )
+
     def local_world_size_list(self) -> list[int]:
         """For every process, in rank order, how many processes share its node."""
         return [count for count in self.process_on_nodes for _ in range(count)]
 
-    @property
     def local_rank_list(self) -> list[int]:
         """For every process, in rank order, its index among the processes of its node."""
         return [i for count in self.process_on_nodes for i in range(count)]
-
 
 __all__ = ["ENV_KEYS", "RayResourcePool", "RayWorkerGroup", "Worker", "create_colocated_worker_raw_cls"]
