@@ -62,3 +62,8 @@ def test_ray_noset_flag_without_an_assigned_accelerator_is_an_error():
 
 def test_without_the_flag_ray_ids_are_ignored():
     assert unify_visible_devices({}, {"GPU": ["3"]}).device_index is None
+
+
+def test_npu_flag_sets_local_rank_but_selects_no_cuda_device():
+    change = unify_visible_devices({"RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1"}, {"NPU": ["2"]})
+    assert change.set == {"LOCAL_RANK": "2"} and change.device_index is None

@@ -89,7 +89,7 @@ def unify_visible_devices(
                 f"{resource}; give the worker group's pool {resource}s (use_gpu=True) or unset the flag"
             )
         to_set["LOCAL_RANK"] = str(ids[0])
-        device_index = int(ids[0])
+        device_index = int(ids[0]) if resource == "GPU" else None  # the caller selects CUDA devices only
     return DeviceEnv(set=to_set, unset=tuple(unset), device_index=device_index)
 
 

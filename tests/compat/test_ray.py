@@ -64,6 +64,7 @@ def test_set_dispatch_collect_with_verls_signature(wg):
     got = wg.copy_dispatch_info()
     assert [g[:2] for g in got] == [(0, True), (1, True)]
     assert all("already registered" in g[2] for g in got)
+    assert [g[3] for g in got] == ["ValueError", "ValueError"]
 
 
 def test_tensordict_batches_split_by_rows_and_come_back_as_a_tensordict(wg):

@@ -34,13 +34,18 @@ class EnvWorker(Worker):
     def copy_dispatch_info(self) -> tuple:
         """verl's pattern: register a mesh, then give a second name the same info."""
         self._register_dispatch_collect_info("actor", dp_rank=self.rank, is_collect=True)
+        try:
+            self._register_dispatch_collect_info("actor", dp_rank=0, is_collect=False)
+            twice = "accepted"
+        except ValueError as exc:  # verl raises ValueError here (not an assert)
+            twice = "AssertionError" if isinstance(exc, AssertionError) else "ValueError"
         self.set_dispatch_collect("ref", **self.get_dispatch_collect())
         try:
             self.set_dispatch_collect("ref", **self.get_dispatch_collect())
             again = "accepted"
         except AssertionError as exc:
             again = str(exc)
-        return self._query_dispatch_info("ref"), self.query_collect_info("ref"), again
+        return self._query_dispatch_info("ref"), self.query_collect_info("ref"), again, twice
 
 
 class Adder(Worker):
