@@ -27,5 +27,6 @@ def test_users_own_ray_init_is_used_and_survives_a_failed_pool():
     assert seen["cpus_before"] == 3.0 and seen["cpus_after"] == 3.0  # the user's Ray, not resized
     assert seen["too_big"].startswith("ResourcePoolError") and "process_on_nodes=[8]" in seen["too_big"]
     assert seen["initialized_after_failure"] is True
-    assert seen["ranks"] == ["0", "1"]  # and the same Ray still runs a group afterwards
+    assert seen["failed_call"] == "WorkerError"
+    assert seen["ranks"] == ["0", "1"]  # and the same Ray and group still run calls afterwards
     assert seen["initialized_at_end"] is True

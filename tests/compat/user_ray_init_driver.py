@@ -29,6 +29,11 @@ def main() -> None:
     seen["initialized_after_failure"] = ray.is_initialized()
     seen["cpus_after"] = ray.cluster_resources().get("CPU")
     wg = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker))
+    try:
+        wg.env(123)  # a worker method that raises (iterating an int)
+        seen["failed_call"] = "accepted"
+    except Exception as exc:  # noqa: BLE001
+        seen["failed_call"] = type(exc).__name__
     seen["ranks"] = [e["RANK"] for e in wg.env(["RANK"])]
     wg.shutdown()
     seen["initialized_at_end"] = ray.is_initialized()
