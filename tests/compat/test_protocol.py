@@ -151,6 +151,12 @@ def test_sample_level_repeat_and_from_tensordict_as_verl_spells_them():
     assert back.meta_info == {"step": 7} and back.batch["x"].tolist() == [0, 1]
 
 
+def test_to_moves_self_and_returns_it():
+    data = make(2)
+    assert data.batch.device is None
+    assert data.to("cpu") is data and data.batch.device == torch.device("cpu")
+
+
 def test_collate_fn_stacks_items_into_a_batch():
     data = make(3)
     out = collate_fn([data[2], data[0]])

@@ -179,6 +179,11 @@ class DataProto(core.DataProto):
         union_two_dict(self.meta_info, other.meta_info)
         return self
 
+    def to(self, device: str | torch.device) -> DataProto:
+        """Move ``self``'s tensors to ``device`` in place and return ``self`` (verl's semantics)."""
+        self.batch = super().to(device).batch
+        return self
+
     def padding(self, padding_size: int, padding_candidate: str = "") -> None:
         """Append ``padding_size`` copies of the first (``"first"``) or last row, in place (verl's)."""
         check(isinstance(padding_size, int) and padding_size >= 0, f"padding_size must be >= 0, got {padding_size!r}")
