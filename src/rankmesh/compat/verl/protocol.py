@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from rankmesh.data import columns
 from rankmesh.data import proto as core
