@@ -235,6 +235,16 @@ class RayWorkerGroup(WorkerGroup):
         """Node index, local rank and local world size of every rank."""
         return self.placement.places()
 
+    @property
+    def node_labels(self) -> list[str]:
+        """``node <i>`` per rank, nodes numbered as the pool ordered them (what traces show)."""
+        return [f"node {p.node}" for p in self.placements]
+
+    @property
+    def trace_name(self) -> str:
+        """The group's name in traces: its role, else its name prefix."""
+        return self.role or self.name_prefix
+
     def node_of(self, rank: int) -> str:
         """Ray node id of ``rank``."""
         return self._hosts.info[rank]["node_id"]

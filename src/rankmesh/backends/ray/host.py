@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -23,6 +24,7 @@ import ray
 
 from rankmesh.errors import BackendError
 from rankmesh.mesh import RankMesh
+from rankmesh.tracing.recorder import timed_call
 from rankmesh.worker import WorkerContext, construct, invoke
 
 from .rendezvous import reserve_port
@@ -149,8 +151,15 @@ class WorkerHost:
         ``shared`` are the values of the call's shared objects, fetched by Ray before the call
         starts and already rebuilt as this rank's private copies by the data layer.
         """
+        enter_ns = time.time_ns()
         call = decode_call(header, shared)
-        return invoke(self._worker(call.role), call.method, call.args, call.kwargs, return_output=call.return_output)
+        worker = self._worker(call.role)
+        if call.trace:  # a traced call: the output travels back with this rank's timing
+            return timed_call(
+                invoke, worker, call.method, call.args, call.kwargs,
+                enter_ns=enter_ns, inputs=shared, return_output=call.return_output,
+            )
+        return invoke(worker, call.method, call.args, call.kwargs, return_output=call.return_output)
 
     # ----- introspection (attaching to detached groups, tests) ---------------------------------
 
