@@ -40,6 +40,8 @@ TRACE_ENV = "RANKMESH_TRACE"
 PHASES = ("split", "put", "submit", "wait", "concat")
 #: Phases of one rank's share of a call.
 RANK_PHASES = ("receive", "method", "return")
+#: Mesh axes a trace names ranks by (the expert view's etp/edp repeat them).
+MESH_AXES = ("tp", "cp", "ep", "pp", "dp")
 
 
 def payload_bytes(value: Any, depth: int = 0) -> int:
@@ -218,7 +220,7 @@ class Recorder:
                 taken = {t.name for t in self.groups.values()}
                 if name in taken:
                     name = f"{name}#{len(self.groups)}"
-                track = self.groups[id(group)] = GroupTrack(len(self.groups) + 2, name, dict(mesh.sizes), ranks)
+                track = self.groups[id(group)] = GroupTrack(len(self.groups) + 2, name, {k: v for k, v in mesh.sizes.items() if k in MESH_AXES}, ranks)
                 track._owner = group  # type: ignore[attr-defined]  # keep id(group) from being reused
         return track
 
