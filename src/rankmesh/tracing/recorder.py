@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def payload_bytes(value: Any, depth: int = 0) -> int:
     An estimate of what travels (headers, pickled Python objects and meta data are not counted);
     the same rule on both sides, so the controller's and the ranks' figures compare.
     """
-    if depth > 4 or value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or depth > 4 or isinstance(value, (bool, int, float, str)):
         return 0
     if isinstance(value, (bytes, bytearray, memoryview)):
         return len(value)
@@ -68,8 +68,7 @@ def payload_bytes(value: Any, depth: int = 0) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class RankTiming:
+class RankTiming(NamedTuple):
     """One rank's own account of a call, on the worker's clock (``time.time_ns``).
 
     ``enter_ns``: the call reached the rank's host; ``start_ns``/``end_ns``: the worker method
@@ -85,23 +84,21 @@ class RankTiming:
     pid: int
 
 
-@dataclass(frozen=True)
-class TracedOutput:
-    """A traced rank call's output with the rank's timing (sent back only when tracing is on)."""
-
-    value: Any
-    timing: RankTiming
+TracedOutput = tuple  # (output, timing as a plain tuple of RankTiming's fields)
+"""What a traced rank call sends back: ``(output, timing)``, ``timing`` a plain tuple of
+:class:`RankTiming`'s fields.  Plain tuples, because the wrapper crosses the process boundary on
+every traced call: a tuple of ints pickles in a few bytes, a class would add its reference."""
 
 
 def timed_call(
     run: Callable[..., Any], *args: Any, enter_ns: int, inputs: Any, return_output: bool = True, **kwargs: Any
-) -> TracedOutput:
-    """Worker side: ``run(*args, **kwargs)`` timed; ``enter_ns`` is when the call reached the rank."""
+) -> tuple[Any, tuple[int, ...]]:
+    """Worker side: ``run(*args, **kwargs)`` timed, as a :data:`TracedOutput`; ``enter_ns``: when the call reached the rank."""
     start = time.time_ns()
     value = run(*args, **kwargs)
     end = time.time_ns()
     out = payload_bytes(value) if return_output else 0
-    return TracedOutput(value, RankTiming(enter_ns, start, end, payload_bytes(inputs), out, os.getpid()))
+    return value, (enter_ns, start, end, payload_bytes(inputs), out, os.getpid())
 
 
 @dataclass
@@ -163,16 +160,12 @@ class CallTrace:
                 self.flows_in.append(flow)
 
     def unwrap(self, outputs: list[Any], ranks: Sequence[int]) -> list[Any]:
-        """The outputs without their :class:`TracedOutput` wrappers; their timings recorded."""
+        """The outputs without their :data:`TracedOutput` wrappers; their timings recorded."""
         fetched = time.time_ns()
-        plain = []
-        for rank, out in zip(ranks, outputs):
-            if isinstance(out, TracedOutput):
-                self.ranks.append(RankRecord(rank, out.timing))
-                self.recorder.bound_clock(self.group.pid, rank, self.submit_start_ns, fetched, out.timing)
-                out = out.value
-            plain.append(out)
-        return plain
+        timings = [RankTiming(*fields) for _, fields in outputs]
+        self.ranks = [RankRecord(rank, t) for rank, t in zip(ranks, timings)]
+        self.recorder.bound_clocks(self.group.pid, ranks, self.submit_start_ns, fetched, timings)
+        return [value for value, _ in outputs]
 
     def finish(self, output: Any = None) -> Any:
         """End the call; a future output becomes the start of a flow.  Returns ``output``."""
@@ -242,14 +235,18 @@ class Recorder:
         kept = self._keep.get(id(value))
         return kept[1] if kept is not None and kept[0] is value else None
 
-    def bound_clock(self, pid: int, rank: int, submitted_ns: int, fetched_ns: int, t: RankTiming) -> None:
-        """Tighten the bounds on rank ``rank``'s clock offset with one call (module docstring)."""
-        upper, lower = t.enter_ns - submitted_ns, t.end_ns - fetched_ns
+    def bound_clocks(
+        self, pid: int, ranks: Sequence[int], submitted_ns: int, fetched_ns: int, timings: Sequence[RankTiming]
+    ) -> None:
+        """Tighten the bounds on each rank's clock offset with one call (module docstring)."""
         with self._lock:
-            old = self.clock_bounds.get((pid, rank))
-            if old is not None:
-                lower, upper = max(lower, old[0]), min(upper, old[1])
-            self.clock_bounds[(pid, rank)] = (lower, upper)
+            bounds = self.clock_bounds
+            for rank, t in zip(ranks, timings):
+                upper, lower = t.enter_ns - submitted_ns, t.end_ns - fetched_ns
+                old = bounds.get((pid, rank))
+                if old is not None:
+                    lower, upper = max(lower, old[0]), min(upper, old[1])
+                bounds[(pid, rank)] = (lower, upper)
 
     def clock_offset_ns(self, pid: int, rank: int) -> int:
         """Estimated ``worker clock - controller clock`` of a rank (0 before any traced call)."""
