@@ -213,3 +213,16 @@ def calls_by_ts(spans: list[dict], event: dict) -> dict:
         if s.get("cat") == "call" and (s["pid"], s["tid"]) == (event["pid"], event["tid"]) and s["ts"] <= event["ts"] <= s["end"]
     ]
     return call
+
+
+def test_startup_report_has_every_stage_per_rank_in_order(ray_groups):
+    trainer, _ = ray_groups
+    report = trainer.startup_report()
+    assert report is not None and len(report.ranks) == 8
+    assert report.controller["placed"] >= 0
+    for stages in report.ranks:
+        assert 0 <= stages["started"] <= stages["imported"] <= stages["initialized"], stages
+    # Every rank runs on this machine: one clock, so the measured offsets are round-trip noise.
+    assert all(abs(o) < 1.0 for o in report.clock_offsets_s)
+    text = report.format()
+    assert "initialized" in text and "(rank " in text

@@ -63,6 +63,7 @@ class WorkerHost:
     """Ray actor body; wrapped with ``ray.remote`` by :func:`.hosts.launch_hosts` (options differ per group)."""
 
     def __init__(self, rank: int, group_name: str) -> None:
+        self._started_ns = time.time_ns()  # start-up report: the process is up, rankmesh imported
         self._rank = rank
         self._group_name = group_name
         self._setup: HostSetup | None = None
@@ -88,6 +89,7 @@ class WorkerHost:
             "placement_group_id": pg,
             "gpu_ids": gpu_ids,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "started_ns": self._started_ns,
         }
 
     def reserve_master_port(self) -> tuple[str, int]:
@@ -97,8 +99,13 @@ class WorkerHost:
             self._master = (addr, reserve_port(addr))
         return self._master
 
-    def setup(self, setup: HostSetup) -> None:
-        """Set the environment, then build every role inside the rank's worker context."""
+    def setup(self, setup: HostSetup) -> tuple[int, int]:
+        """Set the environment, then build every role inside the rank's worker context.
+
+        Returns when it began (the worker classes were imported to unpickle ``setup``) and
+        ended, on this process's clock, for the start-up report.
+        """
+        imported_ns = time.time_ns()
         if self._setup is not None:
             raise BackendError(f"rank {self._rank} of {self._group_name} is already set up")
         self._env_before = {k: os.environ.get(k) for k in setup.env}
@@ -117,6 +124,7 @@ class WorkerHost:
             )
             self._workers[role] = construct(spec.cls, ctx, tuple(spec.args), dict(spec.kwargs))
         self._setup = setup
+        return imported_ns, time.time_ns()
 
     def teardown(self) -> None:
         """Drop the role objects and restore the environment, so :meth:`setup` may run again.
@@ -183,3 +191,7 @@ class WorkerHost:
 
     def ping(self) -> int:
         return self._rank
+
+    def clock(self) -> int:
+        """This process's clock (``time.time_ns``), for measuring its offset from the controller's."""
+        return time.time_ns()
