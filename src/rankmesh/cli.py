@@ -135,6 +135,10 @@ def _setup_layout(parser: argparse.ArgumentParser) -> None:
     p.add_argument("layouts", nargs="*", metavar="NAME_OR_FILE")
     p.add_argument("--all", action="store_true", help="validate every layout `layout list` shows")
     p.add_argument("--strict", action="store_true", help="treat warnings (e.g. tp across nodes) as errors")
+    p.add_argument("--address", default=None,
+                   help="also check against this live Ray cluster ('auto': the running one), before any actor starts")
+    p.add_argument("--resource", choices=("GPU", "CPU"), default=None,
+                   help="with --address: what each process takes (default GPU if the cluster has any)")
     p.set_defaults(handler=_cmd_validate)
 
     p = sub.add_parser(
@@ -375,6 +379,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         failed |= errors > 0
         status = "ok" if not problems else f"{errors} error(s), {warnings} warning(s)"
         print(f"{target}: {status}")
+        if args.address and not errors:
+            from rankmesh.backends.ray.preflight import validate_on_cluster  # Ray only when asked
+
+            report = validate_on_cluster(layout, args.address, args.resource)
+            print(report.format())
+            failed |= not report.ok
     return EXIT_INVALID if failed else EXIT_OK
 
 
