@@ -50,8 +50,11 @@ class MethodSummary:
 
     @property
     def straggler(self) -> int | None:
-        """The rank slowest most often (``None`` without rank timings)."""
-        return max(self.slowest_counts, key=self.slowest_counts.__getitem__) if self.slowest_counts else None
+        """The rank slowest more often than any other (``None``: no rank timings, or a tie)."""
+        ranked = sorted(self.slowest_counts.values(), reverse=True)
+        if not ranked or (len(ranked) > 1 and ranked[0] == ranked[1]):
+            return None
+        return max(self.slowest_counts, key=self.slowest_counts.__getitem__)
 
 
 @dataclass
@@ -77,11 +80,14 @@ class TraceSummary:
             if m.slowest_counts:
                 ranked = sorted(m.slowest_counts.items(), key=lambda kv: (-kv[1], kv[0]))
                 counts = ", ".join(f"rank {r} x{n}" for r, n in ranked[:4])
-                lines.append(f"  slowest rank per call: {counts}; straggler: rank {m.straggler}")
+                verdict = "no single straggler" if m.straggler is None else f"straggler: rank {m.straggler}"
+                lines.append(f"  slowest rank per call: {counts}; {verdict}")
             if m.skew_ms is not None:
                 lines.append(f"  skew between dp replicas (median): {m.skew_ms:.2f} ms")
             if m.bytes_per_s is not None:
-                lines.append(f"  data moved: {m.bytes_per_s / 1e6:.1f} MB/s of call time")
+                rate = m.bytes_per_s
+                text = f"{rate / 1e6:.1f} MB/s" if rate >= 1e6 else f"{rate / 1e3:.1f} kB/s"
+                lines.append(f"  data moved: {text} of call time")
         return "\n".join(lines)
 
 

@@ -122,7 +122,9 @@ def launch_hosts(
     pool: Any, name_prefix: str, detached: bool, options: Mapping[str, Any], timeout: float, progress: StartupProgress | None = None
 ) -> HostSet:
     """Start one (empty) host per bundle of ``pool`` and reserve MASTER_PORT on rank 0."""
-    slots = pool.slots()
+    slots = pool.slots()  # waits until every placement group is placed
+    if progress is not None:
+        progress.controller_stage("placed")
     remote = ray.remote(WorkerHost)
     actors, names = [], []
     for rank, slot in enumerate(slots):
@@ -218,8 +220,6 @@ def start_hosts(
     The pool is acquired here and released by :meth:`HostSet.shutdown` (or at once on failure).
     """
     pool.acquire()
-    if progress is not None:
-        progress.controller_stage("placed")
     try:
         hosts = launch_hosts(pool, name_prefix, detached, options, timeout, progress)
     except BaseException:
