@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -24,6 +25,7 @@ import ray
 from rankmesh.errors import BackendError
 from rankmesh.mesh import RankMesh
 from rankmesh.devices import unify_visible_devices
+from rankmesh.tracing.recorder import timed_call
 from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 
 from .rendezvous import reserve_port
@@ -62,6 +64,7 @@ class WorkerHost:
     """Ray actor body; wrapped with ``ray.remote`` by :func:`.hosts.launch_hosts` (options differ per group)."""
 
     def __init__(self, rank: int, group_name: str) -> None:
+        self._started_ns = time.time_ns()  # start-up report: the process is up, rankmesh imported
         self._rank = rank
         self._group_name = group_name
         self._setup: HostSetup | None = None
@@ -87,6 +90,7 @@ class WorkerHost:
             "placement_group_id": pg,
             "gpu_ids": gpu_ids,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "started_ns": self._started_ns,
         }
 
     def reserve_master_port(self) -> tuple[str, int]:
@@ -96,8 +100,13 @@ class WorkerHost:
             self._master = (addr, reserve_port(addr))
         return self._master
 
-    def setup(self, setup: HostSetup) -> None:
-        """Set the environment, then build every role inside the rank's worker context."""
+    def setup(self, setup: HostSetup) -> tuple[int, int]:
+        """Set the environment, then build every role inside the rank's worker context.
+
+        Returns when it began (the worker classes were imported to unpickle ``setup``) and
+        ended, on this process's clock, for the start-up report.
+        """
+        imported_ns = time.time_ns()
         if self._setup is not None:
             raise BackendError(f"rank {self._rank} of {self._group_name} is already set up")
         self._env_before = {k: os.environ.get(k) for k in setup.env}
@@ -117,6 +126,7 @@ class WorkerHost:
             )
             self._workers[role] = construct(spec.cls, ctx, tuple(spec.args), dict(spec.kwargs))
         self._setup = setup
+        return imported_ns, time.time_ns()
 
     def _unify_devices(self) -> None:
         """CUDA_VISIBLE_DEVICES as the one visibility variable (see :mod:`rankmesh.devices`)."""
@@ -170,8 +180,15 @@ class WorkerHost:
         ``shared`` are the values of the call's shared objects, fetched by Ray before the call
         starts and already rebuilt as this rank's private copies by the data layer.
         """
+        enter_ns = time.time_ns()
         call = decode_call(header, shared)
-        return invoke(self._worker(call.role), call.method, call.args, call.kwargs, return_output=call.return_output)
+        worker = self._worker(call.role)
+        if call.trace:  # a traced call: the output travels back with this rank's timing
+            return timed_call(
+                invoke, worker, call.method, call.args, call.kwargs,
+                enter_ns=enter_ns, inputs=shared, return_output=call.return_output,
+            )
+        return invoke(worker, call.method, call.args, call.kwargs, return_output=call.return_output)
 
     # ----- introspection (attaching to detached groups, tests) ---------------------------------
 
@@ -195,3 +212,7 @@ class WorkerHost:
 
     def ping(self) -> int:
         return self._rank
+
+    def clock(self) -> int:
+        """This process's clock (``time.time_ns``), for measuring its offset from the controller's."""
+        return time.time_ns()

@@ -12,6 +12,7 @@ processes and releases (or removes) their placement groups.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -27,6 +28,7 @@ from rankmesh.placement import RankPlace
 from .host import HostSetup, RoleInit, WorkerHost
 from .rendezvous import RESERVED_ENV
 from .runtime import DETACHED_NAMESPACE
+from .startup import StartupProgress
 from .waiting import Pending, fetch_outputs
 
 logger = logging.getLogger(__name__)
@@ -119,9 +121,13 @@ def check_worker_env(worker_env: Mapping[str, Any] | None) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
-def launch_hosts(pool: Any, name_prefix: str, detached: bool, options: Mapping[str, Any], timeout: float) -> HostSet:
+def launch_hosts(
+    pool: Any, name_prefix: str, detached: bool, options: Mapping[str, Any], timeout: float, progress: StartupProgress | None = None
+) -> HostSet:
     """Start one (empty) host per bundle of ``pool`` and reserve MASTER_PORT on rank 0."""
-    slots = pool.slots()
+    slots = pool.slots()  # waits until every placement group is placed
+    if progress is not None:
+        progress.controller_stage("placed")
     remote = ray.remote(WorkerHost)
     actors, names = [], []
     for rank, slot in enumerate(slots):
@@ -142,6 +148,12 @@ def launch_hosts(pool: Any, name_prefix: str, detached: bool, options: Mapping[s
         pend = [Pending(a.node_info.remote(), r, "start") for r, a in enumerate(actors)]
         pend.append(Pending(actors[0].reserve_master_port.remote(), 0, "reserve_master_port"))
         *info, master = fetch_outputs(pend, timeout=timeout)
+        if progress is not None:
+            # A round trip to processes already up (the first one included their boot).
+            sent = time.time_ns()
+            now = fetch_outputs([Pending(a.clock.remote(), r, "clock") for r, a in enumerate(actors)], timeout=timeout)
+            progress.clocks(sent, time.time_ns(), now)
+            progress.rank_stage("started", [i["started_ns"] for i in info])
         for rank, (slot, got) in enumerate(zip(slots, info)):
             if got["node_id"] != slot.node_id:  # Ray broke the bundle's node: refuse to guess
                 raise BackendError(f"rank {rank} runs on node {got['node_id']} but its bundle is on {slot.node_id}")
@@ -159,6 +171,7 @@ def build_workers(
     meshes: Mapping[str, RankMesh],
     worker_env: Mapping[str, str],
     timeout: float,
+    progress: StartupProgress | None = None,
 ) -> None:
     """Set every rank's environment and build its role objects (all ranks in parallel)."""
     world = len(hosts.actors)
@@ -189,7 +202,10 @@ def build_workers(
             group_name=hosts.name_prefix,
         )
         setups.append(Pending(hosts.actors[rank].setup.remote(setup), rank, "setup", hosts.nodes[rank]))
-    fetch_outputs(setups, timeout=timeout)
+    done = fetch_outputs(setups, timeout=timeout)
+    if progress is not None:
+        progress.rank_stage("imported", [d[0] for d in done])
+        progress.rank_stage("initialized", [d[1] for d in done])
 
 
 def start_hosts(
@@ -202,6 +218,7 @@ def start_hosts(
     worker_env: Mapping[str, str],
     options: Mapping[str, Any],
     timeout: float,
+    progress: StartupProgress | None = None,
 ) -> HostSet:
     """:func:`launch_hosts` then :func:`build_workers`; on failure every host is killed.
 
@@ -209,13 +226,13 @@ def start_hosts(
     """
     pool.acquire()
     try:
-        hosts = launch_hosts(pool, name_prefix, detached, options, timeout)
+        hosts = launch_hosts(pool, name_prefix, detached, options, timeout, progress)
     except BaseException:
         pool.release()
         raise
     hosts.pool = pool
     try:
-        build_workers(hosts, roles, mesh, meshes, worker_env, timeout)
+        build_workers(hosts, roles, mesh, meshes, worker_env, timeout, progress)
     except BaseException:
         hosts.shutdown()
         raise

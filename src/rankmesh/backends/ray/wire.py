@@ -42,6 +42,7 @@ class CallHeader:
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
     return_output: bool = True
+    trace: bool = False
 
 
 def encode_call(role: str | None, method: str, call: RankCall) -> tuple[bytes, list[Any]]:
@@ -62,7 +63,8 @@ def encode_call(role: str | None, method: str, call: RankCall) -> tuple[bytes, l
         return value
 
     header = CallHeader(
-        role, method, tuple(swap(a) for a in call.args), {k: swap(v) for k, v in call.kwargs.items()}, call.return_output
+        role, method, tuple(swap(a) for a in call.args), {k: swap(v) for k, v in call.kwargs.items()}, call.return_output,
+        call.trace,
     )
     # cloudpickle: arguments may be lambdas or classes defined in the driver's __main__.
     return cloudpickle.dumps(header), refs
@@ -83,4 +85,5 @@ def decode_call(header: bytes, values: tuple[Any, ...]) -> CallHeader:
         tuple(fill(a) for a in call.args),
         {k: fill(v) for k, v in call.kwargs.items()},
         call.return_output,
+        call.trace,
     )
