@@ -118,6 +118,26 @@ def test_local_trace_names_the_slowed_rank(tmp_path):
     assert "straggler: rank 5" in summary.format()
 
 
+def test_group_trace_records_that_group_alone(tmp_path):
+    path = tmp_path / "group.json"
+    traced = LocalWorkerGroup(TracedWorker, RankMesh(tp=2, pp=2, dp=2))
+    other = LocalWorkerGroup(TracedWorker, RankMesh(dp=2), init_kwargs={"slow_rank": -1})
+    with traced.trace(path) as recorder:
+        assert TRACING.recorder is None  # nothing program-wide was installed
+        traced.compute(batch())
+        other.compute(batch())
+    assert TRACING.recorder is None and recorder is not None
+    doc = json.loads(path.read_text())
+    names = check_trace_event_format(doc)
+    assert "rank 5 · tp1 pp1 dp0 · local" in names.values()
+    ranks = [n for n in names.values() if n.startswith("rank ")]
+    assert len(ranks) == 8  # the 8 ranks of the traced group; the 2-rank group left no track
+    (m,) = summarize(path).methods
+    assert (m.method, m.calls, m.straggler) == ("compute", 1, SLOW_RANK)
+    traced.compute(batch())  # after the block: recorded nowhere, and the file is unchanged
+    assert json.loads(path.read_text()) == doc
+
+
 def test_trace_env_variable_records_a_whole_program(tmp_path):
     path = tmp_path / "env.json"
     script = textwrap.dedent(

@@ -14,10 +14,12 @@ The executor (a backend) never sees dispatch modes; it only ships, runs and fetc
 from __future__ import annotations
 
 import enum
+import os
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from rankmesh.backend import Backend, RankCall, Shared
 from rankmesh.data import DataProtoFuture
@@ -27,8 +29,8 @@ from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan,
 from rankmesh.dispatch.split import CallSite, join_outputs, output_future, split_call
 from rankmesh.errors import DispatchError
 from rankmesh.mesh import RankMesh
-from rankmesh.tracing import TRACING, install_from_env
-from rankmesh.tracing.recorder import CallTrace
+from rankmesh.tracing import TRACING, install_from_env, write_trace
+from rankmesh.tracing.recorder import CallTrace, Recorder
 from rankmesh.validate import positive_seconds
 
 logger = logging.getLogger(__name__)
@@ -297,6 +299,7 @@ class WorkerGroup:
             raise DispatchError(f"mesh {table.mesh} covers {table.mesh.world_size} ranks but the backend has {executor.world_size}")
         self._executor = executor
         self._table = table
+        self._recorder: Recorder | None = None  # set by wg.trace(...) for this group alone
         install_from_env()
         self._registered_plans: dict[str, DispatchPlan] = {}
         self._adhoc: dict[tuple[str, str], Binding] = {}
@@ -360,6 +363,21 @@ class WorkerGroup:
         """
         return TimedGroup(self, positive_seconds(timeout_s, "with_timeout(timeout_s)", DispatchError))
 
+    @contextmanager
+    def trace(self, path: str | os.PathLike[str]) -> Iterator[Recorder]:
+        """Record this group's calls made in the block (no other group's); write a Chrome trace to ``path``.
+
+        The per-group form of ``with rankmesh.trace(path):``: when a program-wide recorder is
+        installed too, this group's calls in the block go to this file instead of that one.
+        """
+        recorder = Recorder(path)
+        previous, self._recorder = self._recorder, recorder
+        try:
+            yield recorder
+        finally:
+            self._recorder = previous
+            write_trace(recorder, path)
+
     # ----- lifetime ----------------------------------------------------------------------------
 
     @property
@@ -384,7 +402,7 @@ class WorkerGroup:
 
     def _call(self, binding: Binding, args: Args, kwargs: Kwargs, timeout: float | None = None) -> Any:
         # Tracing off costs this one attribute read; on, `ct` records the call's phases.
-        rec = TRACING.recorder
+        rec = self._recorder or TRACING.recorder
         ct = None if rec is None else rec.begin(self, binding.name, binding.method.blocking)
         if isinstance(binding.entry, UserMode):
             return self._call_user(binding, binding.entry, args, kwargs, timeout, ct)
