@@ -50,10 +50,10 @@ class CountingExecutor:
     def close(self):
         self.inner.close()
 
-    def fetch(self, pending, timeout=None, borrow=False):
-        return self.inner.fetch(pending, timeout, borrow)
+    def fetch(self, pending, timeout=None, borrow=False, stall_warn_s=None):
+        return self.inner.fetch(pending, timeout, borrow, stall_warn_s)
 
-    def fetcher(self, timeout=None):
+    def fetcher(self, timeout=None, stall_warn_s=None):
         fetched = self.fetched
 
         def counting_fetch(handles):

@@ -78,15 +78,19 @@ class Backend(Protocol):
         (``None`` for a process with a single worker).
         """
 
-    def fetch(self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False) -> list[Any]:
+    def fetch(
+        self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None
+    ) -> list[Any]:
         """Wait for the pending handles and return their outputs, in the same order.
 
-        ``timeout=None`` means :attr:`call_timeout_s`.  ``borrow=True`` lets the backend hand
+        ``timeout=None`` means :attr:`call_timeout_s`; ``stall_warn_s`` (``None``: the
+        backend's own setting, if any) asks for one warning saying where the unfinished ranks
+        are when the wait lasts that long.  ``borrow=True`` lets the backend hand
         back read-only views of shared memory instead of private copies: only for a caller that
         copies every tensor itself before anyone sees it (the concat of collected outputs).
         """
 
-    def fetcher(self, timeout: float | None = None) -> Fetch:
+    def fetcher(self, timeout: float | None = None, stall_warn_s: float | None = None) -> Fetch:
         """A picklable :data:`Fetch` for futures, usable from any process of the backend.
 
         Futures (``DataProtoFuture``) carry it so that a worker of another group can fetch just

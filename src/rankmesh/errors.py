@@ -206,6 +206,37 @@ class FetchTimeoutError(BackendError, TimeoutError):
         return (type(self), (self.method, self.ranks, self.timeout))
 
 
+class HangError(FetchTimeoutError):
+    """A call ran past its timeout, and each unfinished rank said where it is stuck.
+
+    Still a :class:`FetchTimeoutError` (``method``, ``ranks``, ``timeout`` as before).
+    ``report`` is the :class:`rankmesh.hangs.HangReport`: ``report.hangs`` one record per
+    unfinished rank (rank, coordinates, node, state, every thread's stack, the collective it
+    waits in), ``report.finished`` the ranks that finished; the message is its text, ranks stuck
+    at the same place on one line.
+    """
+
+    def __init__(self, method: str, ranks: list[int], timeout: float, report: object) -> None:
+        super().__init__(method, ranks, timeout)
+        self.report = report
+        text = getattr(report, "text", None)
+        if callable(text):
+            self.args = (f"{self.args[0]}\n{text()}",)
+
+    @property
+    def hangs(self) -> list:
+        """The report's records, one per unfinished rank (``rankmesh.hangs.RankHang``)."""
+        return list(getattr(self.report, "hangs", ()))
+
+    @property
+    def finished(self) -> list[int]:
+        """The ranks that finished the call."""
+        return list(getattr(self.report, "finished", ()))
+
+    def __reduce__(self):
+        return (type(self), (self.method, self.ranks, self.timeout, self.report))
+
+
 class WorkerEnvError(BackendError, ValueError):
     """``worker_env`` tried to set a variable the backend owns (RANK, MASTER_PORT, ...)."""
 

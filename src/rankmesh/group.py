@@ -80,16 +80,17 @@ class GroupFuture:
         pending: Sequence[Any],
         finish: Callable[[list[Any]], Any],
         timeout: float | None = None,
+        stall_warn_s: float | None = None,
     ) -> None:
         self._fetch, self._pending, self._finish = fetch, list(pending), finish
         self._done, self._value = False, None
-        self._timeout = timeout
+        self._timeout, self._stall_warn_s = timeout, stall_warn_s
 
     def get(self, timeout: float | None = None) -> Any:
         """Wait for the outputs; ``timeout=None`` means the call's (or the group's) timeout."""
         if not self._done:
             limit = self._timeout if timeout is None else timeout
-            self._value = self._finish(self._fetch(self._pending, timeout=limit))
+            self._value = self._finish(self._fetch(self._pending, timeout=limit, stall_warn_s=self._stall_warn_s))
             self._done, self._pending = True, []
         return self._value
 
@@ -102,24 +103,27 @@ class GroupMethod:
 
     It shows the worker method's name, doc and signature (minus ``self``), so ``help`` and
     ``inspect.signature`` read like the worker's; ``rankmesh_binding`` is its resolved
-    :class:`Binding`.  ``timeout_s`` bounds each call (``None``: the group's ``call_timeout_s``).
+    :class:`Binding`.  ``timeout_s`` bounds each call (``None``: the group's ``call_timeout_s``);
+    ``stall_warn_s`` warns where the ranks are when a call runs that long (``None``: the group's).
     """
 
-    def __init__(self, group: "WorkerGroup", bound: "BoundMethod", timeout_s: float | None = None) -> None:
+    def __init__(
+        self, group: "WorkerGroup", bound: "BoundMethod", timeout_s: float | None = None, stall_warn_s: float | None = None
+    ) -> None:
         self.__name__ = bound.binding.name
         self.__qualname__ = f"{type(group).__name__}.{bound.binding.name}"
         self.__doc__ = bound.doc
         self.__module__ = bound.module
         self.__signature__ = bound.signature
         self.rankmesh_binding = bound.binding
-        self._group, self._bound, self._timeout_s = group, bound, timeout_s
+        self._group, self._bound, self._timeout_s, self._stall_warn_s = group, bound, timeout_s, stall_warn_s
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._group._call(self.rankmesh_binding, args, kwargs, self._timeout_s)
+        return self._group._call(self.rankmesh_binding, args, kwargs, self._timeout_s, self._stall_warn_s)
 
-    def with_timeout(self, timeout_s: float) -> "GroupMethod":
-        """This method with each call bounded by ``timeout_s`` seconds."""
-        return GroupMethod(self._group, self._bound, timeout_s)
+    def with_timeout(self, timeout_s: float | None, stall_warn_s: float | None = None) -> "GroupMethod":
+        """This method with each call bounded by ``timeout_s`` seconds (and a stall warning after ``stall_warn_s``)."""
+        return GroupMethod(self._group, self._bound, timeout_s, stall_warn_s)
 
     def __repr__(self) -> str:
         return f"<group method {self.__qualname__}>"
@@ -129,22 +133,25 @@ class TimedGroup:
     """``wg.with_timeout(s)``: the group's methods, each call bounded by ``s`` seconds.
 
     A view, not a copy: it calls the same group.  Non-method attributes are the group's.
+    ``stall_warn_s`` (when given) overrides the group's stall warning for these calls.
     """
 
-    def __init__(self, group: "WorkerGroup", timeout_s: float) -> None:
-        self._group, self._timeout_s = group, timeout_s
+    def __init__(self, group: "WorkerGroup", timeout_s: float | None, stall_warn_s: float | None = None) -> None:
+        self._group, self._timeout_s, self._stall_warn_s = group, timeout_s, stall_warn_s
 
     def __getattr__(self, name: str) -> Any:
         group = self._group
         if name in group.method_names:
             method: GroupMethod = getattr(group, name)
-            return method.with_timeout(self._timeout_s)
+            return method.with_timeout(self._timeout_s, self._stall_warn_s)
         if name.startswith("execute_"):
             raise DispatchError(f"{name} does not take a timeout; use a @register method or call_timeout_s on the group")
         return getattr(group, name)
 
     def __repr__(self) -> str:
-        return f"{self._group!r}.with_timeout({self._timeout_s:g})"
+        limits = [] if self._timeout_s is None else [f"{self._timeout_s:g}"]
+        limits += [] if self._stall_warn_s is None else [f"stall_warn_s={self._stall_warn_s:g}"]
+        return f"{self._group!r}.with_timeout({', '.join(limits)})"
 
 
 def _mode_label(mode: DispatchMode | MeshSpec | UserMode) -> str:
@@ -354,14 +361,22 @@ class WorkerGroup:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.worker_cls.__name__}, {self.mesh}, methods={len(self._table.methods)})"
 
-    def with_timeout(self, timeout_s: float) -> TimedGroup:
+    def with_timeout(self, timeout_s: float | None = None, *, stall_warn_s: float | None = None) -> TimedGroup:
         """This group with every call bounded by ``timeout_s`` seconds (blocking or ``.get()``).
 
-        A call that runs past it raises ``FetchTimeoutError`` naming the unfinished ranks; they
-        keep running (stop them with ``shutdown()``).  The in-process backend runs calls before
-        returning, so there is nothing to bound there.
+        A call that runs past it raises ``FetchTimeoutError`` naming the unfinished ranks (on
+        Ray a ``HangError``, saying where each one is stuck); they keep running (stop them with
+        ``shutdown()``).  ``stall_warn_s`` logs where the unfinished ranks are, once, when a call
+        runs that long, and keeps waiting; ``timeout_s=None`` keeps the group's timeout.  The
+        in-process backend runs calls before returning, so there is nothing to bound there.
         """
-        return TimedGroup(self, positive_seconds(timeout_s, "with_timeout(timeout_s)", DispatchError))
+        if timeout_s is None and stall_warn_s is None:
+            raise DispatchError("with_timeout() needs timeout_s, stall_warn_s or both, e.g. with_timeout(30, stall_warn_s=10)")
+        return TimedGroup(
+            self,
+            None if timeout_s is None else positive_seconds(timeout_s, "with_timeout(timeout_s)", DispatchError),
+            None if stall_warn_s is None else positive_seconds(stall_warn_s, "with_timeout(stall_warn_s)", DispatchError),
+        )
 
     @contextmanager
     def trace(self, path: str | os.PathLike[str]) -> Iterator[Recorder]:
@@ -400,12 +415,14 @@ class WorkerGroup:
 
     # ----- calling -----------------------------------------------------------------------------
 
-    def _call(self, binding: Binding, args: Args, kwargs: Kwargs, timeout: float | None = None) -> Any:
+    def _call(
+        self, binding: Binding, args: Args, kwargs: Kwargs, timeout: float | None = None, stall_warn_s: float | None = None
+    ) -> Any:
         # Tracing off costs this one attribute read; on, `ct` records the call's phases.
         rec = self._recorder or TRACING.recorder
         ct = None if rec is None else rec.begin(self, binding.name, binding.method.blocking)
         if isinstance(binding.entry, UserMode):
-            return self._call_user(binding, binding.entry, args, kwargs, timeout, ct)
+            return self._call_user(binding, binding.entry, args, kwargs, timeout, ct, stall_warn_s)
         spec, site = binding.entry, binding.site
         plan = binding.plan if binding.plan is not None else self._registered_plan(spec.mesh, site)
         if ct is not None:
@@ -425,12 +442,12 @@ class WorkerGroup:
         if binding.method.blocking:
             # concat writes every collected tensor into a fresh batch: borrow them as read-only
             # views, so the controller copies each byte once (not on receive and again in concat).
-            outputs = self._executor.fetch(pending, timeout=timeout, borrow=spec.output == "concat")
+            outputs = self._executor.fetch(pending, timeout=timeout, borrow=spec.output == "concat", stall_warn_s=stall_warn_s)
             return finish(outputs) if ct is None else self._finish_traced(ct, finish, outputs, plan.run_ranks)
         if spec.output == "concat" and not split.tensordicts:  # TensorDicts join in finish()
-            future: Any = output_future(split, [pending[i] for i in order], self._executor.fetcher(timeout))
+            future: Any = output_future(split, [pending[i] for i in order], self._executor.fetcher(timeout, stall_warn_s))
         else:
-            future = GroupFuture(self._executor.fetch, pending, finish, timeout)
+            future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s)
         return future if ct is None else ct.finish(future)
 
     @staticmethod
@@ -442,7 +459,14 @@ class WorkerGroup:
         return ct.finish(result)
 
     def _call_user(
-        self, binding: Binding, mode: UserMode, args: Args, kwargs: Kwargs, timeout: float | None = None, ct: CallTrace | None = None
+        self,
+        binding: Binding,
+        mode: UserMode,
+        args: Args,
+        kwargs: Kwargs,
+        timeout: float | None = None,
+        ct: CallTrace | None = None,
+        stall_warn_s: float | None = None,
     ) -> Any:
         world, site = self.world_size, binding.site
         result = mode.dispatch_fn(self, *args, **kwargs)
@@ -466,9 +490,9 @@ class WorkerGroup:
             return mode.collect_fn(self, list(outputs))
 
         if binding.method.blocking:
-            outputs = self._executor.fetch(pending, timeout=timeout)
+            outputs = self._executor.fetch(pending, timeout=timeout, stall_warn_s=stall_warn_s)
             return finish(outputs) if ct is None else self._finish_traced(ct, finish, outputs, ranks)
-        future = GroupFuture(self._executor.fetch, pending, finish, timeout)
+        future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s)
         return future if ct is None else ct.finish(future)
 
     def _submit(

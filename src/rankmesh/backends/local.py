@@ -163,12 +163,15 @@ class LocalExecutor:
                 pending.append(LocalPending(call.rank, error=err))
         return pending
 
-    def fetch(self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False) -> list[Any]:
+    def fetch(
+        self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None
+    ) -> list[Any]:
         """Private copies of the outputs, even with ``borrow``: in-process, a borrowed output would
-        be the worker's own object, which the caller could then change under the worker."""
+        be the worker's own object, which the caller could then change under the worker.  Calls
+        already ran, so neither ``timeout`` nor ``stall_warn_s`` has anything to watch."""
         return fetch_local(pending)
 
-    def fetcher(self, timeout: float | None = None) -> Callable[[Sequence[Any]], list[Any]]:
+    def fetcher(self, timeout: float | None = None, stall_warn_s: float | None = None) -> Callable[[Sequence[Any]], list[Any]]:
         return fetch_local
 
 

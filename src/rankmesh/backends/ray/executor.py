@@ -7,7 +7,9 @@
   outside the collect set run with ``return_output=False`` and send back ``None``.
 * ``fetch`` waits fail-fast (:func:`.waiting.fetch_outputs`).  A dead process fails the whole
   group: :meth:`RayExecutor.fail` kills the other ranks (so their blocked collectives end) and
-  later calls raise at once.
+  later calls raise at once.  A call past its timeout asks its unfinished ranks where they are
+  (:meth:`RayExecutor.inspect`, :mod:`.hangs`) and raises :class:`~rankmesh.errors.HangError`;
+  past ``stall_warn_s`` it logs the same report once and goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rankmesh.backend import RankCall, Shared
 from rankmesh.errors import BackendError, WorkerDiedError
 from rankmesh.validate import optional_seconds
 
+from .hangs import gather_hangs
 from .hosts import HostSet
 from .waiting import Pending, fetch_outputs
 from .wire import encode_call
@@ -62,9 +65,12 @@ class GroupFetcher:
 
     token: str
     timeout_s: float | None = None
+    stall_warn_s: float | None = None
 
     def __call__(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
-        return fetch_outputs(handles, self.timeout_s if timeout is None else timeout, self.died)
+        executor = _EXECUTORS.get(self.token)
+        inspect = None if executor is None else executor.inspect
+        return fetch_outputs(handles, self.timeout_s if timeout is None else timeout, self.died, False, self.stall_warn_s, inspect)
 
     def died(self, err: WorkerDiedError) -> None:
         """Fail the group this fetcher belongs to, when it lives in this process."""
@@ -78,8 +84,9 @@ class RayExecutor:
 
     ``coords[r]`` (optional) names rank ``r``'s mesh coordinates in error messages.
     ``call_timeout_s`` bounds every fetch that gives no timeout of its own (``None``: wait as long
-    as the ranks run).  Role groups spawned from one group share its executor: one closed flag,
-    one failure, one set of stats.
+    as the ranks run); ``stall_warn_s`` logs where the unfinished ranks are, once per call, when
+    a call runs that long (``None``: never).  Role groups spawned from one group share its
+    executor: one closed flag, one failure, one set of stats.
     """
 
     def __init__(
@@ -87,12 +94,14 @@ class RayExecutor:
         hosts: HostSet,
         coords: Sequence[dict[str, int]] | None = None,
         call_timeout_s: float | None = None,
+        stall_warn_s: float | None = None,
     ) -> None:
         self.hosts = hosts
         self.world_size = len(hosts.actors)
         self.nodes = hosts.nodes
         self.coords = list(coords) if coords is not None else [None] * self.world_size
         self.call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
+        self.stall_warn_s = optional_seconds(stall_warn_s, "stall_warn_s", BackendError)
         self.stats = CallStats()
         self._failed: WorkerDiedError | None = None
         self.token = uuid.uuid4().hex
@@ -155,9 +164,26 @@ class RayExecutor:
         self.stats.add(calls=len(pending))
         return pending
 
-    def fetch(self, pending: Sequence[Pending], timeout: float | None = None, borrow: bool = False) -> list[Any]:
-        """Outputs of ``pending``; ``timeout=None`` means the group's ``call_timeout_s``."""
-        return fetch_outputs(pending, self.call_timeout_s if timeout is None else timeout, self.fail, borrow)
+    def fetch(
+        self, pending: Sequence[Pending], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None
+    ) -> list[Any]:
+        """Outputs of ``pending``; ``timeout=None`` / ``stall_warn_s=None`` mean the group's settings."""
+        return fetch_outputs(
+            pending,
+            self.call_timeout_s if timeout is None else timeout,
+            self.fail,
+            borrow,
+            self.stall_warn_s if stall_warn_s is None else stall_warn_s,
+            self.inspect,
+        )
 
-    def fetcher(self, timeout: float | None = None) -> GroupFetcher:
-        return GroupFetcher(self.token, self.call_timeout_s if timeout is None else timeout)
+    def fetcher(self, timeout: float | None = None, stall_warn_s: float | None = None) -> GroupFetcher:
+        return GroupFetcher(
+            self.token,
+            self.call_timeout_s if timeout is None else timeout,
+            self.stall_warn_s if stall_warn_s is None else stall_warn_s,
+        )
+
+    def inspect(self, unfinished: Sequence[Pending], finished: Sequence[Pending], after_s: float) -> tuple[Any, dict]:
+        """Where each unfinished rank is (:func:`.hangs.gather_hangs` over this group's hosts)."""
+        return gather_hangs(self.hosts.actors, unfinished, finished, after_s)

@@ -52,7 +52,10 @@ class RayWorkerGroup(WorkerGroup):
     ``worker_env``.  ``detached=True`` (needs a detached pool) names the actors
     ``{name_prefix}_{rank}`` and lets them outlive this driver (see :meth:`from_detached`).
     ``call_timeout_s`` bounds every call (``FetchTimeoutError`` naming the unfinished ranks);
-    ``wg.with_timeout(s).method(...)`` overrides it for one call.  ``progress`` shows the
+    ``wg.with_timeout(s).method(...)`` overrides it for one call.  Past its timeout a call raises
+    ``HangError`` saying where each unfinished rank is stuck; ``stall_warn_s`` (per call:
+    ``wg.with_timeout(stall_warn_s=s)``) logs that report once as a warning and keeps waiting
+    (docs/ray_backend.md, "When a call hangs").  ``progress`` shows the
     start-up stages as a bar (``None``: only when stderr is a terminal); ``wg.startup_report()``
     gives each stage's time per rank (:mod:`.startup`).
     """
@@ -72,8 +75,10 @@ class RayWorkerGroup(WorkerGroup):
         bin_pack: bool = True,
         call_timeout_s: float | None = None,
         progress: bool | None = None,
+        stall_warn_s: float | None = None,
     ) -> None:
         call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
+        stall_warn_s = optional_seconds(stall_warn_s, "stall_warn_s", BackendError)
         start_timeout = positive_seconds(start_timeout, "start_timeout", BackendError)
         if not isinstance(resource_pool, RayResourcePool):
             raise BackendError(f"resource_pool must be a RayResourcePool, got {type(resource_pool).__name__}")
@@ -109,7 +114,7 @@ class RayWorkerGroup(WorkerGroup):
         if TRACING.recorder is not None:
             TRACING.recorder.startup(prefix, startup.report.to_json())
         try:
-            self._attach(hosts, table, None, call_timeout_s)
+            self._attach(hosts, table, None, call_timeout_s, stall_warn_s)
         except BaseException:
             hosts.shutdown()
             raise
@@ -129,6 +134,7 @@ class RayWorkerGroup(WorkerGroup):
         table: MethodTable,
         executor: RayExecutor | None,
         call_timeout_s: float | None = None,
+        stall_warn_s: float | None = None,
     ) -> None:
         """The core of every constructor: drive ``hosts`` with ``table``'s methods.
 
@@ -137,7 +143,7 @@ class RayWorkerGroup(WorkerGroup):
         """
         if executor is None:
             coords = [rank_coords(table.mesh, r) for r in range(len(hosts.actors))]
-            executor = RayExecutor(hosts, coords, call_timeout_s)
+            executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s)
         self._hosts = hosts
         self._install(executor, table)
 

@@ -10,12 +10,17 @@ Creation takes three steps so that MASTER_PORT is known before any user code run
 ``WorkerHost(rank)`` (cheap), rank 0's :meth:`WorkerHost.reserve_master_port`, then
 :meth:`WorkerHost.setup` on every rank with the full environment.  The controller drives these
 steps from :mod:`.hosts`; this module is what every worker process imports.
+
+Calls run one at a time, in submission order, on the actor's default thread.  :meth:`WorkerHost.stacks`
+alone runs in a second concurrency group (``control``, one thread), so it answers while a call
+blocks the default thread: that is how a hang is localized (:mod:`rankmesh.hangs`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -23,6 +28,7 @@ from typing import Any, Mapping
 import ray
 
 from rankmesh.errors import BackendError
+from rankmesh.hangs import ProcessStacks, capture_process
 from rankmesh.mesh import RankMesh
 from rankmesh.devices import unify_visible_devices
 from rankmesh.tracing.recorder import timed_call
@@ -33,6 +39,13 @@ from .runtime import node_ip_address
 from .wire import decode_call
 
 logger = logging.getLogger(__name__)
+
+#: The concurrency group of control calls (:meth:`WorkerHost.stacks`): its own thread, so it
+#: answers while a call blocks the default one.  Calls keep the default group, one at a time and
+#: in order (Ray runs an actor's tasks in order unless told otherwise, whatever its groups).
+CONTROL_GROUP = "control"
+#: ``ray.remote`` options every WorkerHost actor class is made with (before ``.options``).
+HOST_ACTOR_OPTIONS: dict[str, Any] = {"concurrency_groups": {CONTROL_GROUP: 1}}
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,7 @@ class WorkerHost:
         self._workers: dict[str | None, Any] = {}
         self._master: tuple[str, int] | None = None
         self._env_before: dict[str, str | None] = {}
+        self._call_thread: int | None = None  # the thread running a call now, for stacks()
 
     # ----- creation ----------------------------------------------------------------------------
 
@@ -181,14 +195,27 @@ class WorkerHost:
         starts and already rebuilt as this rank's private copies by the data layer.
         """
         enter_ns = time.time_ns()
-        call = decode_call(header, shared)
-        worker = self._worker(call.role)
-        if call.trace:  # a traced call: the output travels back with this rank's timing
-            return timed_call(
-                invoke, worker, call.method, call.args, call.kwargs,
-                enter_ns=enter_ns, inputs=shared, return_output=call.return_output,
-            )
-        return invoke(worker, call.method, call.args, call.kwargs, return_output=call.return_output)
+        self._call_thread = threading.get_ident()
+        try:
+            call = decode_call(header, shared)
+            worker = self._worker(call.role)
+            if call.trace:  # a traced call: the output travels back with this rank's timing
+                return timed_call(
+                    invoke, worker, call.method, call.args, call.kwargs,
+                    enter_ns=enter_ns, inputs=shared, return_output=call.return_output,
+                )
+            return invoke(worker, call.method, call.args, call.kwargs, return_output=call.return_output)
+        finally:
+            self._call_thread = None
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def stacks(self) -> ProcessStacks:
+        """Every thread's stack now, the running call's first, with the collective it waits in.
+
+        Runs on the control thread, so it answers while :meth:`execute` blocks (see
+        :func:`rankmesh.hangs.capture_process`).
+        """
+        return capture_process(self._call_thread, None if self._setup is None else self._setup.mesh)
 
     # ----- introspection (attaching to detached groups, tests) ---------------------------------
 

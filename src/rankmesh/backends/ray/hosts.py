@@ -25,7 +25,7 @@ from rankmesh.errors import BackendError, WorkerEnvError
 from rankmesh.mesh import RankMesh
 from rankmesh.placement import RankPlace
 
-from .host import HostSetup, RoleInit, WorkerHost
+from .host import HOST_ACTOR_OPTIONS, HostSetup, RoleInit, WorkerHost
 from .rendezvous import RESERVED_ENV
 from .runtime import DETACHED_NAMESPACE
 from .startup import StartupProgress
@@ -128,7 +128,7 @@ def launch_hosts(
     slots = pool.slots()  # waits until every placement group is placed
     if progress is not None:
         progress.controller_stage("placed")
-    remote = ray.remote(WorkerHost)
+    remote = ray.remote(**HOST_ACTOR_OPTIONS)(WorkerHost)
     actors, names = [], []
     for rank, slot in enumerate(slots):
         opts: dict[str, Any] = {

@@ -6,11 +6,16 @@ the rank, instead of waiting behind a rank that blocks forever in a collective i
 never joins.  Ranks failing together are reported together (:func:`combine_errors`): dead
 processes first (the root cause), else the lowest rank's :class:`WorkerError` with the others
 attached.  Usable in any Ray process: the controller, or a worker fetching a future's parts.
+
+Given an ``inspect`` function (the controller's executor has one), a call that runs past its
+timeout is a :class:`~rankmesh.errors.HangError` saying where each unfinished rank is stuck, and
+one that runs past ``stall_warn_s`` logs the same report once as a warning and goes on waiting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -18,8 +23,10 @@ from typing import Any, Callable, Sequence
 import ray
 import ray.exceptions as rex
 
-from rankmesh.errors import FetchTimeoutError, RemoteTraceback, WorkerDiedError, WorkerError
+from rankmesh.errors import FetchTimeoutError, HangError, RemoteTraceback, WorkerDiedError, WorkerError
 from rankmesh.serialization import borrowed_buffers
+
+logger = logging.getLogger(__name__)
 
 #: How often ``fetch_outputs`` looks for finished calls while some are still running (seconds).
 POLL_INTERVAL = 0.5
@@ -42,6 +49,11 @@ class Pending:
     method: str
     node: str | None = None
     coords: Any = None  # mesh coordinates of the rank (a dict), for error messages
+
+
+#: ``inspect(unfinished, finished, after_s)``: where each unfinished call's rank is (a
+#: :class:`rankmesh.hangs.HangReport`), and Ray's error for each rank whose process is gone.
+Inspect = Callable[[Sequence[Pending], Sequence[Pending], float], "tuple[Any, dict[int, BaseException]]"]
 
 
 def translate_error(pending: Pending, exc: BaseException) -> BaseException:
@@ -97,6 +109,8 @@ def fetch_outputs(
     timeout: float | None = None,
     on_died: Callable[[WorkerDiedError], None] | None = None,
     borrow: bool = False,
+    stall_warn_s: float | None = None,
+    inspect: Inspect | None = None,
 ) -> list[Any]:
     """Wait for ``pending`` calls and return their outputs in order (usable in any Ray process).
 
@@ -105,24 +119,33 @@ def fetch_outputs(
     fail together).  ``on_died`` is told about dead processes before the error is raised.
     ``borrow=True`` rebuilds tensors as read-only views of the object store instead of private
     copies (:func:`rankmesh.serialization.borrowed_buffers`; see :meth:`rankmesh.backend.Backend.fetch`).
+    With ``inspect``, running past ``timeout`` raises :class:`HangError` (where each unfinished
+    rank is stuck) and running past ``stall_warn_s`` logs that report once as a warning.
     """
     if not pending:
         return []
     with borrowed_buffers() if borrow else contextlib.nullcontext():
-        return _wait(pending, timeout, on_died)
+        return _wait(pending, timeout, on_died, stall_warn_s, inspect)
 
 
 def _wait(
-    pending: Sequence[Pending], timeout: float | None, on_died: Callable[[WorkerDiedError], None] | None
+    pending: Sequence[Pending],
+    timeout: float | None,
+    on_died: Callable[[WorkerDiedError], None] | None,
+    stall_warn_s: float | None = None,
+    inspect: Inspect | None = None,
 ) -> list[Any]:
-    deadline = None if timeout is None else time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    warn_at = None if stall_warn_s is None or inspect is None else start + stall_warn_s
     by_ref = {p.ref: p for p in pending}
     results: dict[Any, Any] = {}
     remaining = [p.ref for p in pending]
     while remaining:
         wait_for = POLL_INTERVAL
-        if deadline is not None:
-            wait_for = max(0.0, min(wait_for, deadline - time.monotonic()))
+        for limit in (deadline, warn_at):
+            if limit is not None:
+                wait_for = max(0.0, min(wait_for, limit - time.monotonic()))
         ready, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=wait_for, fetch_local=False)
         failures = _collect([by_ref[r] for r in ready], results) if ready else []
         if failures:
@@ -133,10 +156,58 @@ def _wait(
             if isinstance(err, WorkerDiedError) and on_died is not None:
                 on_died(err)
             raise err
-        if remaining and deadline is not None and time.monotonic() >= deadline:
-            slow = sorted(by_ref[r].rank for r in remaining)
-            raise FetchTimeoutError(pending[0].method, slow, timeout or 0.0)
+        if not remaining:
+            break
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise _timed_out(pending, [by_ref[r] for r in remaining], timeout or 0.0, now - start, on_died, inspect)
+        if warn_at is not None and now >= warn_at:
+            warn_at = None  # once per call
+            _warn_stall(pending, [by_ref[r] for r in remaining], stall_warn_s or 0.0, now - start, inspect)
     return [results[p.ref] for p in pending]
+
+
+def _ask(
+    pending: Sequence[Pending], slow: Sequence[Pending], after_s: float, inspect: Inspect
+) -> tuple[Any, dict[int, BaseException]] | None:
+    """``inspect`` the slow ranks; ``None`` (logged) if asking itself failed."""
+    waiting_for = {p.ref for p in slow}
+    try:
+        return inspect(slow, [p for p in pending if p.ref not in waiting_for], after_s)
+    except Exception:  # noqa: BLE001 - a report is a bonus: never let it hide the timeout
+        logger.warning("could not ask the unfinished ranks of %s where they are", pending[0].method, exc_info=True)
+        return None
+
+
+def _timed_out(
+    pending: Sequence[Pending],
+    slow: Sequence[Pending],
+    timeout: float,
+    after_s: float,
+    on_died: Callable[[WorkerDiedError], None] | None,
+    inspect: Inspect | None,
+) -> BaseException:
+    """The error of a call past its timeout: a dead process's error, else where every rank is."""
+    ranks = sorted(p.rank for p in slow)
+    answer = None if inspect is None else _ask(pending, slow, after_s, inspect)
+    if answer is None:
+        return FetchTimeoutError(pending[0].method, ranks, timeout)
+    report, died = answer
+    if died:  # a process gone is the root cause: the usual dead-rank error, group failed
+        err = combine_errors([(p, died[p.rank]) for p in slow if p.rank in died])
+        if isinstance(err, WorkerDiedError) and on_died is not None:
+            on_died(err)
+        return err
+    return HangError(pending[0].method, ranks, timeout, report)
+
+
+def _warn_stall(pending: Sequence[Pending], slow: Sequence[Pending], stall_warn_s: float, after_s: float, inspect: Inspect) -> None:
+    answer = _ask(pending, slow, after_s, inspect)
+    if answer is not None:
+        logger.warning(
+            "%s: ranks %s still running after %g s (stall_warn_s); the call goes on\n%s",
+            pending[0].method, sorted(p.rank for p in slow), stall_warn_s, answer[0].text(),
+        )
 
 
 def _collect(done: Sequence[Pending], results: dict[Any, Any]) -> list[tuple[Pending, BaseException]]:
