@@ -49,6 +49,13 @@ class HangWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def act(self, plan: str) -> int:
+        return self._follow(plan)
+
+    @register(Dispatch.DP_COMPUTE, blocking=False)
+    def act_nb(self, plan: str) -> int:
+        return self._follow(plan)
+
+    def _follow(self, plan: str) -> int:
         if plan == "ok" or plan == "skip":
             return self.rank
         if plan.startswith("sleep:"):
