@@ -147,6 +147,9 @@ def test_dead_rank_is_reported_dead_not_stuck(ray_session):
         assert not isinstance(info.value, HangError) and info.value.ranks == [3]
         # Asking processes that are gone (the failed group killed them all) says dead, at once.
         actors = wg.executor.hosts.actors
+        for actor in actors:  # wait until Ray knows every process is gone (the kill is asynchronous)
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.ping.remote(), timeout=30)
         pending = [Pending(None, r, "act", "127.0.0.1", COORDS[r]) for r in range(4)]
         start = time.monotonic()
         report, died = gather_hangs(actors, pending, [], after_s=5.0)

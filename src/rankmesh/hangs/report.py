@@ -58,7 +58,8 @@ class RankHang:
     def where(self) -> str:
         """Where this rank is, in words: ``all_reduce on dp group [1, 3] in step (w.py:40)``."""
         if self.state != STUCK:
-            return f"process {self.state}" + (f" ({self.detail})" if self.detail else "")
+            what = "process dead" if self.state == DEAD else "no stacks"
+            return what + (f" ({self.detail})" if self.detail else "")
         if self.stacks is not None and not self.stacks.busy:
             return "not running the call (finished it just now, or has not started it)"
         parts = [] if self.collective is None else [f"{self.collective}"]

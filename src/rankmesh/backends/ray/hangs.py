@@ -44,7 +44,7 @@ def gather_hangs(
         coords = dict(p.coords or {})
         ref = asks[p.rank]
         if ref not in ready_set:
-            hangs.append(RankHang(p.rank, coords, p.node, NO_ANSWER, detail=f"no answer within {budget_s:g} s"))
+            hangs.append(RankHang(p.rank, coords, p.node, NO_ANSWER, detail=f"did not answer within {budget_s:g} s"))
             continue
         try:
             hangs.append(RankHang(p.rank, coords, p.node, STUCK, ray.get(ref)))
