@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from rankmesh.data import DataProto
+from rankmesh.demo_hang import HangDrill, run_hang_drill
 from rankmesh.layout import load_layout
 from rankmesh.megatron.group import shutdown_megatron_group, start_megatron_group
 from rankmesh.megatron.reference import ReferenceModel, TinyConfig, token_log_probs
@@ -68,6 +69,7 @@ class DemoConfig:
     tolerance: float = 1e-5
     address: str | None = None
     progress: bool = True
+    hang_rank: int | None = None  # --hang-rank: rankmesh.demo_hang
 
 
 @dataclass
@@ -105,6 +107,7 @@ class DemoResult:
     final_logprob_max_diff: float = float("nan")
     replica_max_diff: float = float("nan")
     checks: dict[str, bool] = field(default_factory=dict)
+    hang: HangDrill | None = None
 
     @property
     def ok(self) -> bool:
@@ -277,6 +280,8 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
             report = group.startup_report()
             if report is not None:
                 tqdm.write(report.format(), file=out)
+        if cfg.hang_rank is not None:
+            result.hang = run_hang_drill(actor, cfg.hang_rank, out)
         tqdm.write(_table_header(), file=out)
         reference = ReferenceModel(tcfg).eval()
         prompts = make_prompts(cfg, tcfg.vocab_size)
@@ -374,6 +379,8 @@ def _judge(result: DemoResult) -> None:
             bool(its) and all(s.actor_loss_after < s.actor_loss for s in its),
         "critic loss falls with every update": bool(its) and all(s.critic_loss_after < s.critic_loss for s in its),
     }
+    if result.hang is not None:
+        result.checks["--hang-rank: the timeout names the rank, its coordinates, node and collective"] = result.hang.ok
 
 
 _PHASES = ("gen", "logp", "ref", "values", "adv", "upd_actor", "upd_critic", "refit", "total")

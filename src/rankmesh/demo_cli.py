@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("actor_lr", "critic_lr", "clip_ratio", "tolerance"):
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float, default=getattr(d, name),
                             help="(default %(default)s)")
+    parser.add_argument("--hang-rank", dest="hang_rank", type=int, default=None, metavar="R",
+                        help="after start-up, actor rank R blocks in a barrier its peers skip; the call's timeout must "
+                             "name R, its coordinates and the collective (a self-check), then R is released")
     parser.add_argument("--address", default=None, help="Ray cluster address (default: local Ray on 127.0.0.1)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON")

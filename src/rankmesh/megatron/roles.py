@@ -188,6 +188,27 @@ class ActorWorker(TinyModelWorker):
         metrics["actor/update_s"] = time.perf_counter() - start
         return DataProto(meta_info={"metrics": metrics})
 
+    # ----- the demo's --hang-rank (rankmesh.demo_hang) ---------------------------------------
+
+    _HANG_GROUPS = {"dp": ps.get_data_parallel_group, "tp": ps.get_tensor_model_parallel_group,
+                    "pp": ps.get_pipeline_model_parallel_group}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def hang_in_barrier(self, rank: int, axis: str) -> bool:
+        """``rank`` enters a barrier on its ``axis`` group that its peers skip: it blocks until :meth:`release_hang`."""
+        if self.rank == rank:
+            dist.barrier(group=self._HANG_GROUPS[axis]())
+        return self.rank == rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def release_hang(self, rank: int, axis: str) -> bool:
+        """The ``axis`` peers of ``rank`` join the barrier it waits in (after :meth:`hang_in_barrier`)."""
+        group = self._HANG_GROUPS[axis]()
+        if self.rank != rank and rank in dist.get_process_group_ranks(group):
+            dist.barrier(group=group)
+            return True
+        return False
+
 
 class RefWorker(TinyModelWorker):
     """The frozen reference policy (colocated with the actor: same processes, same parallel_state)."""

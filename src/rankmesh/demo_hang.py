@@ -1,0 +1,81 @@
+"""The demo's ``--hang-rank R``: actor rank R blocks in a barrier its peers skip, and the timeout says where.
+
+The drill runs once, after start-up: ``actor.with_timeout(HANG_TIMEOUT_S).hang_in_barrier(R)``
+sends rank R into a barrier on its dp group (tp, then pp, when dp is 1) that its peers do not
+enter, so the call ends as a :class:`~rankmesh.errors.HangError`.  The demo prints that error,
+checks it against the mesh (rank R, R's coordinates and node, ``barrier`` on R's group with
+R's members), then releases R (its peers join the barrier) and goes on: a hang localized is the
+drill's expected outcome, so a passing run still exits 0, and a report that misses any of these
+fails the run's self-check (exit 1).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, TextIO
+
+from rankmesh.errors import HangError, UsageError
+
+#: The hang drill's call timeout (seconds): short, so the drill costs the demo a few seconds.
+HANG_TIMEOUT_S = 3.0
+
+
+@dataclass
+class HangDrill:
+    """What the drill expected and what the timeout reported."""
+
+    rank: int
+    axis: str
+    expected: str  # e.g. "barrier on dp group [1, 5]"
+    reported: str  # the HangError's text ("" if the call did not time out)
+    report_s: float  # seconds from the timeout to the error (gathering the stacks)
+    ok: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def hang_axis(mesh: Any) -> str:
+    """The group the hanging rank waits on: dp, else tp, else pp (the first with a peer)."""
+    for axis in ("dp", "tp", "pp"):
+        if mesh.size(axis) > 1:
+            return axis
+    raise UsageError("--hang-rank needs an actor group of more than one rank: a rank alone has no peer to wait for")
+
+
+def run_hang_drill(actor: Any, rank: int, out: TextIO, timeout_s: float = HANG_TIMEOUT_S) -> HangDrill:
+    """Hang ``rank`` of the actor group in a barrier, print and check the timeout's report, release it."""
+    if not 0 <= rank < actor.world_size:
+        raise UsageError(f"--hang-rank {rank} is not a rank of the actor group (ranks 0..{actor.world_size - 1})")
+    mesh = actor.mesh
+    axis = hang_axis(mesh)
+    members = mesh.group_of(rank, axis)
+    coords = mesh.coords(rank)
+    expected = f"barrier on {axis} group {members}"
+    start = time.monotonic()
+    try:
+        actor.with_timeout(timeout_s).hang_in_barrier(rank, axis)
+    except HangError as err:
+        report_s = time.monotonic() - start - timeout_s
+        reported = str(err)
+        hangs = err.hangs
+        c = hangs[0].collective if len(hangs) == 1 else None
+        want = {"tp": coords.tp_rank, "pp": coords.pp_rank, "dp": coords.dp_rank}
+        ok = (
+            err.ranks == [rank]
+            and c is not None
+            and (c.op, c.group, list(c.ranks)) == ("barrier", axis, members)
+            and all(hangs[0].coords.get(a) == v for a, v in want.items())
+            and bool(hangs[0].node)
+            and sorted(err.finished) == [r for r in range(actor.world_size) if r != rank]
+        )
+    else:
+        report_s, reported, ok = float("nan"), "", False
+    finally:
+        actor.release_hang(rank, axis)  # its peers join the barrier: the run goes on
+    print(f"\nhang drill (--hang-rank {rank}): rank {rank} waits in a barrier its {axis} peers skip; "
+          f"the call's {timeout_s:g} s timeout raised:\n{reported or '(nothing: the call finished)'}\n"
+          f"expected: rank {rank} (tp{coords.tp_rank} pp{coords.pp_rank} dp{coords.dp_rank}) in {expected}; "
+          f"report ready {report_s:.2f} s after the timeout; released, the run goes on\n", file=out)
+    return HangDrill(rank, axis, expected, reported, report_s, ok)
