@@ -14,6 +14,12 @@ Scenarios: worker raises (several ranks; futures too); worker SIGKILLed while it
 in a gloo all_reduce; worker exits (os._exit) under a DataProtoFuture; call timeout; pool too
 big for the cluster; shutdown and reuse of the pool; bad input; node removed (subprocess driver
 on a simulated cluster, see tests/reliability_node_loss.py).
+
+Hang scenarios (a tp2·dp2 group of tests.hang_workers.HangWorker with real gloo groups): stuck in
+user code (two ranks sleep in a named function) and stuck in a collective (three ranks wait in
+all_reduce on tp and dp groups for a rank that skipped it).  Their note says how long after the
+timeout the report came (target <= 2 s) and for how many stuck ranks it named the right
+function, or the right operation and group members (target: all).
 """
 
 from __future__ import annotations
@@ -197,6 +203,54 @@ class Drill:
         return Probe(errors[0], time.monotonic() - start, fingerprint(data) == before and self.echo_intact(self.group), good)
 
 
+class HangDrill:
+    """Hang scenarios on a tp2·dp2 group whose ranks built a gloo group per tp and dp group."""
+
+    #: Each stuck call's timeout (seconds): the report must come at most 2 s after it.
+    TIMEOUT_S = 1.0
+    #: What the issue asks of the report: ready at most this long after the timeout.
+    TARGET_S = 2.0
+
+    def __init__(self) -> None:
+        from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from rankmesh.mesh import RankMesh
+        from tests.hang_workers import HangWorker
+
+        self.group = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(HangWorker), mesh=RankMesh(tp=2, dp=2))
+        self.group.setup_groups()
+
+    def _stuck(self, plan: list[str], right: Callable[[object], bool], release: list[str]) -> Probe:
+        """Run ``plan`` past the timeout; judge each stuck rank's record with ``right``; ``release`` the ranks."""
+        from rankmesh.errors import HangError
+
+        err, took = timed(lambda: self.group.with_timeout(self.TIMEOUT_S).act(plan))
+        after = took - self.TIMEOUT_S
+        hangs = err.hangs if isinstance(err, HangError) else []
+        n_right = sum(1 for h in hangs if right(h))
+        self.group.act(release)  # the stuck ranks finish, in order, then run their release plan
+        intact = self.group.act(["ok"] * 4) == [0, 1, 2, 3]
+        good = bool(hangs) and n_right == len(hangs) and after <= self.TARGET_S
+        note = f"reported {after:.2f} s after the {self.TIMEOUT_S:g} s timeout; right place for {n_right}/{len(hangs)} stuck ranks"
+        return Probe(err, took, intact, good, note)
+
+    def in_user_code(self) -> Probe:
+        return self._stuck(
+            ["ok", "sleep:3", "ok", "sleep:3"],
+            lambda h: h.rank in (1, 3) and h.place is not None and h.place.function == "stuck_in_user_code",
+            ["ok"] * 4,
+        )
+
+    def in_collective(self) -> Probe:
+        # Rank 0 skips: 1 waits on tp [0, 1], 2 on dp [0, 2], and 3 on dp [1, 3] (1 is busy in tp).
+        # Expected groups by hand, megatron order on tp2·dp2: rank = tp + 2*dp.
+        expected = {1: ("all_reduce", "tp", (0, 1)), 2: ("all_reduce", "dp", (0, 2)), 3: ("all_reduce", "dp", (1, 3))}
+        return self._stuck(
+            ["skip", "allreduce:tp", "allreduce:dp", "allreduce:dp"],
+            lambda h: h.collective is not None and (h.collective.op, h.collective.group, h.collective.ranks) == expected.get(h.rank),
+            ["allreduce:tp,dp", "allreduce:dp", "ok", "ok"],
+        )
+
+
 def node_loss() -> Probe:
     """Simulated two-node cluster in a subprocess driver; one node removed mid-call."""
     env = {**os.environ}
@@ -254,9 +308,9 @@ def bounded(name: str, fn: Callable[[], Probe], limit: float = SCENARIO_LIMIT_S)
 
 
 def table(rows: list[Outcome]) -> str:
-    head = ("scenario", "detected s", "error shown (first line)", "data intact", "verdict")
+    head = ("scenario", "detected s", "error shown (first line)", "data intact", "verdict", "note")
     body = [
-        (r.scenario, "-" if r.detected_s is None else f"{r.detected_s:.2f}", r.error, "yes" if r.data_intact else "NO", "ok" if r.ok else "FAIL")
+        (r.scenario, "-" if r.detected_s is None else f"{r.detected_s:.2f}", r.error, "yes" if r.data_intact else "NO", "ok" if r.ok else "FAIL", r.note)
         for r in rows
     ]
     widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
@@ -282,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_ray(num_cpus=12, object_store_memory=512 << 20, logging_level="ERROR", log_to_driver=False)
     outcomes: list[Outcome] = []
     drill: Drill | None = None
+    hangs: list[HangDrill] = []
     try:
         box: list = []
         setup = bounded("start 4-rank group", lambda: box.append(Drill()) or Probe(None, None, True, True))
@@ -299,12 +354,20 @@ def main(argv: list[str] | None = None) -> int:
                 ("bad input", drill.bad_input),
             ]:
                 outcomes.append(bounded(name, fn))
+        hang_setup = bounded("start 4-rank hang group (tp2·dp2, gloo)", lambda: hangs.append(HangDrill()) or Probe(None, None, True, True))
+        if not hang_setup.ok:
+            outcomes.append(hang_setup)
+        else:
+            outcomes.append(bounded("stuck in user code (2 ranks sleep)", hangs[0].in_user_code))
+            outcomes.append(bounded("stuck in a collective (3 ranks, tp+dp)", hangs[0].in_collective))
         if not args.no_node_loss:
             outcomes.append(bounded("node removed mid-call (simulated)", node_loss, SCENARIO_LIMIT_S + 40))
     finally:
         hung = any(o.note == "hang" for o in outcomes)
         if drill is not None and not hung:
             drill.group.shutdown()
+        if hangs and not hung:
+            hangs[0].group.shutdown()
     total = time.monotonic() - started
     sys.stdout = real_stdout
     if args.json:

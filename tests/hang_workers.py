@@ -7,6 +7,7 @@ Each rank follows a *plan* string:
   report must show);
 * ``allreduce:AXIS``: one gloo ``all_reduce`` of a 1 on the rank's ``AXIS`` group (``tp``, ``dp``
   or ``world``), returning the sum (the group's size once every member joined);
+  ``allreduce:tp,dp``: one on each, in that order (the last sum is returned);
 * ``skip``: return at once (a rank that skips the collective its peers enter);
 * ``exit``: end the process (``os._exit``).
 
@@ -62,8 +63,9 @@ class HangWorker(Worker):
             stuck_in_user_code(float(plan.split(":", 1)[1]))
             return self.rank
         if plan.startswith("allreduce:"):
-            t = torch.ones(1)
-            dist.all_reduce(t, group=self.groups[plan.split(":", 1)[1]])
+            for axis in plan.split(":", 1)[1].split(","):
+                t = torch.ones(1)
+                dist.all_reduce(t, group=self.groups[axis])
             return int(t[0])
         if plan == "exit":
             os._exit(3)
