@@ -14,7 +14,8 @@ def test_demo_two_iterations(ray_session, tmp_path, capsys) -> None:
     from rankmesh.demo_cli import main
 
     report = tmp_path / "demo.json"
-    code = main(["--iterations", "2", "--no-progress", "--json", str(report)])
+    # --hang-rank 5: a few seconds more, and the run must go on undisturbed after it.
+    code = main(["--iterations", "2", "--no-progress", "--json", str(report), "--hang-rank", "5"])
     out = capsys.readouterr().out
     assert code == 0, out
     result = json.loads(report.read_text())
@@ -32,6 +33,12 @@ def test_demo_two_iterations(ray_session, tmp_path, capsys) -> None:
     assert "tp=1" in result["rollout_mesh"] and "dp=4" in result["rollout_mesh"]
     assert "tp=2" in result["actor_mesh"] and "pp=2" in result["actor_mesh"] and "dp=2" in result["actor_mesh"]
     assert "demo PASS" in out.strip().splitlines()[-1]
+    # Rank 5 of tp2·pp2·dp2 in megatron order (rank = tp + 2*dp + 4*pp) is tp1 dp0 pp1; its dp
+    # group keeps tp1 pp1: ranks 5 and 7.
+    hang = result["hang"]
+    assert hang["ok"] and hang["report_s"] <= 2.0
+    assert "hang_in_barrier: ranks [5] did not finish within 3 s" in out
+    assert "rank 5 (tp1 dp0 pp1) on node 127.0.0.1: barrier on dp group [5, 7]" in out
 
 
 def test_demo_controller_math() -> None:
