@@ -143,3 +143,10 @@ def test_library_frames_are_not_user_frames():
     assert is_library_file("<frozen importlib._bootstrap>")
     frames = (Frame("wait", threading.__file__, 300), Frame("mine", __file__, 10))
     assert innermost_user_frame(frames) == frames[1]
+
+
+def test_demo_refuses_a_hang_rank_outside_the_actor_group(capsys):
+    from rankmesh.cli import main
+
+    assert main(["demo", "--hang-rank", "8", "--no-progress"]) == 2  # the demo's actor is tp2·pp2·dp2: 8 ranks
+    assert "--hang-rank 8 is not a rank of the actor group (ranks 0..7)" in capsys.readouterr().err

@@ -158,3 +158,25 @@ def test_dead_rank_is_reported_dead_not_stuck(ray_session):
         assert report.dead == [0, 1, 2, 3] and "process dead" in report.text()
     finally:
         wg.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_calls_stay_one_at_a_time_and_in_order(group):
+    # The control group answers beside a call; calls themselves still queue on each rank.
+    start = time.monotonic()
+    first = group.act_nb(["sleep:0.8"] * 4)
+    assert group.act(["ok"] * 4) == [0, 1, 2, 3]
+    assert time.monotonic() - start >= 0.8  # the second call waited for the first on every rank
+    assert first.get() == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_bad_limits_are_named(group):
+    from rankmesh.errors import BackendError, DispatchError
+
+    with pytest.raises(DispatchError, match="stall_warn_s"):
+        group.with_timeout(stall_warn_s=0)
+    with pytest.raises(DispatchError, match="needs timeout_s, stall_warn_s or both"):
+        group.with_timeout()
+    with pytest.raises(BackendError, match="stall_warn_s"):
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(HangWorker), stall_warn_s=-1)

@@ -15,6 +15,7 @@ from typing import Sequence, TextIO
 
 from rankmesh import demo
 from rankmesh.demo import DemoConfig, format_summary, run_demo
+from rankmesh.demo_hang import check_hang_rank
 from rankmesh.tracing import trace
 
 HELP = "run the actor/critic PPO demo on local Ray (CPU, megatron-core); exit 1 if a self-check fails"
@@ -57,6 +58,8 @@ def run_from_args(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if cfg.iterations < 2:
         print("demo: error: --iterations must be at least 2 (the loss check compares first and last)", file=sys.stderr)
         return 2
+    if cfg.hang_rank is not None:  # a bad --hang-rank fails now, not after a minute of start-up
+        check_hang_rank(cfg.hang_rank, demo.resolve_meshes(cfg)[0])
     trace_path = getattr(args, "trace_path", None)
     with trace(trace_path) if trace_path else contextlib.nullcontext():
         result = run_demo(cfg, out)

@@ -44,12 +44,17 @@ def hang_axis(mesh: Any) -> str:
     raise UsageError("--hang-rank needs an actor group of more than one rank: a rank alone has no peer to wait for")
 
 
+def check_hang_rank(rank: int, mesh: Any) -> str:
+    """The axis rank ``rank`` of the actor mesh will hang on; :class:`UsageError` if it cannot (before any process starts)."""
+    if not 0 <= rank < mesh.world_size:
+        raise UsageError(f"--hang-rank {rank} is not a rank of the actor group (ranks 0..{mesh.world_size - 1})")
+    return hang_axis(mesh)
+
+
 def run_hang_drill(actor: Any, rank: int, out: TextIO, timeout_s: float = HANG_TIMEOUT_S) -> HangDrill:
     """Hang ``rank`` of the actor group in a barrier, print and check the timeout's report, release it."""
-    if not 0 <= rank < actor.world_size:
-        raise UsageError(f"--hang-rank {rank} is not a rank of the actor group (ranks 0..{actor.world_size - 1})")
     mesh = actor.mesh
-    axis = hang_axis(mesh)
+    axis = check_hang_rank(rank, mesh)
     members = mesh.group_of(rank, axis)
     coords = mesh.coords(rank)
     expected = f"barrier on {axis} group {members}"
