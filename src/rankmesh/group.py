@@ -485,5 +485,15 @@ class WorkerGroup:
     def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> GroupFuture:
         return self._call(self._adhoc_binding(method_name, Execute.RANK_ZERO, False), args, kwargs)
 
+    def transport_info(self) -> list[dict[str, Any]]:
+        """Per rank: which receive path its process takes and what receiving cost so far.
+
+        Each entry has ``path`` (``"cow"``: inputs are copy-on-write views of the object store,
+        ``"copy"``: private copies, ``"mixed"``, or ``None`` before the first large input),
+        ``fallback`` (the first reason a copy was made), ``fd_source``, and byte counters.  The
+        in-process backend shares one process, so its ranks report the same counters.
+        """
+        return self.execute_all("rankmesh_transport_info")
+
     execute_all_sync = execute_all
     execute_rank_zero_sync = execute_rank_zero

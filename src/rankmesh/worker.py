@@ -28,6 +28,7 @@ from rankmesh.dispatch.spec import DEFAULT_MESH
 from rankmesh.errors import DispatchError, WorkerError
 from rankmesh.backend import Shared
 from rankmesh.mesh import DistRankInfo, RankMesh
+from rankmesh.sharedmem import receive_info
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,10 @@ class Worker:
     @property
     def context(self) -> WorkerContext:
         return self._rankmesh_context
+
+    def rankmesh_transport_info(self) -> dict[str, Any]:
+        """This rank's receive path (copy-on-write or copy) and its counters; see ``WorkerGroup.transport_info``."""
+        return {"rank": self.rank, **receive_info()}
 
     @property
     def rank(self) -> int:
