@@ -116,6 +116,15 @@ def _wait(
     pending: Sequence[Pending], timeout: float | None, on_died: Callable[[WorkerDiedError], None] | None
 ) -> list[Any]:
     deadline = None if timeout is None else time.monotonic() + timeout
+    # The success path is one ray.get, not a ray.wait round first (~0.3 ms per 8-rank fan-out
+    # here).  It still fails fast: ray.get returns at the first error.  A timeout or any error
+    # falls through to the loop below, which finds who is slow or failed (the outputs stay in
+    # the store, so nothing is lost by asking twice).
+    try:
+        values = ray.get([p.ref for p in pending], timeout=POLL_INTERVAL if timeout is None else min(POLL_INTERVAL, timeout))
+        return list(values)
+    except Exception:  # noqa: BLE001 - sorted out below, with every rank's outcome
+        pass
     by_ref = {p.ref: p for p in pending}
     results: dict[Any, Any] = {}
     remaining = [p.ref for p in pending]

@@ -61,11 +61,26 @@ def encode_call(role: str | None, method: str, call: RankCall) -> tuple[bytes, l
             return slot_of[key]
         return value
 
-    header = CallHeader(
-        role, method, tuple(swap(a) for a in call.args), {k: swap(v) for k, v in call.kwargs.items()}, call.return_output
-    )
+    args = tuple(swap(a) for a in call.args)
+    kwargs = {k: swap(v) for k, v in call.kwargs.items()}
+    # A header of nothing but slots (no-argument calls, data calls whose batches travel shared)
+    # is the same bytes on every call of a bound method: encode it once.
+    key = None
+    if all(type(v) is SharedSlot for v in (*args, *kwargs.values())):
+        key = (role, method, args, tuple(kwargs.items()), call.return_output)
+        cached = _HEADERS.get(key)
+        if cached is not None:
+            return cached, refs
     # cloudpickle: arguments may be lambdas or classes defined in the driver's __main__.
-    return cloudpickle.dumps(header), refs
+    encoded = cloudpickle.dumps(CallHeader(role, method, args, kwargs, call.return_output))
+    if key is not None and len(_HEADERS) < _HEADER_CACHE_MAX:
+        _HEADERS[key] = encoded
+    return encoded, refs
+
+
+#: Encoded headers of slot-only calls, by (role, method, slots, return_output); bounded.
+_HEADERS: dict[tuple[Any, ...], bytes] = {}
+_HEADER_CACHE_MAX = 4096
 
 
 def decode_call(header: bytes, values: tuple[Any, ...]) -> CallHeader:
