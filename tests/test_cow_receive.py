@@ -154,6 +154,10 @@ class Writer(Worker):
         self.kept = data
         return data
 
+    @register(Dispatch.MEGATRON_COMPUTE_PROTO, blocking=False)
+    def echo_later(self, data: DataProto) -> DataProto:
+        return data
+
     @register(Dispatch.ONE_TO_ALL)
     def write_own_rank(self) -> None:
         """Every rank writes its rank + 1 into the first row of its piece (one page)."""
@@ -255,3 +259,20 @@ def test_local_backend_isolation():
         assert s["first"] == rank + 1
         assert s["second_row"] == float(original[(rank // 2) * 32 + 1, 0])
     assert torch.equal(batch.batch["x"], original)
+
+
+def test_future_with_several_parts_receives_without_a_copy(writer_group):
+    """The controller's DataProtoFuture.get() of 2 parts: no receive copy, only concat's."""
+    receive, wg = writer_group
+    if receive != "auto":
+        pytest.skip("the controller's receive path is this process's, not the group's")
+    batch = _batch(8)
+    future = wg.echo_later(batch)
+    before = sharedmem.receive_info()
+    out = future.get()
+    after = sharedmem.receive_info()
+    assert torch.equal(out.batch["x"], batch.batch["x"])
+    assert after["copies"] == before["copies"]  # nothing copied on receive ...
+    assert after["cow_views"] - before["cow_views"] == 2, (before, after)  # ... two copy-on-write parts
+    out.batch["x"][0, 0] = -1.0  # the result is the caller's own
+    assert float(future.get().batch["x"][0, 0]) == float(batch.batch["x"][0, 0])
