@@ -6,7 +6,10 @@ Workloads (8 ranks, one group on a tp2·pp2·dp2 mesh, echo methods that return 
 * ``noop``     ONE_TO_ALL, no payload;
 * ``dp``       DP_COMPUTE_PROTO: 8 pieces, every rank returns its piece;
 * ``mesh``     MEGATRON_COMPUTE_PROTO: 2 dp pieces, each sent to 4 ranks, collected from tp0/last pp;
-* ``pp_as_dp`` MEGATRON_PP_AS_DP_PROTO: 4 pieces (pp x dp), collected from every tp0 rank.
+* ``pp_as_dp`` MEGATRON_PP_AS_DP_PROTO: 4 pieces (pp x dp), collected from every tp0 rank;
+* ``traced``   the ``noop`` call with a trace recording (``rankmesh.tracing``) against the same
+  call untraced, alternated in one run: here the "floor" column is the untraced call, so the
+  ratio is the cost of tracing (target: at most 1.05).
 
 The floor is the same call in plain Ray: as many plain actors (one CPU each, on the same node),
 one ``ray.put`` per distinct piece as a numpy view, replicas sharing the reference, only the
@@ -49,7 +52,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 MIB = 1 << 20
 ROWS = 1024
 WORLD = 8
-WORKLOADS = ("noop", "dp", "mesh", "pp_as_dp")
+WORKLOADS = ("noop", "dp", "mesh", "pp_as_dp", "traced")
 MODE_OF = {"dp": "DP_COMPUTE_PROTO", "mesh": "MEGATRON_COMPUTE_PROTO", "pp_as_dp": "MEGATRON_PP_AS_DP_PROTO"}
 
 
@@ -202,6 +205,22 @@ def isolation_copy_ms(workload: str, arr, plans) -> float:
     return median_ms(copy_all, 3, warmup=1)
 
 
+def traced_call(fn):
+    """``fn`` run with a trace recording (the recorder is installed for the call only)."""
+    from rankmesh.tracing import Recorder, install
+
+    recorder = Recorder()
+
+    def call():
+        previous = install(recorder)
+        try:
+            return fn()
+        finally:
+            install(previous)
+
+    return call
+
+
 def run_dispatch(args: argparse.Namespace) -> list[Result]:
     import ray
 
@@ -257,6 +276,12 @@ def run_mesh(args: argparse.Namespace, mesh_name: str, wg, floor) -> list[Result
                     continue
                 rm, fl = paired_ms(wg.noop, floor.noop, max(repeat, 20), warmup=5)
                 res = Result(mesh_name, "noop", 0, rm, fl, rm / fl, None, 0.0, max(repeat, 20))
+            elif workload == "traced":
+                if mib != args.sizes[0]:
+                    continue
+                n = max(repeat, 40)
+                traced, plain = paired_ms(traced_call(wg.noop), wg.noop, n, warmup=5)
+                res = Result(mesh_name, "traced", 0, traced, plain, traced / plain, None, 0.0, n)
             else:
                 method = getattr(wg, f"echo_{workload}")
                 out = method(batch)
@@ -345,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     print(header(), flush=True)
     results = run_dispatch(args)
     print("# ratio = rankmesh / floor; copy ms = serial cost of rankmesh's receive-side isolation copies")
+    if "traced" in args.workloads:
+        print("# traced: 'rankmesh ms' is the noop call traced, 'floor ms' the same call untraced")
     figures = micro(args.micro_mib) if args.micro_mib else None
     if figures:
         print(

@@ -47,14 +47,15 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "data": (2, ("rankmesh.data",)),
     "dispatch": (3, ("rankmesh.dispatch",)),
     "layout": (3, ("rankmesh.layout",)),
+    "tracing": (3, ("rankmesh.tracing",)),
     "backend contract": (4, ("rankmesh.backend",)),
-    "worker": (5, ("rankmesh.worker",)),
+    "worker": (5, ("rankmesh.worker", "rankmesh.devices")),
     "groups": (6, ("rankmesh.group",)),
     "backends": (7, ("rankmesh.backends",)),
     "front door": (8, ("rankmesh",)),
     "compat": (8, ("rankmesh.compat",)),
     "megatron": (8, ("rankmesh.megatron",)),
-    "tools": (9, ("rankmesh.demo", "rankmesh.demo_cli", "rankmesh.draw", "rankmesh.cli", "rankmesh.__main__")),
+    "tools": (9, ("rankmesh.demo", "rankmesh.demo_cli", "rankmesh.draw", "rankmesh.cli", "rankmesh.__main__", "rankmesh.tracing.plot")),
 }
 
 #: Layers that import nothing from the package: everything else may lean on them.
@@ -82,6 +83,7 @@ PROCESS_BOUNDARY: dict[str, tuple[str, ...]] = {
         "rankmesh.backends.ray.group",
         "rankmesh.backends.ray.hosts",
         "rankmesh.backends.ray.pool",
+        "rankmesh.backends.ray.startup",
         "rankmesh.backends.ray.waiting",
         "rankmesh.group",
     ),

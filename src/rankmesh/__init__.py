@@ -29,6 +29,7 @@ from rankmesh.group import WorkerGroup
 from rankmesh.layout import Layout, load_layout
 from rankmesh.mesh import DistGlobalInfo, DistRankInfo, RankMesh
 from rankmesh.placement import Placement
+from rankmesh.tracing import trace
 from rankmesh.worker import Worker
 
 __version__ = "0.1.0"
@@ -62,6 +63,8 @@ __all__ = [
     "LocalWorkerGroup",
     "Worker",
     "WorkerGroup",
+    # seeing every call (rankmesh.tracing)
+    "trace",
     # layouts
     "Layout",
     "load_layout",

@@ -21,13 +21,16 @@ class RankCall:
     ``args``/``kwargs`` may contain :class:`Shared` handles returned by :meth:`Backend.share`; the
     backend resolves them on the worker side.  ``return_output=False`` tells the worker to run the
     method but send nothing back (ranks outside the collect set), so a large output costs one
-    transfer per replica instead of one per rank.
+    transfer per replica instead of one per rank.  ``trace=True`` (only while a trace records
+    the call) asks the rank to send back a ``rankmesh.tracing.recorder.TracedOutput``: its
+    output with its own timing, which the group strips before anyone sees the output.
     """
 
     rank: int
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
     return_output: bool = True
+    trace: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ Every error a user can cause ends as one line ``rankmesh: error: ...`` on stderr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -28,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 from rankmesh import __version__, demo_cli
 from rankmesh.errors import MeshError, RankMeshError, UsageError
+from rankmesh.tracing import summarize
 from rankmesh.layout import (
     Layout,
     LayoutError,
@@ -133,6 +135,10 @@ def _setup_layout(parser: argparse.ArgumentParser) -> None:
     p.add_argument("layouts", nargs="*", metavar="NAME_OR_FILE")
     p.add_argument("--all", action="store_true", help="validate every layout `layout list` shows")
     p.add_argument("--strict", action="store_true", help="treat warnings (e.g. tp across nodes) as errors")
+    p.add_argument("--address", default=None,
+                   help="also check against this live Ray cluster ('auto': the running one), before any actor starts")
+    p.add_argument("--resource", choices=("GPU", "CPU"), default=None,
+                   help="with --address: what each process takes (default GPU if the cluster has any)")
     p.set_defaults(handler=_cmd_validate)
 
     p = sub.add_parser(
@@ -373,6 +379,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         failed |= errors > 0
         status = "ok" if not problems else f"{errors} error(s), {warnings} warning(s)"
         print(f"{target}: {status}")
+        if args.address and not errors:
+            from rankmesh.backends.ray.preflight import validate_on_cluster  # Ray only when asked
+
+            report = validate_on_cluster(layout, args.address, args.resource)
+            print(report.format())
+            failed |= not report.ok
     return EXIT_INVALID if failed else EXIT_OK
 
 
@@ -391,5 +403,47 @@ def _cmd_draw(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ----- rankmesh trace ... ----------------------------------------------------------------------
+
+
+def _setup_trace(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    p = sub.add_parser(
+        "summarize",
+        help="per method: call times, phases, slowest ranks, replica skew",
+        description="Summarize a trace written by RANKMESH_TRACE=FILE or rankmesh.trace(FILE).",
+    )
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(handler=_cmd_trace_summarize)
+    p = sub.add_parser(
+        "plot",
+        help="draw ranks coloured by worker-method time, and phases per call",
+        description="Draw a trace: ranks by mesh coordinates coloured by worker-method time, and per-call phases.",
+    )
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("-o", "--output", required=True, help="output file: .png, .svg or .pdf")
+    p.set_defaults(handler=_cmd_trace_plot)
+
+
+def _cmd_trace_summarize(args: argparse.Namespace) -> int:
+    summary = summarize(args.file)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(m) | {"straggler": m.straggler} for m in summary.methods], indent=2))
+    else:
+        print(summary.format())
+    return EXIT_OK
+
+
+def _cmd_trace_plot(args: argparse.Namespace) -> int:
+    if not args.output.lower().endswith(_DRAW_SUFFIXES):
+        raise UsageError(f"output {args.output!r} must end in {', '.join(_DRAW_SUFFIXES)}")
+    from rankmesh.tracing.plot import plot_trace  # matplotlib is imported only here
+
+    print(f"wrote {plot_trace(args.file, args.output)}")
+    return EXIT_OK
+
+
 add_command("layout", _setup_layout, help="inspect, validate and draw parallel layouts")
+add_command("trace", _setup_trace, help="summarize or plot a call trace (RANKMESH_TRACE=FILE)")
 add_command("demo", demo_cli.setup, help=demo_cli.HELP)

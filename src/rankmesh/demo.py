@@ -273,6 +273,10 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
                    f"{len(plan.transfers)} regions, {plan.bytes_moved / 1024:.0f} KiB, busiest sender "
                    f"{max(sent.values()) / 1024:.0f} KiB (mean {sum(sent.values()) / len(sent) / 1024:.0f} KiB)\n"
                    f"groups started and cross-checked against parallel_state in {result.startup_s:.1f}s", file=out)
+        for group in (actor, critic):
+            report = group.startup_report()
+            if report is not None:
+                tqdm.write(report.format(), file=out)
         tqdm.write(_table_header(), file=out)
         reference = ReferenceModel(tcfg).eval()
         prompts = make_prompts(cfg, tcfg.vocab_size)

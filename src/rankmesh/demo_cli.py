@@ -7,6 +7,7 @@ Exit codes: 0 every self-check passed, 1 a check failed, 2 bad options.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -14,6 +15,7 @@ from typing import Sequence, TextIO
 
 from rankmesh import demo
 from rankmesh.demo import DemoConfig, format_summary, run_demo
+from rankmesh.tracing import trace
 
 HELP = "run the actor/critic PPO demo on local Ray (CPU, megatron-core); exit 1 if a self-check fails"
 """The one-line help of ``rankmesh demo``."""
@@ -36,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help="Ray cluster address (default: local Ray on 127.0.0.1)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--trace", dest="trace_path", metavar="PATH",
+                        help="record every group call to a Chrome trace (open in ui.perfetto.dev; rankmesh trace summarize PATH)")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -50,8 +54,12 @@ def run_from_args(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if cfg.iterations < 2:
         print("demo: error: --iterations must be at least 2 (the loss check compares first and last)", file=sys.stderr)
         return 2
-    result = run_demo(cfg, out)
+    trace_path = getattr(args, "trace_path", None)
+    with trace(trace_path) if trace_path else contextlib.nullcontext():
+        result = run_demo(cfg, out)
     print(format_summary(result), file=out)
+    if trace_path:
+        print(f"trace: {trace_path} (open in https://ui.perfetto.dev, or: rankmesh trace summarize {trace_path})", file=out)
     if getattr(args, "json_path", None):
         with open(args.json_path, "w", encoding="utf-8") as fh:
             json.dump(result.to_json(), fh, indent=2, default=str)

@@ -47,6 +47,22 @@ class PaddingError(DispatchError):
     """A batch does not divide into the requested number of pieces and padding is disabled."""
 
 
+class DataProtoAssertionError(DataProtoError, AssertionError):
+    """A DataProto check verl makes with ``assert`` (raised only by ``rankmesh.compat.verl``).
+
+    Ported code and tests catch ``AssertionError``; rankmesh's own API raises the plain
+    :class:`DataProtoError`.  Being both, this keeps the clear message and verl's type.
+    """
+
+
+class PaddingAssertionError(PaddingError, AssertionError):
+    """verl's ``chunk`` assert (uneven split without auto padding), raised by ``rankmesh.compat.verl``."""
+
+
+class DispatchAssertionError(DispatchError, AssertionError):
+    """A dispatch-info check verl makes with ``assert`` (e.g. a mesh name set twice), in compat only."""
+
+
 class ResourcePoolError(RankMeshError, RuntimeError):
     """A resource pool cannot be placed on the cluster (the message lists requested vs available)."""
 

@@ -14,10 +14,12 @@ The executor (a backend) never sees dispatch modes; it only ships, runs and fetc
 from __future__ import annotations
 
 import enum
+import os
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from rankmesh.backend import Backend, RankCall, Shared
 from rankmesh.data import DataProtoFuture
@@ -27,6 +29,8 @@ from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan,
 from rankmesh.dispatch.split import CallSite, join_outputs, output_future, split_call
 from rankmesh.errors import DispatchError
 from rankmesh.mesh import RankMesh
+from rankmesh.tracing import TRACING, install_from_env, write_trace
+from rankmesh.tracing.recorder import CallTrace, Recorder
 from rankmesh.validate import positive_seconds
 
 logger = logging.getLogger(__name__)
@@ -295,6 +299,8 @@ class WorkerGroup:
             raise DispatchError(f"mesh {table.mesh} covers {table.mesh.world_size} ranks but the backend has {executor.world_size}")
         self._executor = executor
         self._table = table
+        self._recorder: Recorder | None = None  # set by wg.trace(...) for this group alone
+        install_from_env()
         self._registered_plans: dict[str, DispatchPlan] = {}
         self._adhoc: dict[tuple[str, str], Binding] = {}
         for name, bound in table.methods.items():
@@ -335,6 +341,16 @@ class WorkerGroup:
         """Names of the bound ``@register`` methods."""
         return list(self._table.methods)
 
+    @property
+    def node_labels(self) -> list[str]:
+        """Where each rank runs, as traces name it (``node 0``...; in-process: ``local``)."""
+        return ["local"] * self.world_size
+
+    @property
+    def trace_name(self) -> str:
+        """The group's name in traces: its role, else its worker class."""
+        return self.role or self.worker_cls.__name__
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.worker_cls.__name__}, {self.mesh}, methods={len(self._table.methods)})"
 
@@ -346,6 +362,21 @@ class WorkerGroup:
         returning, so there is nothing to bound there.
         """
         return TimedGroup(self, positive_seconds(timeout_s, "with_timeout(timeout_s)", DispatchError))
+
+    @contextmanager
+    def trace(self, path: str | os.PathLike[str]) -> Iterator[Recorder]:
+        """Record this group's calls made in the block (no other group's); write a Chrome trace to ``path``.
+
+        The per-group form of ``with rankmesh.trace(path):``: when a program-wide recorder is
+        installed too, this group's calls in the block go to this file instead of that one.
+        """
+        recorder = Recorder(path)
+        previous, self._recorder = self._recorder, recorder
+        try:
+            yield recorder
+        finally:
+            self._recorder = previous
+            write_trace(recorder, path)
 
     # ----- lifetime ----------------------------------------------------------------------------
 
@@ -370,14 +401,21 @@ class WorkerGroup:
     # ----- calling -----------------------------------------------------------------------------
 
     def _call(self, binding: Binding, args: Args, kwargs: Kwargs, timeout: float | None = None) -> Any:
+        # Tracing off costs this one attribute read; on, `ct` records the call's phases.
+        rec = self._recorder or TRACING.recorder
+        ct = None if rec is None else rec.begin(self, binding.name, binding.method.blocking)
         if isinstance(binding.entry, UserMode):
-            return self._call_user(binding, binding.entry, args, kwargs, timeout)
+            return self._call_user(binding, binding.entry, args, kwargs, timeout, ct)
         spec, site = binding.entry, binding.site
         plan = binding.plan if binding.plan is not None else self._registered_plan(spec.mesh, site)
+        if ct is not None:
+            ct.consumes(args, kwargs)
         split = split_call(spec, plan.n_pieces, args, kwargs, site, binding.method.padding)
         per_rank = [split.pieces[0 if split.broadcast else plan.piece_of_rank[r]] for r in plan.run_ranks]
         collect = set(plan.collect_ranks)
-        pending = self._submit(binding, plan.run_ranks, per_rank, collect)
+        if ct is not None:
+            ct.mark("split")
+        pending = self._submit(binding, plan.run_ranks, per_rank, collect, ct)
         where = {r: i for i, r in enumerate(plan.run_ranks)}
         order = [where[r] for r in plan.collect_ranks]
 
@@ -385,16 +423,27 @@ class WorkerGroup:
             return join_outputs(spec, split, [outputs[i] for i in order], plan.collect_ranks, site)
 
         if binding.method.blocking:
-            if spec.output != "concat":
-                return finish(self._executor.fetch(pending, timeout=timeout))
             # concat writes every collected tensor into a fresh batch: borrow them as read-only
             # views, so the controller copies each byte once (not on receive and again in concat).
-            return finish(self._executor.fetch(pending, timeout=timeout, borrow=True))
-        if spec.output == "concat":
-            return output_future(split, [pending[i] for i in order], self._executor.fetcher(timeout))
-        return GroupFuture(self._executor.fetch, pending, finish, timeout)
+            outputs = self._executor.fetch(pending, timeout=timeout, borrow=spec.output == "concat")
+            return finish(outputs) if ct is None else self._finish_traced(ct, finish, outputs, plan.run_ranks)
+        if spec.output == "concat" and not split.tensordicts:  # TensorDicts join in finish()
+            future: Any = output_future(split, [pending[i] for i in order], self._executor.fetcher(timeout))
+        else:
+            future = GroupFuture(self._executor.fetch, pending, finish, timeout)
+        return future if ct is None else ct.finish(future)
 
-    def _call_user(self, binding: Binding, mode: UserMode, args: Args, kwargs: Kwargs, timeout: float | None = None) -> Any:
+    @staticmethod
+    def _finish_traced(ct: CallTrace, finish: Callable[[list[Any]], Any], outputs: list[Any], ranks: Sequence[int]) -> Any:
+        """A traced blocking call's last phases: the ranks' timings stripped, then the join."""
+        ct.mark("wait")
+        result = finish(ct.unwrap(outputs, ranks))
+        ct.mark("concat")
+        return ct.finish(result)
+
+    def _call_user(
+        self, binding: Binding, mode: UserMode, args: Args, kwargs: Kwargs, timeout: float | None = None, ct: CallTrace | None = None
+    ) -> Any:
         world, site = self.world_size, binding.site
         result = mode.dispatch_fn(self, *args, **kwargs)
         if not (isinstance(result, (tuple, list)) and len(result) == 2):
@@ -408,17 +457,33 @@ class WorkerGroup:
                 raise site.error(f"dispatch_fn returned {got} for {site.arg(key)}; need a list of {world} (world size)")
         ranks = (0,) if binding.method.execute_mode is Execute.RANK_ZERO else tuple(range(world))
         per_rank = [(tuple(a[r] for a in arg_lists), {k: v[r] for k, v in kwarg_lists.items()}) for r in ranks]
-        pending = self._submit(binding, ranks, per_rank, set(ranks))
+        if ct is not None:
+            ct.consumes(args, kwargs)
+            ct.mark("split")
+        pending = self._submit(binding, ranks, per_rank, set(ranks), ct)
 
         def finish(outputs: list[Any]) -> Any:
             return mode.collect_fn(self, list(outputs))
 
         if binding.method.blocking:
-            return finish(self._executor.fetch(pending, timeout=timeout))
-        return GroupFuture(self._executor.fetch, pending, finish, timeout)
+            outputs = self._executor.fetch(pending, timeout=timeout)
+            return finish(outputs) if ct is None else self._finish_traced(ct, finish, outputs, ranks)
+        future = GroupFuture(self._executor.fetch, pending, finish, timeout)
+        return future if ct is None else ct.finish(future)
 
-    def _submit(self, binding: Binding, ranks: Sequence[int], per_rank: Sequence[tuple[Args, Kwargs]], collect: set[int]) -> list[Any]:
-        """Ship every distinct non-trivial object once, then submit one RankCall per rank."""
+    def _submit(
+        self,
+        binding: Binding,
+        ranks: Sequence[int],
+        per_rank: Sequence[tuple[Args, Kwargs]],
+        collect: set[int],
+        ct: CallTrace | None = None,
+    ) -> list[Any]:
+        """Ship every distinct non-trivial object once, then submit one RankCall per rank.
+
+        Traced (``ct``), a blocking call asks each rank to time itself; a non-blocking one does
+        not, because its outputs travel on inside a future.
+        """
         shared: dict[int, Shared] = {}
 
         def ship(value: Any) -> Any:
@@ -427,13 +492,21 @@ class WorkerGroup:
             handle = shared.get(id(value))
             if handle is None:
                 handle = shared[id(value)] = self._executor.share(value)
+                if ct is not None:
+                    ct.shipped(value)
             return handle
 
+        timed = ct is not None and ct.blocking
         calls = [
-            RankCall(rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect)
+            RankCall(rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect, timed)
             for rank, (args, kwargs) in zip(ranks, per_rank)
         ]
-        return self._executor.submit(binding.role, binding.target, calls)
+        if ct is None:
+            return self._executor.submit(binding.role, binding.target, calls)
+        ct.mark("put")
+        pending = self._executor.submit(binding.role, binding.target, calls)
+        ct.mark("submit")
+        return pending
 
     def _registered_plan(self, mesh_name: str, site: CallSite) -> DispatchPlan:
         """verl's lazy dispatch info: ask every rank what it registered for ``mesh_name``."""

@@ -32,6 +32,10 @@ from rankmesh.sharedmem import receive_info
 
 logger = logging.getLogger(__name__)
 
+#: Attribute of a fused worker (verl's ``create_colocated_worker_raw_cls``) that maps each role
+#: name to the role object it built in the same process; backends route a role's calls there.
+FUSED_ROLES_ATTR = "fused_worker_dict"
+
 
 @dataclass(frozen=True)
 class WorkerContext:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -18,6 +19,7 @@ from rankmesh.backend import RankCall, Shared
 from rankmesh.errors import BackendError, DispatchError, WorkerError
 from rankmesh.group import WorkerGroup
 from rankmesh.mesh import RankMesh
+from rankmesh.tracing.recorder import timed_call
 from rankmesh.worker import WorkerContext, construct, invoke
 
 logger = logging.getLogger(__name__)
@@ -143,8 +145,15 @@ class LocalExecutor:
         pending = []
         for call in calls:
             try:
+                enter_ns = time.time_ns() if call.trace else 0
                 args, kwargs = copy.deepcopy((call.args, call.kwargs))
-                value = invoke(workers[call.rank], method, args, kwargs, call.return_output, resolve=_private)
+                if call.trace:
+                    value = timed_call(
+                        invoke, workers[call.rank], method, args, kwargs, call.return_output, resolve=_private,
+                        enter_ns=enter_ns, inputs=(args, kwargs), return_output=call.return_output,
+                    )
+                else:
+                    value = invoke(workers[call.rank], method, args, kwargs, call.return_output, resolve=_private)
                 pending.append(LocalPending(call.rank, value))
             except WorkerError as exc:
                 pending.append(LocalPending(call.rank, error=exc))

@@ -335,7 +335,7 @@ class DataProtoFuture:
                 data = got[0].slice()
                 data.meta_info = columns.merge_meta_info([got[0].meta_info])
             else:
-                data = DataProto.concat(got)
+                data = type(got[0]).concat(got)
             for op in self.deferred:
                 data = op.apply(data)
             return data

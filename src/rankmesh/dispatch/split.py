@@ -11,7 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
 from rankmesh.data import DataProto, DataProtoConfig, DataProtoFuture, auto_padding_enabled
+from rankmesh.data.columns import chunk_bounds
 from rankmesh.dispatch.spec import MeshSpec
 from rankmesh.errors import DispatchError, PaddingError
 
@@ -43,7 +48,8 @@ class SplitCall:
 
     ``broadcast``: every rank receives ``pieces[0]`` (replicated arguments).  ``rows``: rows of
     the caller's batch (``None`` without batch arguments or when unknown); ``pad``: pad rows
-    appended before splitting; ``piece_rows``: rows of each piece after padding.
+    appended before splitting; ``piece_rows``: rows of each piece after padding;
+    ``tensordicts``: the batches were TensorDicts (outputs join as a TensorDict, not a DataProto).
     """
 
     pieces: tuple[tuple[Args, Kwargs], ...]
@@ -51,6 +57,7 @@ class SplitCall:
     rows: int | None = None
     pad: int = 0
     piece_rows: int | None = None
+    tensordicts: bool = False
 
 
 def _items(args: Args, kwargs: Kwargs) -> list[tuple[int | str, Any]]:
@@ -98,12 +105,14 @@ def _split_proto(spec: MeshSpec, n: int, args: Args, kwargs: Kwargs, site: CallS
         return site.arg(key + len(func) if isinstance(key, int) else key)
 
     for key, value in items:
-        if not isinstance(value, (DataProto, DataProtoFuture)):
+        if not isinstance(value, (DataProto, DataProtoFuture, TensorDictBase)):
             raise site.error(
                 f"{label(key)} is a {type(value).__name__}; this mode splits every argument by rows and "
-                f"needs a DataProto or DataProtoFuture"
+                f"needs a DataProto, a DataProtoFuture or a TensorDict"
             )
-    known = {key: len(v) for key, v in items if not (isinstance(v, DataProtoFuture) and not v.rows_known)}
+        if isinstance(value, TensorDictBase) and len(value.batch_size) < 1:
+            raise site.error(f"{label(key)} is a TensorDict without a batch dimension; give it batch_size=[rows]")
+    known = {key: _rows(v) for key, v in items if not (isinstance(v, DataProtoFuture) and not v.rows_known)}
     if len(set(known.values())) > 1:
         listed = ", ".join(f"{label(k)}: {r}" for k, r in known.items())
         raise site.error(f"batches of one call must have the same number of rows, got {listed}")
@@ -122,6 +131,9 @@ def _split_proto(spec: MeshSpec, n: int, args: Args, kwargs: Kwargs, site: CallS
             raise site.error(f"cannot pad {label(unknown[0])}: a DataProtoFuture of unknown row count")
     chunked = []
     for key, value in items:
+        if isinstance(value, TensorDictBase):
+            chunked.append(_chunk_tensordict(value, n, pad))
+            continue
         if pad:
             value = value.pad_to_divisor(n)[0]  # DataProto and DataProtoFuture alike
         try:
@@ -131,7 +143,20 @@ def _split_proto(spec: MeshSpec, n: int, args: Args, kwargs: Kwargs, site: CallS
     keys = list(kwargs)
     pieces = tuple(_rebuild([*func, *(c[i] for c in chunked)], len(func) + len(args), keys) for i in range(n))
     piece_rows = None if rows is None else (rows + pad) // n
-    return SplitCall(pieces, broadcast=False, rows=rows, pad=pad, piece_rows=piece_rows)
+    tensordicts = any(isinstance(v, TensorDictBase) for _, v in items)
+    return SplitCall(pieces, broadcast=False, rows=rows, pad=pad, piece_rows=piece_rows, tensordicts=tensordicts)
+
+
+def _rows(value: Any) -> int:
+    return int(value.batch_size[0]) if isinstance(value, TensorDictBase) else len(value)
+
+
+def _chunk_tensordict(td: TensorDictBase, n: int, pad: int) -> list[TensorDictBase]:
+    """``n`` row pieces of a TensorDict (views), padded first with rows repeated from its start."""
+    rows = int(td.batch_size[0])
+    if pad:
+        td = td[torch.from_numpy(np.concatenate([np.arange(rows), np.arange(pad) % rows]))]
+    return [td[start:stop] for start, stop in chunk_bounds(rows + pad, n)]
 
 
 def _padding_enabled(spec: MeshSpec, padding: bool | None, batches: Sequence[Any]) -> bool:
@@ -163,10 +188,17 @@ def join_outputs(spec: MeshSpec, split: SplitCall, outputs: Sequence[Any], ranks
         return list(outputs)
     if all(o is None for o in outputs):
         return None
+    if all(isinstance(o, TensorDictBase) for o in outputs):  # TensorDict in, TensorDict out
+        joined = torch.cat(list(outputs), dim=0)
+        if split.pad:
+            padded = split.rows + split.pad  # type: ignore[operator]
+            joined = joined[: int(joined.batch_size[0]) - split.pad * (int(joined.batch_size[0]) // padded)]
+        return joined
     for rank, out in zip(ranks, outputs):
         if not isinstance(out, DataProto):
             raise site.error(f"rank {rank} returned a {type(out).__name__}; this mode concatenates DataProto outputs")
-    return _drop_pad(DataProto.concat(list(outputs)), split, site)
+    # type(...).concat: a DataProto subclass (e.g. rankmesh.compat.verl's) joins with its own rules.
+    return _drop_pad(type(outputs[0]).concat(list(outputs)), split, site)
 
 
 def output_future(split: SplitCall, handles: Sequence[Any], fetch: Any) -> DataProtoFuture:

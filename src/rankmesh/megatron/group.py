@@ -67,6 +67,7 @@ def start_megatron_group(
         if verify:
             # Colocated roles share one parallel_state per process: checking one role checks all.
             verify_group(next(iter(spawned.values())) if spawned else group, mesh, allreduce=allreduce)
+            group.record_startup("cross-checked")
     except BaseException:
         group.shutdown()
         raise

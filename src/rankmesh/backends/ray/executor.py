@@ -27,7 +27,7 @@ from rankmesh.validate import optional_seconds
 
 from .hosts import HostSet
 from .waiting import Pending, fetch_outputs
-from .wire import encode_call
+from .wire import HeaderCache, encode_call
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ class RayExecutor:
         self.coords = list(coords) if coords is not None else [None] * self.world_size
         self.call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
         self.stats = CallStats()
+        #: Encoded slot-only call headers of this group's bound methods (and its role groups').
+        self.headers = HeaderCache()
         self._failed: WorkerDiedError | None = None
         self.token = uuid.uuid4().hex
         _EXECUTORS[self.token] = self
@@ -149,7 +151,7 @@ class RayExecutor:
         for call in calls:
             if not 0 <= call.rank < self.world_size:
                 raise BackendError(f"{method}: rank {call.rank} is out of range for world size {self.world_size}")
-            header, refs = encode_call(role, method, call)
+            header, refs = encode_call(role, method, call, self.headers)
             ref = self.hosts.actors[call.rank].execute.remote(header, *refs)
             pending.append(Pending(ref, call.rank, method, self.nodes[call.rank], self.coords[call.rank]))
         self.stats.add(calls=len(pending))

@@ -22,6 +22,7 @@ from rankmesh.errors import BackendError
 from rankmesh.group import ROLES_ATTR, MethodTable, WorkerGroup
 from rankmesh.mesh import RankMesh
 from rankmesh.placement import Placement, RankPlace
+from rankmesh.tracing import TRACING
 from rankmesh.validate import optional_seconds, positive_seconds
 
 from .classes import RayClassWithInitArgs, fused_worker_class, unwrap_actor_class
@@ -29,6 +30,7 @@ from .executor import RayExecutor
 from .hosts import HostSet, attach_hosts, build_workers, check_worker_env, start_hosts
 from .pool import RayResourcePool
 from .runtime import ensure_ray
+from .startup import StartupProgress, StartupReport
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,9 @@ class RayWorkerGroup(WorkerGroup):
     ``worker_env``.  ``detached=True`` (needs a detached pool) names the actors
     ``{name_prefix}_{rank}`` and lets them outlive this driver (see :meth:`from_detached`).
     ``call_timeout_s`` bounds every call (``FetchTimeoutError`` naming the unfinished ranks);
-    ``wg.with_timeout(s).method(...)`` overrides it for one call.
+    ``wg.with_timeout(s).method(...)`` overrides it for one call.  ``progress`` shows the
+    start-up stages as a bar (``None``: only when stderr is a terminal); ``wg.startup_report()``
+    gives each stage's time per rank (:mod:`.startup`).
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class RayWorkerGroup(WorkerGroup):
         registry: DispatchRegistry | None = None,
         bin_pack: bool = True,
         call_timeout_s: float | None = None,
+        progress: bool | None = None,
     ) -> None:
         call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
         start_timeout = positive_seconds(start_timeout, "start_timeout", BackendError)
@@ -84,17 +89,25 @@ class RayWorkerGroup(WorkerGroup):
             raise BackendError("a detached group needs a detached pool: RayResourcePool(..., detached=True)")
         resource_pool.connect()  # not ensure_ray(): the pool sizes an embedded Ray for itself
         prefix = name_prefix or f"rankmesh-{uuid.uuid4().hex[:8]}"
-        hosts = start_hosts(
-            resource_pool,
-            ray_cls_with_init.roles,
-            table.mesh,
-            table.extra_meshes,
-            prefix,
-            detached,
-            env,
-            ray_cls_with_init.options,
-            start_timeout,
-        )
+        startup = StartupProgress(prefix, world, progress)
+        try:
+            hosts = start_hosts(
+                resource_pool,
+                ray_cls_with_init.roles,
+                table.mesh,
+                table.extra_meshes,
+                prefix,
+                detached,
+                env,
+                ray_cls_with_init.options,
+                start_timeout,
+                startup,
+            )
+        finally:
+            startup.close()
+        self._startup: StartupProgress | None = startup
+        if TRACING.recorder is not None:
+            TRACING.recorder.startup(prefix, startup.report.to_json())
         try:
             self._attach(hosts, table, None, call_timeout_s)
         except BaseException:
@@ -235,6 +248,27 @@ class RayWorkerGroup(WorkerGroup):
         """Node index, local rank and local world size of every rank."""
         return self.placement.places()
 
+    def startup_report(self) -> StartupReport | None:
+        """Seconds each start-up stage took to end, per rank (``None`` for an attached group)."""
+        startup = getattr(self, "_startup", None)
+        return None if startup is None else startup.report
+
+    def record_startup(self, stage: str) -> None:
+        """Mark a controller-side start-up stage as ended now (``cross-checked``, by megatron's start)."""
+        startup = getattr(self, "_startup", None)
+        if startup is not None:
+            startup.controller_stage(stage)
+
+    @property
+    def node_labels(self) -> list[str]:
+        """``node <i>`` per rank, nodes numbered as the pool ordered them (what traces show)."""
+        return [f"node {p.node}" for p in self.placements]
+
+    @property
+    def trace_name(self) -> str:
+        """The group's name in traces: its role, else its name prefix."""
+        return self.role or self.name_prefix
+
     def node_of(self, rank: int) -> str:
         """Ray node id of ``rank``."""
         return self._hosts.info[rank]["node_id"]
@@ -260,6 +294,7 @@ class RayWorkerGroup(WorkerGroup):
                 unwrap_actor_class(roles[role]), self.world_size, self.mesh, extra, role, self.registry, type(self)
             )
             groups[role] = type(self)._over(self._hosts, table, self.executor)
+            groups[role]._startup = getattr(self, "_startup", None)  # one start-up for all roles
         return groups
 
     def fuse(self, prefix_set: Sequence[str]) -> dict[str, "RayWorkerGroup"]:

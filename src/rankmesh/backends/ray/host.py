@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -23,7 +24,9 @@ import ray
 
 from rankmesh.errors import BackendError
 from rankmesh.mesh import RankMesh
-from rankmesh.worker import WorkerContext, construct, invoke
+from rankmesh.devices import unify_visible_devices
+from rankmesh.tracing.recorder import timed_call
+from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 
 from .rendezvous import reserve_port
 from .runtime import node_ip_address
@@ -61,6 +64,7 @@ class WorkerHost:
     """Ray actor body; wrapped with ``ray.remote`` by :func:`.hosts.launch_hosts` (options differ per group)."""
 
     def __init__(self, rank: int, group_name: str) -> None:
+        self._started_ns = time.time_ns()  # start-up report: the process is up, rankmesh imported
         self._rank = rank
         self._group_name = group_name
         self._setup: HostSetup | None = None
@@ -86,6 +90,7 @@ class WorkerHost:
             "placement_group_id": pg,
             "gpu_ids": gpu_ids,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "started_ns": self._started_ns,
         }
 
     def reserve_master_port(self) -> tuple[str, int]:
@@ -95,12 +100,18 @@ class WorkerHost:
             self._master = (addr, reserve_port(addr))
         return self._master
 
-    def setup(self, setup: HostSetup) -> None:
-        """Set the environment, then build every role inside the rank's worker context."""
+    def setup(self, setup: HostSetup) -> tuple[int, int]:
+        """Set the environment, then build every role inside the rank's worker context.
+
+        Returns when it began (the worker classes were imported to unpickle ``setup``) and
+        ended, on this process's clock, for the start-up report.
+        """
+        imported_ns = time.time_ns()
         if self._setup is not None:
             raise BackendError(f"rank {self._rank} of {self._group_name} is already set up")
         self._env_before = {k: os.environ.get(k) for k in setup.env}
         os.environ.update({k: str(v) for k, v in setup.env.items()})
+        self._unify_devices()
         node = ray.util.get_node_ip_address()
         for role, spec in setup.roles.items():
             ctx = WorkerContext(
@@ -115,6 +126,21 @@ class WorkerHost:
             )
             self._workers[role] = construct(spec.cls, ctx, tuple(spec.args), dict(spec.kwargs))
         self._setup = setup
+        return imported_ns, time.time_ns()
+
+    def _unify_devices(self) -> None:
+        """CUDA_VISIBLE_DEVICES as the one visibility variable (see :mod:`rankmesh.devices`)."""
+        ids = ray.get_runtime_context().get_accelerator_ids()
+        change = unify_visible_devices(os.environ, ids)
+        for key in (*change.set, *change.unset):
+            self._env_before.setdefault(key, os.environ.get(key))
+        for key in change.unset:
+            os.environ.pop(key, None)
+        os.environ.update(change.set)
+        if change.device_index is not None:
+            import torch  # deferred: only a process with accelerators gets here
+
+            torch.cuda.set_device(change.device_index)
 
     def teardown(self) -> None:
         """Drop the role objects and restore the environment, so :meth:`setup` may run again.
@@ -136,8 +162,13 @@ class WorkerHost:
         """The worker object of ``role`` (``None``: the process's only worker)."""
         if role in self._workers:
             return self._workers[role]
-        if role is None and len(self._workers) == 1:
-            return next(iter(self._workers.values()))
+        if len(self._workers) == 1:
+            only = next(iter(self._workers.values()))
+            if role is None:
+                return only
+            fused = getattr(only, FUSED_ROLES_ATTR, None)  # verl's fused worker holds its roles
+            if isinstance(fused, dict) and role in fused:
+                return fused[role]
         raise BackendError(
             f"rank {self._rank} of {self._group_name} hosts roles {sorted(map(str, self._workers))}; "
             f"a call for role {role!r} names none of them (call a role's group from wg.spawn(...))"
@@ -149,8 +180,15 @@ class WorkerHost:
         ``shared`` are the values of the call's shared objects, fetched by Ray before the call
         starts and already rebuilt as this rank's private copies by the data layer.
         """
+        enter_ns = time.time_ns()
         call = decode_call(header, shared)
-        return invoke(self._worker(call.role), call.method, call.args, call.kwargs, return_output=call.return_output)
+        worker = self._worker(call.role)
+        if call.trace:  # a traced call: the output travels back with this rank's timing
+            return timed_call(
+                invoke, worker, call.method, call.args, call.kwargs,
+                enter_ns=enter_ns, inputs=shared, return_output=call.return_output,
+            )
+        return invoke(worker, call.method, call.args, call.kwargs, return_output=call.return_output)
 
     # ----- introspection (attaching to detached groups, tests) ---------------------------------
 
@@ -174,3 +212,7 @@ class WorkerHost:
 
     def ping(self) -> int:
         return self._rank
+
+    def clock(self) -> int:
+        """This process's clock (``time.time_ns``), for measuring its offset from the controller's."""
+        return time.time_ns()

@@ -12,6 +12,7 @@ processes and releases (or removes) their placement groups.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -27,9 +28,13 @@ from rankmesh.placement import RankPlace
 from .host import HostSetup, RoleInit, WorkerHost
 from .rendezvous import RESERVED_ENV
 from .runtime import DETACHED_NAMESPACE
+from .startup import StartupProgress
 from .waiting import Pending, fetch_outputs
 
 logger = logging.getLogger(__name__)
+
+#: Every variable the group sets for each rank (worker_env may not override them).
+OWNED_ENV: tuple[str, ...] = (*RESERVED_ENV, "RAY_LOCAL_RANK", "RAY_LOCAL_WORLD_SIZE")
 
 
 @dataclass
@@ -105,10 +110,10 @@ def rank_of_name(name: str, name_prefix: str) -> int | None:
 def check_worker_env(worker_env: Mapping[str, Any] | None) -> dict[str, str]:
     """``worker_env`` as strings; refuses the variables the group sets itself."""
     env = dict(worker_env or {})
-    clash = sorted(set(env) & set(RESERVED_ENV))
+    clash = sorted(set(env) & set(OWNED_ENV))
     if clash:
         raise WorkerEnvError(
-            f"worker_env may not set {', '.join(clash)}: the group sets {', '.join(RESERVED_ENV)} for every rank"
+            f"worker_env may not set {', '.join(clash)}: the group sets {', '.join(OWNED_ENV)} for every rank"
         )
     bad = [k for k, v in env.items() if not isinstance(k, str) or not k or v is None]
     if bad:
@@ -116,9 +121,13 @@ def check_worker_env(worker_env: Mapping[str, Any] | None) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
-def launch_hosts(pool: Any, name_prefix: str, detached: bool, options: Mapping[str, Any], timeout: float) -> HostSet:
+def launch_hosts(
+    pool: Any, name_prefix: str, detached: bool, options: Mapping[str, Any], timeout: float, progress: StartupProgress | None = None
+) -> HostSet:
     """Start one (empty) host per bundle of ``pool`` and reserve MASTER_PORT on rank 0."""
-    slots = pool.slots()
+    slots = pool.slots()  # waits until every placement group is placed
+    if progress is not None:
+        progress.controller_stage("placed")
     remote = ray.remote(WorkerHost)
     actors, names = [], []
     for rank, slot in enumerate(slots):
@@ -139,6 +148,12 @@ def launch_hosts(pool: Any, name_prefix: str, detached: bool, options: Mapping[s
         pend = [Pending(a.node_info.remote(), r, "start") for r, a in enumerate(actors)]
         pend.append(Pending(actors[0].reserve_master_port.remote(), 0, "reserve_master_port"))
         *info, master = fetch_outputs(pend, timeout=timeout)
+        if progress is not None:
+            # A round trip to processes already up (the first one included their boot).
+            sent = time.time_ns()
+            now = fetch_outputs([Pending(a.clock.remote(), r, "clock") for r, a in enumerate(actors)], timeout=timeout)
+            progress.clocks(sent, time.time_ns(), now)
+            progress.rank_stage("started", [i["started_ns"] for i in info])
         for rank, (slot, got) in enumerate(zip(slots, info)):
             if got["node_id"] != slot.node_id:  # Ray broke the bundle's node: refuse to guess
                 raise BackendError(f"rank {rank} runs on node {got['node_id']} but its bundle is on {slot.node_id}")
@@ -156,6 +171,7 @@ def build_workers(
     meshes: Mapping[str, RankMesh],
     worker_env: Mapping[str, str],
     timeout: float,
+    progress: StartupProgress | None = None,
 ) -> None:
     """Set every rank's environment and build its role objects (all ranks in parallel)."""
     world = len(hosts.actors)
@@ -167,6 +183,8 @@ def build_workers(
             "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(place.local_rank),
             "LOCAL_WORLD_SIZE": str(place.local_world_size),
+            "RAY_LOCAL_RANK": str(place.local_rank),  # verl's names for the same two values
+            "RAY_LOCAL_WORLD_SIZE": str(place.local_world_size),
             "MASTER_ADDR": addr,
             "MASTER_PORT": str(port),
             **dict(worker_env),
@@ -184,7 +202,10 @@ def build_workers(
             group_name=hosts.name_prefix,
         )
         setups.append(Pending(hosts.actors[rank].setup.remote(setup), rank, "setup", hosts.nodes[rank]))
-    fetch_outputs(setups, timeout=timeout)
+    done = fetch_outputs(setups, timeout=timeout)
+    if progress is not None:
+        progress.rank_stage("imported", [d[0] for d in done])
+        progress.rank_stage("initialized", [d[1] for d in done])
 
 
 def start_hosts(
@@ -197,6 +218,7 @@ def start_hosts(
     worker_env: Mapping[str, str],
     options: Mapping[str, Any],
     timeout: float,
+    progress: StartupProgress | None = None,
 ) -> HostSet:
     """:func:`launch_hosts` then :func:`build_workers`; on failure every host is killed.
 
@@ -204,13 +226,13 @@ def start_hosts(
     """
     pool.acquire()
     try:
-        hosts = launch_hosts(pool, name_prefix, detached, options, timeout)
+        hosts = launch_hosts(pool, name_prefix, detached, options, timeout, progress)
     except BaseException:
         pool.release()
         raise
     hosts.pool = pool
     try:
-        build_workers(hosts, roles, mesh, meshes, worker_env, timeout)
+        build_workers(hosts, roles, mesh, meshes, worker_env, timeout, progress)
     except BaseException:
         hosts.shutdown()
         raise

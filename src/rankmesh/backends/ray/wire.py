@@ -42,12 +42,45 @@ class CallHeader:
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
     return_output: bool = True
+    trace: bool = False
 
 
-def encode_call(role: str | None, method: str, call: RankCall) -> tuple[bytes, list[Any]]:
+class HeaderCache:
+    """Encoded headers of one executor's slot-only calls, bounded to ``max_entries``.
+
+    A header of nothing but slots (no-argument calls, data calls whose batches travel shared) is
+    the same bytes on every call of a bound method, so its owner (one
+    :class:`~rankmesh.backends.ray.executor.RayExecutor`, shared by the role groups spawned from
+    it) pickles it once.  Keys are ``(role, method, slots, return_output, trace)``; once full,
+    new headers are encoded per call again (no eviction: a group binds a fixed set of methods).
+    """
+
+    def __init__(self, max_entries: int = 1024) -> None:
+        self.max_entries = max_entries
+        self._encoded: dict[tuple[Any, ...], bytes] = {}
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._encoded)
+
+    def get(self, key: tuple[Any, ...]) -> bytes | None:
+        encoded = self._encoded.get(key)
+        if encoded is not None:
+            self.hits += 1
+        return encoded
+
+    def put(self, key: tuple[Any, ...], encoded: bytes) -> None:
+        if len(self._encoded) < self.max_entries:
+            self._encoded[key] = encoded
+
+
+def encode_call(
+    role: str | None, method: str, call: RankCall, cache: HeaderCache | None = None
+) -> tuple[bytes, list[Any]]:
     """``(header, refs)`` for one rank: pass them as ``execute.remote(header, *refs)``.
 
     Each distinct Shared reference (by identity) gets one slot, however often the call uses it.
+    With ``cache``, a slot-only header is encoded once and reused (see :class:`HeaderCache`).
     """
     refs: list[Any] = []
     slot_of: dict[int, SharedSlot] = {}
@@ -63,24 +96,17 @@ def encode_call(role: str | None, method: str, call: RankCall) -> tuple[bytes, l
 
     args = tuple(swap(a) for a in call.args)
     kwargs = {k: swap(v) for k, v in call.kwargs.items()}
-    # A header of nothing but slots (no-argument calls, data calls whose batches travel shared)
-    # is the same bytes on every call of a bound method: encode it once.
     key = None
-    if all(type(v) is SharedSlot for v in (*args, *kwargs.values())):
-        key = (role, method, args, tuple(kwargs.items()), call.return_output)
-        cached = _HEADERS.get(key)
+    if cache is not None and all(type(v) is SharedSlot for v in (*args, *kwargs.values())):
+        key = (role, method, args, tuple(kwargs.items()), call.return_output, call.trace)
+        cached = cache.get(key)
         if cached is not None:
             return cached, refs
     # cloudpickle: arguments may be lambdas or classes defined in the driver's __main__.
-    encoded = cloudpickle.dumps(CallHeader(role, method, args, kwargs, call.return_output))
-    if key is not None and len(_HEADERS) < _HEADER_CACHE_MAX:
-        _HEADERS[key] = encoded
+    encoded = cloudpickle.dumps(CallHeader(role, method, args, kwargs, call.return_output, call.trace))
+    if key is not None:
+        cache.put(key, encoded)
     return encoded, refs
-
-
-#: Encoded headers of slot-only calls, by (role, method, slots, return_output); bounded.
-_HEADERS: dict[tuple[Any, ...], bytes] = {}
-_HEADER_CACHE_MAX = 4096
 
 
 def decode_call(header: bytes, values: tuple[Any, ...]) -> CallHeader:
@@ -98,4 +124,5 @@ def decode_call(header: bytes, values: tuple[Any, ...]) -> CallHeader:
         tuple(fill(a) for a in call.args),
         {k: fill(v) for k, v in call.kwargs.items()},
         call.return_output,
+        call.trace,
     )

@@ -1,0 +1,236 @@
+"""verl's ``Worker`` and ``RayWorkerGroup`` names over rankmesh's: function shipping, fused roles.
+
+A verl worker class calls a few ``Worker`` methods rankmesh's own API spells differently or
+leaves out (``get_master_addr_port``, ``execute_with_func_generator``, verl's
+``set_dispatch_collect(mesh_name, ...)``), and a verl driver reads ``wg.master_address`` or
+fuses roles into one process with :func:`create_colocated_worker_raw_cls`.  The classes here
+add exactly those names on top of :class:`rankmesh.worker.Worker` and
+:class:`rankmesh.backends.ray.RayWorkerGroup`; rank, mesh, dispatch and failures stay rankmesh's.
+
+Fused workers, as verl builds them: the raw class is one :class:`Worker` whose ``__init__``
+builds every role object in the same process and keeps them as attributes (``self.actor``) and
+in ``fused_worker_dict``; ``wg.fuse(names)`` gives the group one sub-group per role, and the
+worker host routes a role's call to the role object the fused worker holds
+(:data:`rankmesh.worker.FUSED_ROLES_ATTR`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rankmesh.backends.ray import RayClassWithInitArgs
+from rankmesh.backends.ray import RayResourcePool as CoreRayResourcePool
+from rankmesh.backends.ray import RayWorkerGroup as CoreRayWorkerGroup
+from rankmesh.backends.ray.classes import unwrap_actor_class
+from rankmesh.dispatch import Dispatch, Execute, register
+from rankmesh.errors import DispatchAssertionError
+from rankmesh.group import ROLES_ATTR
+from rankmesh.worker import FUSED_ROLES_ATTR
+from rankmesh.worker import Worker as CoreWorker
+
+#: The variables a verl worker reads; the backend sets them (CUDA_VISIBLE_DEVICES: Ray or the user).
+ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+
+
+def _last(values: Mapping[str, Any], what: str) -> Any:
+    if not values:
+        raise DispatchAssertionError(f"set_dispatch_collect: {what} is empty")
+    return list(values.values())[-1]
+
+
+class Worker(CoreWorker):
+    """rankmesh's Worker with verl 0.9.1's extra methods (every rank, mesh and context is rankmesh's)."""
+
+    fused_worker_attr_name = FUSED_ROLES_ATTR
+
+    def __init__(self, cuda_visible_devices: str | None = None) -> None:
+        super().__init__()
+
+    @classmethod
+    def env_keys(cls) -> list[str]:
+        """The environment variables that configure a worker (verl's list)."""
+        return list(ENV_KEYS)
+
+    def get_master_addr_port(self) -> tuple[str | None, str | None]:
+        """The group's torch.distributed rendezvous (``MASTER_ADDR``, ``MASTER_PORT``) as strings."""
+        return os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+
+    def get_available_master_addr_port(self) -> tuple[str, str]:
+        """A loopback address and a port free right now, for a rendezvous of the worker's own."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return "127.0.0.1", str(s.getsockname()[1])
+
+    get_availale_master_addr_port = get_available_master_addr_port  # verl's misspelt alias
+
+    def get_cuda_visible_devices(self) -> str:
+        """``CUDA_VISIBLE_DEVICES`` as this process sees it, or ``"not set"``."""
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "not set")
+
+    def get_fused_worker_by_name(self, worker_name: str) -> Any:
+        """The role object ``worker_name`` of this process's fused worker, or None."""
+        return getattr(self, FUSED_ROLES_ATTR, {}).get(worker_name)
+
+    # --- verl's dispatch info signatures ---------------------------------------------------------
+
+    def query_collect_info(self, mesh_name: str) -> bool:
+        """Whether this rank's output is kept for ``mesh_name``; unknown meshes fail as verl's assert."""
+        found = self._query_collect_info(mesh_name)
+        if found is None:
+            raise DispatchAssertionError(f"{mesh_name} is not registered in {type(self).__name__}")
+        return found
+
+    def get_dispatch_collect(self) -> dict[str, dict[str, Any]]:  # type: ignore[override]
+        """``{"dispatch_dp_rank": {...}, "collect_dp_rank": {...}}``, ready for ``set_dispatch_collect(name, **it)``."""
+        dispatch, collect = super().get_dispatch_collect()
+        return {"dispatch_dp_rank": dispatch, "collect_dp_rank": collect}
+
+    def set_dispatch_collect(  # type: ignore[override]
+        self, mesh_name: str, dispatch_dp_rank: Mapping[str, int], collect_dp_rank: Mapping[str, bool]
+    ) -> None:
+        """Register ``mesh_name`` with another worker's dispatch info (verl's signature and rule:
+        the last value of each mapping); a name already registered fails as verl's assert."""
+        dispatch, collect = CoreWorker.get_dispatch_collect(self)
+        if mesh_name in dispatch or mesh_name in collect:
+            raise DispatchAssertionError(f"{mesh_name} is already registered, {sorted(dispatch)}")
+        dispatch[mesh_name] = int(_last(dispatch_dp_rank, "dispatch_dp_rank"))
+        collect[mesh_name] = bool(_last(collect_dp_rank, "collect_dp_rank"))
+        CoreWorker.set_dispatch_collect(self, dispatch, collect)
+
+    # --- shipping functions to ranks ----------------------------------------------------------
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+    def execute_with_func_generator(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``func(self, *pieces)`` on every rank with its dp piece of each batch argument."""
+        return func(self, *args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def execute_func_rank_zero(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``func(*args, **kwargs)`` on rank 0 only and return its result."""
+        return func(*args, **kwargs)
+
+
+def create_colocated_worker_raw_cls(class_dict: Mapping[str, Any]) -> type:
+    """verl's fused worker base class: every role built in one process, reachable as ``self.<role>``.
+
+    ``class_dict`` maps role names to :class:`RayClassWithInitArgs` (or plain classes).
+    Subclass the result to write a hybrid worker whose methods call ``self.actor.add(...)``;
+    start it with ``RayWorkerGroup`` and call ``wg.fuse(class_dict)`` to reach each role as
+    ``wg.actor.add(...)``.
+    """
+    raw, args, kwargs = {}, {}, {}
+    for role, item in class_dict.items():
+        if not isinstance(role, str) or not role.isidentifier():
+            raise DispatchAssertionError(f"role names must be identifiers, got {role!r}")
+        spec = item if isinstance(item, RayClassWithInitArgs) else RayClassWithInitArgs(item)
+        raw[role], args[role], kwargs[role] = unwrap_actor_class(spec.cls), tuple(spec.args), dict(spec.kwargs)
+
+    def __init__(self: Worker, *a: Any, **kw: Any) -> None:
+        Worker.__init__(self)
+        fused: dict[str, Any] = {}
+        for role, cls in raw.items():  # built in this rank's context: each role sees rank and mesh
+            fused[role] = cls(*args[role], **kwargs[role])
+            setattr(self, role, fused[role])
+        setattr(self, FUSED_ROLES_ATTR, fused)
+        for obj in fused.values():  # roles can reach each other, as in verl
+            setattr(obj, FUSED_ROLES_ATTR, fused)
+
+    name = "FusedWorker_" + "_".join(raw)
+    attrs = {"__init__": __init__, "__module__": __name__, "raw_cls_dict": dict(raw), "is_fused_worker": True, ROLES_ATTR: dict(raw)}
+    return type(name, (Worker,), attrs)
+
+
+class RayWorkerGroup(CoreRayWorkerGroup):
+    """rankmesh's RayWorkerGroup with verl 0.9.1's extra names (``master_address``, ``spawn_fused`` ...)."""
+
+    fused_worker_execute_fn_name = "_fuw_execute"
+    fused_worker_used = False  # class defaults: role groups from spawn() skip __init__
+    sub_cls_name = ""
+    ray_cls_with_init: Any = None
+
+    def __init__(
+        self,
+        resource_pool: Any = None,
+        ray_cls_with_init: Any = None,
+        bin_pack: bool = True,
+        name_prefix: str | None = None,
+        detached: bool = False,
+        worker_names: Sequence[str] | None = None,
+        worker_handles: Any = None,
+        ray_wait_register_center_timeout: int = 300,
+        **kwargs: Any,
+    ) -> None:
+        """verl's argument order; rankmesh's ``mesh``, ``meshes``, ``worker_env``, ``call_timeout_s``
+        ... as keywords.  ``worker_names`` attaches to a detached group (see :meth:`from_detached`)."""
+        self.fused_worker_used = bool(getattr(ray_cls_with_init, "fused_worker_used", False))
+        self.sub_cls_name = ""
+        if worker_names is not None and not self.fused_worker_used:
+            raise DispatchAssertionError("worker_names attaches to detached workers: use RayWorkerGroup.from_detached")
+        for ignored in ("use_gpu", "device_name", "profile_steps", "worker_nsight_options", "master_port_range"):
+            kwargs.pop(ignored, None)
+        super().__init__(resource_pool, ray_cls_with_init, name_prefix=name_prefix, detached=detached, bin_pack=bin_pack, **kwargs)
+        self.ray_cls_with_init = ray_cls_with_init
+
+    @property
+    def master_address(self) -> str | None:
+        """The rendezvous address every rank got as ``MASTER_ADDR``."""
+        master = self._hosts.master
+        return None if master is None else master[0]
+
+    @property
+    def master_port(self) -> str | None:
+        """The rendezvous port every rank got as ``MASTER_PORT`` (a string, as in verl)."""
+        master = self._hosts.master
+        return None if master is None else str(master[1])
+
+    def spawn_fused(self, prefix_set: Sequence[str]) -> dict[str, CoreRayWorkerGroup]:
+        """Role name -> a group over the same processes calling that role (verl's name for :meth:`spawn`)."""
+        groups = self.spawn(prefix_set)
+        for role, group in groups.items():
+            group.sub_cls_name = role  # type: ignore[attr-defined]
+        return groups
+
+    def fuse(self, prefix_set: Sequence[str]) -> None:  # type: ignore[override]
+        """Set each role's group as an attribute (``wg.actor``), as verl does; returns None like verl."""
+        super().fuse(list(prefix_set))
+
+
+
+
+class RayResourcePool(CoreRayResourcePool):
+    """rankmesh's RayResourcePool in verl's argument order, with verl's per-process lists."""
+
+    def __init__(
+        self,
+        process_on_nodes: Sequence[int] | None = None,
+        use_gpu: bool = True,
+        name_prefix: str | None = None,
+        max_colocate_count: int = 1,
+        detached: bool = False,
+        accelerator_type: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """verl's positional order; rankmesh's ``ready_timeout`` as a keyword.  ``max_colocate_count``
+        keeps rankmesh's default (1: colocate roles with ``create_colocated_worker_cls``)."""
+        super().__init__(
+            list(process_on_nodes or []),
+            use_gpu=use_gpu,
+            max_colocate_count=max_colocate_count,
+            name_prefix=name_prefix,
+            detached=detached,
+            accelerator_type=accelerator_type,
+            **kwargs,
+        )
+
+    def local_world_size_list(self) -> list[int]:
+        """For every process, in rank order, how many processes share its node."""
+        return [count for count in self.process_on_nodes for _ in range(count)]
+
+    def local_rank_list(self) -> list[int]:
+        """For every process, in rank order, its index among the processes of its node."""
+        return [i for count in self.process_on_nodes for i in range(count)]
+
+__all__ = ["ENV_KEYS", "RayResourcePool", "RayWorkerGroup", "Worker", "create_colocated_worker_raw_cls"]

@@ -1,0 +1,97 @@
+"""Picture of a trace: ranks laid out by mesh coordinates, coloured by worker-method time, and phases per call.
+
+One row of panels per worker group.  Left: the group's ranks as boxes, a pipeline stage per row
+and, along it, dp replicas side by side with their tp (and cp) ranks inside, as ``layout draw``
+groups them; each box is coloured by the rank's median worker-method time over the group's
+calls, so a straggler is the one bright box.  Right: one horizontal bar per call (latest
+:data:`MAX_CALLS`), split into the controller's phases.  matplotlib is imported only when
+drawing, through its object API (``Figure``), so drawing never switches a notebook's backend.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from rankmesh.errors import RankMeshError
+from rankmesh.tracing.recorder import PHASES
+from rankmesh.tracing.summary import calls_of, load_trace
+
+MAX_CALLS = 40
+PHASE_COLOURS = {"split": "#8dd3c7", "put": "#80b1d3", "submit": "#bebada", "wait": "#fb8072", "concat": "#fdb462"}
+
+
+def _cell(coords: dict[str, int], mesh: dict[str, int]) -> tuple[int, int]:
+    """(column, row) of a rank: row = pp stage; column = dp replica block, then cp, then tp."""
+    tp, cp = mesh.get("tp", 1), mesh.get("cp", 1)
+    inner = coords.get("cp", 0) * tp + coords.get("tp", 0)
+    return coords.get("dp", 0) * (tp * cp + 1) + inner, coords.get("pp", 0)
+
+
+def plot_trace(trace_path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Draw the trace at ``trace_path`` to ``out`` (.png, .svg or .pdf); returns the output path."""
+    import matplotlib  # noqa: PLC0415 - matplotlib is heavy and optional
+    from matplotlib import cm, colors  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.patches import Rectangle  # noqa: PLC0415
+
+    doc = load_trace(trace_path)
+    groups = doc.get("otherData", {}).get("rankmesh", {}).get("groups", {})
+    calls = calls_of(doc)
+    if not groups or not calls:
+        raise RankMeshError(f"{os.fspath(trace_path)} has no rankmesh group calls to draw")
+    by_group: dict[str, list[Any]] = defaultdict(list)
+    for c in calls:
+        by_group[c.group].append(c)
+    names = [g["name"] for g in groups.values() if g["name"] in by_group]
+    fig = Figure(figsize=(13, 3.2 * len(names) + 0.6), layout="constrained")
+    axes = fig.subplots(len(names), 2, squeeze=False, width_ratios=[1, 1.3])
+    for (ax_mesh, ax_calls), name in zip(axes, names):
+        group = next(g for g in groups.values() if g["name"] == name)
+        per_rank: dict[int, list[float]] = defaultdict(list)
+        for c in by_group[name]:
+            for rank, us in c.method_us.items():
+                per_rank[rank].append(us / 1000)
+        median = {r: statistics.median(v) for r, v in per_rank.items()}
+        norm = colors.Normalize(vmin=min(median.values(), default=0), vmax=max(max(median.values(), default=1), 1e-6))
+        cmap = matplotlib.colormaps["viridis"]
+        width = height = 0
+        for info in group["ranks"]:
+            col, row = _cell(info["coords"], group["mesh"])
+            ms = median.get(info["rank"])
+            face = "#dddddd" if ms is None else cmap(norm(ms))
+            ax_mesh.add_patch(Rectangle((col, -row), 0.92, 0.85, facecolor=face, edgecolor="black", linewidth=0.6))
+            text = f"r{info['rank']}" + ("" if ms is None else f"\n{ms:.1f} ms")
+            dark = ms is not None and norm(ms) < 0.6
+            ax_mesh.text(col + 0.46, -row + 0.42, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
+            width, height = max(width, col + 1), max(height, row + 1)
+        ax_mesh.set_xlim(-0.1, width + 0.1)
+        ax_mesh.set_ylim(-height + 0.9, 0.95)
+        ax_mesh.set_aspect("equal")
+        ax_mesh.set_xticks([])
+        ax_mesh.set_yticks([-r + 0.42 for r in range(height)], [f"pp{r}" for r in range(height)])
+        sizes = " ".join(f"{k}{v}" for k, v in group["mesh"].items() if v > 1) or "1 rank"
+        ax_mesh.set_title(f"{name} · {sizes}: worker method, median ms (dp replicas left to right)", fontsize=9)
+        fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax_mesh, shrink=0.8, label="ms")
+        shown = by_group[name][-MAX_CALLS:]
+        for i, c in enumerate(shown):
+            left = 0.0
+            for phase in PHASES:
+                dur = c.phases.get(phase, 0.0) / 1000
+                if dur > 0:
+                    ax_calls.barh(i, dur, left=left, color=PHASE_COLOURS[phase], label=phase if i == 0 else None)
+                    left += dur
+        ax_calls.set_yticks(range(len(shown)), [f"{c.method} #{c.id}" for c in shown], fontsize=7)
+        ax_calls.invert_yaxis()
+        ax_calls.set_xlabel("controller time per call, ms")
+        ax_calls.set_title(f"{name}: phases of each call", fontsize=9)
+        handles, labels = ax_calls.get_legend_handles_labels()
+        if handles:
+            ax_calls.legend(fontsize=7, loc="lower right")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out

@@ -1,0 +1,275 @@
+"""Recording group calls: the recorder a process installs, and what each traced call adds to it.
+
+Tracing is off unless a :class:`Recorder` is installed in :data:`TRACING` (``RANKMESH_TRACE=path``
+for a whole program, ``with rankmesh.trace(path):`` around a block).  The hot path pays one
+attribute read for it: a group call reads ``TRACING.recorder`` once and, when it is ``None``,
+does nothing else different.
+
+With a recorder installed, a blocking call records on the controller the end of each phase
+(split, put, submit, wait, concat) with :class:`CallTrace`, and asks every rank to time itself
+(``RankCall.trace``): the rank's host wraps its output in a :class:`TracedOutput` carrying a
+:class:`RankTiming` (worker clock), which :meth:`CallTrace.unwrap` strips before the outputs are
+joined.  A non-blocking call records its controller phases only (its outputs travel inside a
+future, untouched), and the future it returns becomes the tail of a flow arrow to every later
+call that takes it as an argument.
+
+Worker clocks are not assumed to equal the controller's.  Each traced call bounds the offset
+``theta = worker_clock - controller_clock`` of every rank from both sides: the rank cannot start
+before the controller submitted (``theta <= t_enter - t_submit``) nor finish after the
+controller fetched (``theta >= t_end - t_fetched``).  The recorder keeps the tightest bounds
+over all calls and uses their midpoint (NTP's estimate), so every rank span lands inside its
+call's window on the controller's clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Sequence
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable: a path; when set, the process records every call and writes the file at exit.
+TRACE_ENV = "RANKMESH_TRACE"
+
+#: Controller phases of a call, in order (a call has the ones it went through).
+PHASES = ("split", "put", "submit", "wait", "concat")
+#: Phases of one rank's share of a call.
+RANK_PHASES = ("receive", "method", "return")
+#: Mesh axes a trace names ranks by (the expert view's etp/edp repeat them).
+MESH_AXES = ("tp", "cp", "ep", "pp", "dp")
+
+
+def payload_bytes(value: Any, depth: int = 0) -> int:
+    """Bytes of array data in ``value``: tensors and numpy arrays, also inside DataProtos and containers.
+
+    An estimate of what travels (headers, pickled Python objects and meta data are not counted);
+    the same rule on both sides, so the controller's and the ranks' figures compare.
+    """
+    if value is None or depth > 4 or isinstance(value, (bool, int, float, str)):
+        return 0
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(value, dict):
+        return sum(payload_bytes(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(payload_bytes(v, depth + 1) for v in value)
+    batch, columns = getattr(value, "batch", None), getattr(value, "non_tensor_batch", None)
+    if isinstance(columns, dict):  # a DataProto: its TensorDict and numpy columns
+        tensors = 0 if batch is None else sum(payload_bytes(batch[k], depth + 1) for k in batch.keys())
+        return tensors + payload_bytes(columns, depth + 1)
+    return 0
+
+
+class RankTiming(NamedTuple):
+    """One rank's own account of a call, on the worker's clock (``time.time_ns``).
+
+    ``enter_ns``: the call reached the rank's host; ``start_ns``/``end_ns``: the worker method
+    ran; ``bytes_in``: array bytes of the arguments it received; ``bytes_out``: of its output
+    (0 when it sends none back).
+    """
+
+    enter_ns: int
+    start_ns: int
+    end_ns: int
+    bytes_in: int
+    bytes_out: int
+    pid: int
+
+
+TracedOutput = tuple  # (output, timing as a plain tuple of RankTiming's fields)
+"""What a traced rank call sends back: ``(output, timing)``, ``timing`` a plain tuple of
+:class:`RankTiming`'s fields.  Plain tuples, because the wrapper crosses the process boundary on
+every traced call: a tuple of ints pickles in a few bytes, a class would add its reference."""
+
+
+def timed_call(
+    run: Callable[..., Any], *args: Any, enter_ns: int, inputs: Any, return_output: bool = True, **kwargs: Any
+) -> tuple[Any, tuple[int, ...]]:
+    """Worker side: ``run(*args, **kwargs)`` timed, as a :data:`TracedOutput`; ``enter_ns``: when the call reached the rank."""
+    start = time.time_ns()
+    value = run(*args, **kwargs)
+    end = time.time_ns()
+    out = payload_bytes(value) if return_output else 0
+    return value, (enter_ns, start, end, payload_bytes(inputs), out, os.getpid())
+
+
+@dataclass
+class GroupTrack:
+    """One worker group as the trace shows it: a process track with one thread per rank."""
+
+    pid: int
+    name: str
+    mesh: dict[str, int]
+    ranks: list[dict[str, Any]]  # per rank: {"rank", "coords": {...}, "node"}
+
+    def rank_label(self, rank: int) -> str:
+        info = self.ranks[rank]
+        coords = " ".join(f"{k}{v}" for k, v in info["coords"].items())
+        return f"rank {rank} · {coords} · {info['node']}"
+
+
+@dataclass
+class RankRecord:
+    rank: int
+    timing: RankTiming
+
+
+@dataclass
+class CallTrace:
+    """What the controller records of one group call (see the module docstring)."""
+
+    recorder: "Recorder"
+    id: int
+    group: GroupTrack
+    method: str
+    thread: int
+    start_ns: int
+    blocking: bool
+    marks: list[tuple[str, int]] = field(default_factory=list)
+    put_bytes: int = 0
+    submit_start_ns: int = 0
+    ranks: list[RankRecord] = field(default_factory=list)
+    flows_in: list[int] = field(default_factory=list)
+    flow_out: int | None = None
+    end_ns: int | None = None
+
+    def mark(self, phase: str) -> None:
+        """Phase ``phase`` ends now (it began where the previous one ended)."""
+        now = time.time_ns()
+        if phase == "submit":
+            self.submit_start_ns = self.marks[-1][1] if self.marks else self.start_ns
+        self.marks.append((phase, now))
+
+    def shipped(self, value: Any) -> None:
+        """Count ``value``'s array bytes as put by the controller."""
+        self.put_bytes += payload_bytes(value)
+
+    def consumes(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Link futures among the arguments to the calls that produced them (flow arrows)."""
+        for value in (*args, *kwargs.values()):
+            flow = self.recorder.flow_of(value)
+            if flow is not None:
+                self.flows_in.append(flow)
+
+    def unwrap(self, outputs: list[Any], ranks: Sequence[int]) -> list[Any]:
+        """The outputs without their :data:`TracedOutput` wrappers; their timings recorded."""
+        fetched = time.time_ns()
+        timings = [RankTiming(*fields) for _, fields in outputs]
+        self.ranks = [RankRecord(rank, t) for rank, t in zip(ranks, timings)]
+        self.recorder.bound_clocks(self.group.pid, ranks, self.submit_start_ns, fetched, timings)
+        return [value for value, _ in outputs]
+
+    def finish(self, output: Any = None) -> Any:
+        """End the call; a future output becomes the start of a flow.  Returns ``output``."""
+        self.end_ns = time.time_ns()
+        if not self.blocking and output is not None:
+            self.flow_out = self.recorder.hand_out(output)
+        self.recorder.add(self)
+        return output
+
+
+class Recorder:
+    """Everything traced in one process: groups, calls, clock bounds; :meth:`write` makes the file.
+
+    ``path`` is where :meth:`write` goes by default.  Thread-safe: calls from several threads
+    each land on their group's controller track.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = None if path is None else os.fspath(path)
+        self.origin_ns = time.time_ns()
+        self.groups: dict[int, GroupTrack] = {}
+        self.calls: list[CallTrace] = []
+        self.clock_bounds: dict[tuple[int, int], tuple[int, int]] = {}
+        self.startups: list[dict[str, Any]] = []
+        self._keep: dict[int, tuple[Any, int]] = {}  # id(future) -> (future, flow id)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # ----- controller side ---------------------------------------------------------------------
+
+    def group_track(self, group: Any) -> GroupTrack:
+        """The track of ``group`` (a WorkerGroup), made on its first traced call."""
+        track = self.groups.get(id(group))
+        if track is None:
+            mesh = group.mesh
+            nodes = group.node_labels
+            ranks = []
+            for rank in range(group.world_size):
+                c = mesh.coords(rank)
+                coords = {"tp": c.tp_rank, "cp": c.cp_rank, "ep": c.ep_rank, "pp": c.pp_rank, "dp": c.dp_rank}
+                coords = {k: v for k, v in coords.items() if mesh.sizes.get(k, 1) > 1 or k in ("tp", "pp", "dp")}
+                ranks.append({"rank": rank, "coords": coords, "node": nodes[rank]})
+            with self._lock:
+                name = group.trace_name
+                taken = {t.name for t in self.groups.values()}
+                if name in taken:
+                    name = f"{name}#{len(self.groups)}"
+                track = self.groups[id(group)] = GroupTrack(len(self.groups) + 2, name, {k: v for k, v in mesh.sizes.items() if k in MESH_AXES}, ranks)
+                track._owner = group  # type: ignore[attr-defined]  # keep id(group) from being reused
+        return track
+
+    def begin(self, group: Any, method: str, blocking: bool) -> CallTrace:
+        track = self.group_track(group)
+        return CallTrace(self, next(self._ids), track, method, track.pid, time.time_ns(), blocking)
+
+    def add(self, call: CallTrace) -> None:
+        with self._lock:
+            self.calls.append(call)
+
+    def hand_out(self, future: Any) -> int:
+        flow = next(self._ids)
+        with self._lock:
+            self._keep[id(future)] = (future, flow)
+        return flow
+
+    def flow_of(self, value: Any) -> int | None:
+        kept = self._keep.get(id(value))
+        return kept[1] if kept is not None and kept[0] is value else None
+
+    def bound_clocks(
+        self, pid: int, ranks: Sequence[int], submitted_ns: int, fetched_ns: int, timings: Sequence[RankTiming]
+    ) -> None:
+        """Tighten the bounds on each rank's clock offset with one call (module docstring)."""
+        with self._lock:
+            bounds = self.clock_bounds
+            for rank, t in zip(ranks, timings):
+                upper, lower = t.enter_ns - submitted_ns, t.end_ns - fetched_ns
+                old = bounds.get((pid, rank))
+                if old is not None:
+                    lower, upper = max(lower, old[0]), min(upper, old[1])
+                bounds[(pid, rank)] = (lower, upper)
+
+    def clock_offset_ns(self, pid: int, rank: int) -> int:
+        """Estimated ``worker clock - controller clock`` of a rank (0 before any traced call)."""
+        lower, upper = self.clock_bounds.get((pid, rank), (0, 0))
+        return (lower + upper) // 2
+
+    def startup(self, group: str, report: dict[str, Any]) -> None:
+        """Record a group's start-up report (stage times per rank) in the trace."""
+        with self._lock:
+            self.startups.append({"group": group, **report})
+
+
+class TraceSlot:
+    """Where a process keeps its installed recorder (``None``: tracing off).  One per process."""
+
+    recorder: Recorder | None = None
+
+
+#: The process's slot; group calls read ``TRACING.recorder``.
+TRACING = TraceSlot()
+
+
+def install(recorder: Recorder | None) -> Recorder | None:
+    """Make ``recorder`` the process's recorder (``None``: tracing off); returns the previous one."""
+    previous, TRACING.recorder = TRACING.recorder, recorder
+    return previous

@@ -1,0 +1,101 @@
+"""verl 0.9.1's worker and group behaviour under rankmesh.compat.verl, on a real local Ray.
+
+Each group has 2 ranks on one node; the expected values follow from that placement by hand
+(LOCAL_RANK = RANK, LOCAL_WORLD_SIZE = 2, dp piece = rank).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rankmesh.compat.verl import DataProto, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from tests.compat.workers import EnvWorker, HybridWorker
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+ENV = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RAY_LOCAL_RANK", "RAY_LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+
+
+@pytest.fixture(scope="module")
+def wg():
+    group = RayWorkerGroup(
+        RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker), worker_env={"HIP_VISIBLE_DEVICES": "0,1"}
+    )
+    yield group
+    group.shutdown()
+
+
+def test_workers_see_verls_variables(wg):
+    envs = wg.env(ENV)
+    for rank, env in enumerate(envs):
+        assert env["RANK"] == env["LOCAL_RANK"] == env["RAY_LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == env["RAY_LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == wg.master_address == "127.0.0.1"
+        assert env["MASTER_PORT"] == wg.master_port
+    assert wg.master() == [("127.0.0.1", wg.master_port)] * 2
+
+
+def test_hip_visible_devices_becomes_cuda_visible_devices(wg):
+    assert wg.visible() == ["0,1", "0,1"]
+    assert wg.env(["HIP_VISIBLE_DEVICES"]) == [{"HIP_VISIBLE_DEVICES": None}] * 2
+
+
+def test_verl_group_names(wg):
+    assert wg.world_size == 2 and len(wg.workers) == 2 and len(wg.worker_names) == 2
+    assert wg.execute_all_sync("visible") == ["0,1", "0,1"]
+    assert wg.execute_rank_zero_sync("visible") == "0,1"
+    assert wg.execute_rank_zero_async("visible").get() == "0,1"
+
+
+def test_functions_ship_to_ranks(wg):
+    data = DataProto.from_dict(tensors={"x": torch.arange(4.0)})
+
+    def shift(worker, piece):
+        return DataProto.from_dict(tensors={"x": piece.batch["x"] + 10 * worker.rank})
+
+    out = wg.execute_with_func_generator(shift, data)
+    assert out.batch["x"].tolist() == [0.0, 1.0, 12.0, 13.0] and type(out) is DataProto
+    assert wg.execute_func_rank_zero(lambda a, b: a * b, 6, 7) == 42
+
+
+def test_set_dispatch_collect_with_verls_signature(wg):
+    got = wg.copy_dispatch_info()
+    assert [g[:2] for g in got] == [(0, True), (1, True)]
+    assert all("already registered" in g[2] for g in got)
+    assert [g[3] for g in got] == ["ValueError", "ValueError"]
+
+
+def test_tensordict_batches_split_by_rows_and_come_back_as_a_tensordict(wg):
+    td = TensorDict({"x": torch.arange(6.0)}, batch_size=[6])
+    out = wg.double(td)
+    assert isinstance(out, TensorDict) and out["y"].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    assert out["rank"].tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert td["x"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_worker_groups_return_compat_batches_with_verls_semantics(wg):
+    out = wg.double(DataProto.from_dict(tensors={"x": torch.arange(4.0)}))
+    assert type(out) is DataProto
+    with pytest.raises(AssertionError):
+        out.chunk(3)
+
+
+def test_worker_env_overriding_a_reserved_variable_is_a_value_error():
+    with pytest.raises(ValueError, match="WORLD_SIZE"):
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker), worker_env={"WORLD_SIZE": "9"})
+
+
+def test_fused_workers_reach_roles_as_attributes():
+    cls = RayClassWithInitArgs(cls=HybridWorker)
+    cls.fused_worker_used = True
+    group = RayWorkerGroup(RayResourcePool([2], use_gpu=False), cls)
+    try:
+        assert group.fused_worker_used
+        group.fuse(["actor", "critic"])
+        assert group.actor.add(1) == [101, 102]  # base 100 + x + rank
+        assert group.critic.sub(5) == [5, 4]
+        assert group.both(1) == [(101, 1, ["actor", "critic"]), (102, 0, ["actor", "critic"])]
+    finally:
+        group.shutdown()

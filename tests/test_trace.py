@@ -1,0 +1,248 @@
+"""Tracing group calls: the file is valid trace-event JSON, it names a slowed rank, it costs nothing off.
+
+The format checks are written from the trace-event format document (Google's "Trace Event
+Format"), not from rankmesh's writer: required keys per phase type, B/E pairs matched per
+thread in file order, timestamps never going back on a track, flow ends with a start.  The
+slowed rank is chosen by the test (``trace_workers.SLOW_RANK``); the summary must find it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from rankmesh.backends.local import LocalWorkerGroup
+from rankmesh.cli import main as cli_main
+from rankmesh.data import DataProto, DataProtoFuture
+from rankmesh.mesh import RankMesh
+from rankmesh.tracing import TRACE_ENV, TRACING, summarize, trace
+
+from .trace_workers import SLOW_RANK, SLOW_S, TracedWorker
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def check_trace_event_format(doc: dict) -> dict[tuple[int, int], str]:
+    """Assert ``doc`` follows the trace-event format; returns the thread names by (pid, tid)."""
+    assert isinstance(doc, dict) and isinstance(doc["traceEvents"], list)
+    names: dict[tuple[int, int], str] = {}
+    stacks: dict[tuple[int, int], list[str]] = defaultdict(list)
+    last_ts: dict[tuple[int, int], float] = {}
+    flow_starts, flow_ends = set(), set()
+    for e in doc["traceEvents"]:
+        ph = e["ph"]
+        assert isinstance(e["name"], str) and isinstance(e["pid"], int), e
+        if ph == "M":
+            assert e["name"] in ("process_name", "process_sort_index", "thread_name", "thread_sort_index"), e
+            if e["name"] == "thread_name":
+                names[(e["pid"], e["tid"])] = e["args"]["name"]
+            continue
+        assert ph in ("B", "E", "s", "f"), e
+        track = (e["pid"], e["tid"])
+        assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0, e
+        assert e["ts"] >= last_ts.get(track, 0.0), f"time goes back on track {track}: {e}"
+        last_ts[track] = e["ts"]
+        if ph == "B":
+            stacks[track].append(e["name"])
+        elif ph == "E":
+            assert stacks[track], f"E without B on {track}: {e}"
+            assert stacks[track].pop() == e["name"], f"E does not match the open B on {track}: {e}"
+        elif ph == "s":
+            flow_starts.add(e["id"])
+        else:
+            assert e.get("bp") == "e" and stacks[track], f"flow end outside a slice: {e}"
+            flow_ends.add(e["id"])
+    assert not any(stacks.values()), f"unclosed slices: { {k: v for k, v in stacks.items() if v} }"
+    assert flow_ends <= flow_starts, "a flow ends that never started"
+    for track in last_ts:
+        assert track in names, f"track {track} has no thread_name"
+    return names
+
+
+def spans_of(doc: dict) -> list[dict]:
+    out, open_ = [], defaultdict(list)
+    for e in doc["traceEvents"]:
+        if e["ph"] == "B":
+            open_[(e["pid"], e["tid"])].append(e)
+        elif e["ph"] == "E":
+            b = open_[(e["pid"], e["tid"])].pop()
+            out.append({**b, "end": e["ts"]})
+    return out
+
+
+def batch(rows: int = 8) -> DataProto:
+    return DataProto.from_dict({"x": torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4)})
+
+
+def test_off_by_default_and_outputs_unchanged_when_on(tmp_path):
+    assert TRACING.recorder is None
+    wg = LocalWorkerGroup(TracedWorker, RankMesh(tp=2, pp=2, dp=2), init_kwargs={"slow_rank": -1})
+    data = batch()
+    plain = wg.compute(data)
+    with trace(tmp_path / "t.json"):
+        traced = wg.compute(data)
+        future = wg.produce(data)
+        assert isinstance(future, DataProtoFuture)
+        fetched = future.get()
+        assert wg.noop() == [None] * 8
+    assert TRACING.recorder is None
+    assert isinstance(traced, DataProto) and isinstance(fetched, DataProto)  # no timing wrapper left
+    assert torch.equal(traced.batch["x"], data.batch["x"]) and torch.equal(plain.batch["x"], data.batch["x"])
+    assert torch.equal(fetched.batch["x"], data.batch["x"])
+
+
+def test_local_trace_names_the_slowed_rank(tmp_path):
+    path = tmp_path / "local.json"
+    wg = LocalWorkerGroup(TracedWorker, RankMesh(tp=2, pp=2, dp=2))
+    with trace(path):
+        for _ in range(3):
+            wg.compute(batch())
+    doc = json.loads(path.read_text())
+    names = check_trace_event_format(doc)
+    # megatron order tp-cp-ep-dp-pp on tp2 pp2 dp2: rank 5 = tp 1, dp 0, pp 1 (5 = 1 + 2*0 + 4*1).
+    assert "rank 5 · tp1 pp1 dp0 · local" in names.values()
+    summary = summarize(path)
+    (m,) = summary.methods
+    assert (m.method, m.calls, m.straggler) == ("compute", 3, SLOW_RANK)
+    assert m.slowest == [SLOW_RANK] * 3
+    assert m.rank_ms[SLOW_RANK] >= SLOW_S * 1000 * 0.9
+    assert m.skew_ms is not None and m.skew_ms >= SLOW_S * 1000 * 0.8  # rank 5 is in replica dp0
+    assert "straggler: rank 5" in summary.format()
+
+
+def test_group_trace_records_that_group_alone(tmp_path):
+    path = tmp_path / "group.json"
+    traced = LocalWorkerGroup(TracedWorker, RankMesh(tp=2, pp=2, dp=2))
+    other = LocalWorkerGroup(TracedWorker, RankMesh(dp=2), init_kwargs={"slow_rank": -1})
+    with traced.trace(path) as recorder:
+        assert TRACING.recorder is None  # nothing program-wide was installed
+        traced.compute(batch())
+        other.compute(batch())
+    assert TRACING.recorder is None and recorder is not None
+    doc = json.loads(path.read_text())
+    names = check_trace_event_format(doc)
+    assert "rank 5 · tp1 pp1 dp0 · local" in names.values()
+    ranks = [n for n in names.values() if n.startswith("rank ")]
+    assert len(ranks) == 8  # the 8 ranks of the traced group; the 2-rank group left no track
+    (m,) = summarize(path).methods
+    assert (m.method, m.calls, m.straggler) == ("compute", 1, SLOW_RANK)
+    traced.compute(batch())  # after the block: recorded nowhere, and the file is unchanged
+    assert json.loads(path.read_text()) == doc
+
+
+def test_trace_env_variable_records_a_whole_program(tmp_path):
+    path = tmp_path / "env.json"
+    script = textwrap.dedent(
+        """
+        import torch
+        from rankmesh.backends.local import LocalWorkerGroup
+        from rankmesh.data import DataProto
+        from tests.trace_workers import TracedWorker
+        wg = LocalWorkerGroup(TracedWorker, world_size=2, init_kwargs={"slow_rank": -1})
+        wg.consume(DataProto.from_dict({"x": torch.zeros(4, 2)}))
+        """
+    )
+    env = {**os.environ, TRACE_ENV: str(path), "PYTHONPATH": f"{SRC}{os.pathsep}{SRC.parent}"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=SRC.parent, timeout=120)
+    doc = json.loads(path.read_text())
+    check_trace_event_format(doc)
+    assert [c.method for c in summarize(path).methods] == ["consume"]
+
+
+def test_cli_summarize_and_plot(tmp_path, capsys):
+    path = tmp_path / "cli.json"
+    wg = LocalWorkerGroup(TracedWorker, RankMesh(tp=2, pp=2, dp=2))
+    with trace(path):
+        wg.compute(batch())
+    assert cli_main(["trace", "summarize", str(path)]) == 0
+    assert "straggler: rank 5" in capsys.readouterr().out
+    assert cli_main(["trace", "summarize", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["straggler"] == SLOW_RANK
+    png = tmp_path / "out.png"
+    assert cli_main(["trace", "plot", str(path), "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli_main(["trace", "summarize", str(tmp_path / "missing.json")]) == 2
+    assert "no trace file" in capsys.readouterr().err
+
+
+# ----- Ray: real worker processes, clocks measured, futures between groups ---------------------
+
+
+@pytest.fixture(scope="module")
+def ray_groups(ray_session):
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    trainer = RayWorkerGroup(
+        RayResourcePool([8], use_gpu=False), RayClassWithInitArgs(TracedWorker), mesh=RankMesh(tp=2, pp=2, dp=2), name_prefix="trainer"
+    )
+    gen = RayWorkerGroup(
+        RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(TracedWorker, slow_rank=-1), name_prefix="gen"
+    )
+    yield trainer, gen
+    trainer.shutdown()
+    gen.shutdown()
+
+
+def test_ray_trace_is_valid_aligned_and_names_the_slowed_rank(ray_groups, tmp_path):
+    trainer, gen = ray_groups
+    path = tmp_path / "ray.json"
+    data = batch(16)
+    with trace(path) as rec:
+        for _ in range(3):
+            out = trainer.compute(data)
+        future = gen.produce(data)  # non-blocking: a DataProtoFuture handed to the trainer
+        trainer.consume(future)
+    assert torch.equal(out.batch["x"], data.batch["x"])
+    doc = json.loads(path.read_text())
+    names = check_trace_event_format(doc)
+    assert "rank 5 · tp1 pp1 dp0 · node 0" in names.values()
+    assert names[(1, rec.groups[id(trainer)].pid)] == "trainer calls"
+    # Every rank's worker-method span lies inside its call's window on the controller's clock.
+    spans = spans_of(doc)
+    calls = {s["args"]["call"]: s for s in spans if s.get("cat") == "call"}
+    methods = [s for s in spans if s.get("cat") == "method"]
+    assert len(methods) == 3 * 8 + 8
+    for s in methods:
+        call = calls[s["args"]["call"]]
+        assert call["ts"] <= s["ts"] <= s["end"] <= call["end"], (s, call)
+    # Offsets were measured (bounded from both sides), one per traced rank.
+    assert len(doc["otherData"]["rankmesh"]["clock_offsets_us"]) == 8
+    # One flow arrow: from gen.produce to trainer.consume.
+    flows = [e for e in doc["traceEvents"] if e["ph"] in ("s", "f")]
+    assert sorted(e["ph"] for e in flows) == ["f", "s"]
+    start, end = sorted(flows, key=lambda e: e["ph"], reverse=True)
+    assert calls_by_ts(spans, start)["name"] == "produce" and calls_by_ts(spans, end)["name"] == "consume"
+    received = [s for s in spans if s["name"] == "receive" and s["args"]["method"] == "compute"]
+    assert {s["args"]["bytes"] for s in received} == {data.batch["x"].nbytes // 2}  # one dp half each
+    m = next(m for m in summarize(path).methods if m.method == "compute")
+    assert m.straggler == SLOW_RANK and m.slowest == [SLOW_RANK] * 3
+
+
+def calls_by_ts(spans: list[dict], event: dict) -> dict:
+    """The call slice on ``event``'s track that contains it."""
+    (call,) = [
+        s for s in spans
+        if s.get("cat") == "call" and (s["pid"], s["tid"]) == (event["pid"], event["tid"]) and s["ts"] <= event["ts"] <= s["end"]
+    ]
+    return call
+
+
+def test_startup_report_has_every_stage_per_rank_in_order(ray_groups):
+    trainer, _ = ray_groups
+    report = trainer.startup_report()
+    assert report is not None and len(report.ranks) == 8
+    assert report.controller["placed"] >= 0
+    for stages in report.ranks:
+        assert 0 <= stages["started"] <= stages["imported"] <= stages["initialized"], stages
+    # Every rank runs on this machine: one clock, so the measured offsets are round-trip noise.
+    assert all(abs(o) < 1.0 for o in report.clock_offsets_s)
+    text = report.format()
+    assert "initialized" in text and "(rank " in text
