@@ -9,10 +9,12 @@ gives the same isolation with a full copy; ``wg.transport_info()`` says which pa
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -52,11 +54,21 @@ def shm_file(tmp_path):
     path = os.path.join(base, f"rankmesh-test-{os.getpid()}")
     data = (np.arange(4 * MiB, dtype=np.uint64) % 251).astype(np.uint8)
     data.tofile(path)
+    # Mapped with libc's mmap, not Python's (which keeps a dup of the fd open): afterwards this
+    # process holds no fd of the file, as a Ray worker holds none of the object store's.
     fd = os.open(path, os.O_RDONLY)
-    shared = mmap.mmap(fd, 4 * MiB, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    addr = _libc.mmap(None, 4 * MiB, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     os.close(fd)
-    yield path, memoryview(shared).toreadonly(), data
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    shared = memoryview((ctypes.c_char * (4 * MiB)).from_address(addr)).cast("B").toreadonly()
+    yield path, shared, data
+    shared.release()
     os.unlink(path)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 
 
 @pytest.fixture
@@ -83,30 +95,57 @@ def test_private_bytes_is_copy_on_write(shm_file, mode):
     assert view[6] == expected[MiB + 6]
 
 
-def test_unprivileged_route_through_another_process(shm_file, mode):
-    """``procfd``: the file is found through another process's fd, as an ordinary user must."""
+def _reset_fds():
+    sharedmem._STATE.fds.clear()
+    sharedmem._STATE.how.clear()
+    sharedmem._STATE.unreachable.clear()
+
+
+def test_unprivileged_route_through_the_store_process(shm_file, mode, monkeypatch):
+    """``procfd``: the file is found through the store process's fd, as an ordinary user must.
+
+    A subprocess keeps the file open, as Ray's raylet does; it counts only once registered as a
+    store process (the Ray backend registers the raylet), never by scanning every process.
+    """
     mode("procfd")
     path, shared, expected = shm_file
     keeper = subprocess.Popen([sys.executable, "-c", f"import sys; f = open({path!r}, 'rb'); sys.stdin.read()"],
                               stdin=subprocess.PIPE)
+    monkeypatch.setattr(sharedmem, "_STORE_PIDS", set())
     try:
         for _ in range(100):  # wait until the keeper has the file open
             if any(os.readlink(f"/proc/{keeper.pid}/fd/{n}") == path for n in os.listdir(f"/proc/{keeper.pid}/fd")):
                 break
-            import time
-
             time.sleep(0.05)
-        sharedmem._STATE.fds.clear()
-        sharedmem._STATE.how.clear()
-        sharedmem._STATE.unreachable.clear()
+        _reset_fds()
+        before = sharedmem.receive_info()["copies"]
+        view = sharedmem.private_bytes(shared[:2 * MiB])  # not registered: not looked at
+        assert sharedmem.receive_info()["copies"] == before + 1
+        _reset_fds()
+        sharedmem.register_store_processes([keeper.pid])
         view = sharedmem.private_bytes(shared[:2 * MiB])
         assert sharedmem.receive_info()["fd_source"] == [f"proc_fd:{keeper.pid}"]
         view[:] = 1
         assert np.array_equal(np.asarray(shared[:2 * MiB]), expected[:2 * MiB])
     finally:
         keeper.communicate(b"")
-        sharedmem._STATE.fds.clear()
-        sharedmem._STATE.how.clear()
+        _reset_fds()
+
+
+def test_route_through_this_process_fd(shm_file, mode):
+    """A file this process itself holds open is found in /proc/self/fd, with no other process."""
+    mode("procfd")
+    path, shared, expected = shm_file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _reset_fds()
+        view = sharedmem.private_bytes(shared[:2 * MiB])
+        assert sharedmem.receive_info()["fd_source"] == ["self_fd"]
+        view[:] = 3
+        assert np.array_equal(np.asarray(shared[:2 * MiB]), expected[:2 * MiB])
+    finally:
+        os.close(fd)
+        _reset_fds()
 
 
 def test_forced_fallback_copies_and_says_why(shm_file, mode):

@@ -12,9 +12,13 @@ How the file is reached (the mapping's own fd is closed by Ray's plasma client):
 
 1. ``/proc/self/map_files/<lo>-<hi>``: the kernel's handle on the mapping's file.  Opening it
    needs ``CAP_SYS_ADMIN`` (works as root, ``EPERM`` for an ordinary user).
-2. ``/proc/<pid>/fd/<n>`` of another process of the same user that keeps the file open (Ray's
-   raylet, which owns the object store, does): found once per file by scanning, checked by
-   device and inode against ``/proc/self/maps``.
+2. ``/proc/<pid>/fd/<n>`` of a process of the same user that keeps the file open, looked up
+   once per file and checked by device and inode against ``/proc/self/maps``.  Only this
+   process (``/proc/self/fd``: an in-process :class:`SharedFile`; Ray's plasma client closes
+   the store's fd after mapping it, so a Ray worker holds none) and the raylet that owns the
+   store are looked at: a worker's parent when its name is ``raylet``, and the raylet pids the
+   Ray backend registers in the controller (:func:`register_store_processes`).  No other
+   process is scanned.
 
 Where neither works (another OS, an object store that is not a file mapping, an in-band
 buffer, ``RANKMESH_RECEIVE=copy`` in the environment) :func:`private_bytes` makes a private copy,
@@ -32,12 +36,14 @@ This module imports nothing from the package.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import mmap
 import os
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -77,7 +83,7 @@ class _State:
     """Per-process state: mode, cached regions and fds, counters, the first fallback's reason."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entered by SharedFile finalizers run by GC
         mode = os.environ.get(RECEIVE_ENV, "auto").strip().lower() or "auto"
         if mode not in RECEIVE_MODES:
             logger.warning("%s=%r is not one of %s; using 'auto'", RECEIVE_ENV, mode, RECEIVE_MODES)
@@ -95,6 +101,40 @@ class _State:
 
 
 _STATE = _State()
+
+#: Receive choice of the call running in this thread (``receiving``), over the process mode.
+_CALL = threading.local()
+
+#: Live copy-on-write views: data address -> (end address, weak reference to the mapping).
+_VIEWS: dict[int, tuple[int, "weakref.ref[_PinnedMap]"]] = {}
+
+#: Per-call receive choices a method or group can declare (``@register(receive=...)``).
+#: ``"cow"``: copy-on-write views (the default); ``"copy"``: one private copy up front, for
+#: methods that overwrite most of their input (a page fault per written 4 KiB page costs more
+#: than one memcpy into fresh memory).
+CALL_RECEIVE = ("cow", "copy")
+
+
+def check_receive(value: Any, what: str = "receive") -> str | None:
+    """``value`` if it is ``None`` or one of :data:`CALL_RECEIVE`, else a ``ValueError`` naming ``what``."""
+    if value is None or value in CALL_RECEIVE:
+        return value
+    raise ValueError(f"{what} must be one of {CALL_RECEIVE} (or None for the default), got {value!r}")
+
+
+@contextlib.contextmanager
+def receiving(receive: str | None) -> Iterator[None]:
+    """Within the block, in this thread, receive as ``receive`` says (``"copy"``: private copies).
+
+    ``None`` or ``"cow"`` leaves the process's mode (:data:`RECEIVE_ENV`) in charge.
+    """
+    check_receive(receive)
+    before = getattr(_CALL, "receive", None)
+    _CALL.receive = receive
+    try:
+        yield
+    finally:
+        _CALL.receive = before
 
 
 def set_receive_mode(mode: str) -> None:
@@ -189,26 +229,39 @@ def _open_map_files(region: Region) -> int | None:
     return None
 
 
-def _open_other_fd(region: Region) -> tuple[int, int] | None:
-    """Scan the fds of this user's other processes for the same file (Ray's raylet keeps it)."""
-    uid = os.getuid()
-    me = os.getpid()
-    name = os.path.basename(region.path.removesuffix(" (deleted)"))
-    # The parent chain first (the raylet started this worker), then every process.
-    pids = []
+#: Processes known to keep the object store's file open (the raylet), told by the backend.
+_STORE_PIDS: set[int] = set()
+
+#: ``/proc/<pid>/comm`` of the process that owns Ray's object store.
+STORE_PROCESS_NAME = "raylet"
+
+
+def register_store_processes(pids: Any) -> None:
+    """Tell this module which processes hold the object store's file (the Ray backend tells it
+    the raylet's pid in the controller; a worker finds its parent raylet itself)."""
+    _STORE_PIDS.update(int(p) for p in pids)
+
+
+def _store_pids() -> list[int]:
+    """Where to look for the store's fd: this process, then the raylet that started it (its
+    parent, checked by name) and the raylets the backend registered; never any other process."""
+    pids = [os.getpid()]
     try:
-        pids.append(os.getppid())
+        ppid = os.getppid()
+        with open(f"/proc/{ppid}/comm") as f:
+            if f.read().strip() == STORE_PROCESS_NAME:
+                pids.append(ppid)
     except OSError:
         pass
-    try:
-        pids += [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return None
-    seen = set()
-    for pid in pids:
-        if pid in seen or pid == me:
-            continue
-        seen.add(pid)
+    pids += sorted(_STORE_PIDS - set(pids))
+    return pids
+
+
+def _open_other_fd(region: Region) -> tuple[int, int] | None:
+    """Find an fd of the mapped file in :func:`_store_pids` (same user only) and open it."""
+    uid = os.getuid()
+    name = os.path.basename(region.path.removesuffix(" (deleted)"))
+    for pid in _store_pids():
         base = f"/proc/{pid}/fd"
         try:
             if os.stat(f"/proc/{pid}").st_uid != uid:
@@ -233,6 +286,54 @@ def _open_other_fd(region: Region) -> tuple[int, int] | None:
     return None
 
 
+class SharedFile:
+    """Bytes written once into an anonymous shared-memory file (``memfd``), mapped read-only.
+
+    The in-process backend's object store: :meth:`views` are read-only buffers into one shared
+    mapping (as ``ray.get`` gives), and the file's fd is known to this module while the object
+    lives, so :func:`private_bytes` turns each view into a copy-on-write mapping with no
+    ``/proc`` lookup.  Writing costs one copy of ``buffers``; the fd is closed when the object is
+    collected (views made from it keep their own mappings alive).
+    """
+
+    def __init__(self, buffers: list[Any]) -> None:
+        raws = [memoryview(b).cast("B") for b in buffers]
+        self.spans: list[tuple[int, int]] = []
+        offset = 0
+        for raw in raws:
+            self.spans.append((offset, raw.nbytes))
+            offset += -(-raw.nbytes // _PAGE) * _PAGE  # each buffer starts on a page
+        self.size = max(offset, _PAGE)
+        fd = os.memfd_create("rankmesh-shared", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, self.size)
+            mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            for raw, (start, n) in zip(raws, self.spans):
+                mm[start:start + n] = raw
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._mm = mm
+        key = (st.st_dev, st.st_ino)
+        with _STATE.lock:
+            _STATE.fds[key] = fd
+            _STATE.how[key] = "memfd"
+        weakref.finalize(self, _forget_file, key, fd)
+
+    def views(self) -> list[memoryview]:
+        """Read-only views of the stored buffers, in order (zero-copy)."""
+        whole = memoryview(self._mm)
+        return [whole[start:start + n].toreadonly() for start, n in self.spans]
+
+
+def _forget_file(key: tuple[int, int], fd: int) -> None:
+    with _STATE.lock:
+        if _STATE.fds.get(key) == fd:
+            del _STATE.fds[key]
+    os.close(fd)
+
+
 def _file_fd(region: Region) -> int | None:
     key = (region.dev, region.inode)
     fd = _STATE.fds.get(key)
@@ -244,7 +345,7 @@ def _file_fd(region: Region) -> int | None:
         found = _open_other_fd(region)
         if found is not None:
             fd, pid = found
-            how = f"proc_fd:{pid}"
+            how = "self_fd" if pid == os.getpid() else f"proc_fd:{pid}"
     if fd is None:
         _STATE.unreachable.add(key)
         return None
@@ -276,6 +377,8 @@ def _cow_view(buf: Any, src: np.ndarray) -> np.ndarray | str:
     s = _STATE
     if s.mode == "copy":
         return f"{RECEIVE_ENV}=copy"
+    if getattr(_CALL, "receive", None) == "copy":
+        return "the method or group declares receive='copy'"
     size = src.nbytes
     if size < COW_MIN_BYTES:
         return "small buffer"
@@ -300,4 +403,31 @@ def _cow_view(buf: Any, src: np.ndarray) -> np.ndarray | str:
     # 32 MiB read here).  MADV_POPULATE_READ up front measured the same, and costs it even
     # for bytes the worker never reads.
     mm.pin = buf
-    return np.frombuffer(mm, dtype=np.uint8, count=size, offset=head)
+    view = np.frombuffer(mm, dtype=np.uint8, count=size, offset=head)
+    _remember(view.ctypes.data, size, mm)
+    return view
+
+
+def _remember(addr: int, size: int, mm: _PinnedMap) -> None:
+    with _STATE.lock:
+        for start in [a for a, (_, ref) in _VIEWS.items() if ref() is None]:
+            del _VIEWS[start]
+        _VIEWS[addr] = (addr + size, weakref.ref(mm))
+
+
+def original_bytes(addr: int, size: int) -> np.ndarray | None:
+    """The shared bytes behind ``[addr, addr + size)`` if that range lies in a live copy-on-write
+    view (read-only, the buffer the view was made from), else ``None``.
+
+    What a copy of a received tensor should read from: the object store's own mapping, already
+    faulted in for this process, rather than the private mapping (a read fault per 64 KiB).
+    """
+    with _STATE.lock:
+        for start, (end, ref) in _VIEWS.items():
+            if start <= addr and addr + size <= end:
+                mm = ref()
+                if mm is None:
+                    return None
+                src = np.frombuffer(mm.pin, dtype=np.uint8)
+                return src[addr - start:addr - start + size]
+    return None

@@ -25,7 +25,10 @@ from rankmesh.backend import RankCall, Shared
 from rankmesh.errors import BackendError, WorkerDiedError
 from rankmesh.validate import optional_seconds
 
+from rankmesh.sharedmem import register_store_processes
+
 from .hosts import HostSet
+from .runtime import raylet_pids
 from .waiting import Pending, fetch_outputs
 from .wire import HeaderCache, encode_call
 
@@ -99,6 +102,8 @@ class RayExecutor:
         self._failed: WorkerDiedError | None = None
         self.token = uuid.uuid4().hex
         _EXECUTORS[self.token] = self
+        # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
+        register_store_processes(raylet_pids())
 
     @property
     def closed(self) -> bool:

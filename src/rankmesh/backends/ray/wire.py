@@ -43,6 +43,7 @@ class CallHeader:
     kwargs: dict[str, Any] = field(default_factory=dict)
     return_output: bool = True
     trace: bool = False
+    receive: str | None = None
 
 
 class HeaderCache:
@@ -51,7 +52,7 @@ class HeaderCache:
     A header of nothing but slots (no-argument calls, data calls whose batches travel shared) is
     the same bytes on every call of a bound method, so its owner (one
     :class:`~rankmesh.backends.ray.executor.RayExecutor`, shared by the role groups spawned from
-    it) pickles it once.  Keys are ``(role, method, slots, return_output, trace)``; once full,
+    it) pickles it once.  Keys are ``(role, method, slots, return_output, trace, receive)``; once full,
     new headers are encoded per call again (no eviction: a group binds a fixed set of methods).
     """
 
@@ -98,12 +99,12 @@ def encode_call(
     kwargs = {k: swap(v) for k, v in call.kwargs.items()}
     key = None
     if cache is not None and all(type(v) is SharedSlot for v in (*args, *kwargs.values())):
-        key = (role, method, args, tuple(kwargs.items()), call.return_output, call.trace)
+        key = (role, method, args, tuple(kwargs.items()), call.return_output, call.trace, call.receive)
         cached = cache.get(key)
         if cached is not None:
             return cached, refs
     # cloudpickle: arguments may be lambdas or classes defined in the driver's __main__.
-    encoded = cloudpickle.dumps(CallHeader(role, method, args, kwargs, call.return_output, call.trace))
+    encoded = cloudpickle.dumps(CallHeader(role, method, args, kwargs, call.return_output, call.trace, call.receive))
     if key is not None:
         cache.put(key, encoded)
     return encoded, refs
@@ -125,4 +126,5 @@ def decode_call(header: bytes, values: tuple[Any, ...]) -> CallHeader:
         {k: fill(v) for k, v in call.kwargs.items()},
         call.return_output,
         call.trace,
+        call.receive,
     )
