@@ -19,9 +19,10 @@ read-only; rankmesh workers get a private writable copy (the isolation rule), so
 prints ``copy ms``: that one receive-side copy of every rank's piece, done serially here
 (on N cores the workers do it in parallel).
 
-``--workers-write``: every worker writes its whole input once (rankmesh workers in place, which
-the copy-on-write receive turns into page copies; floor workers copy their read-only input first,
-then write).  ``--meshes tp2pp2dp2,tp4dp2,tp8dp1``: repeat the rows on other 8-rank meshes (the
+``--workers-write``: every worker writes its whole input once (floor workers copy their read-only
+input first, then write).  Each data workload then prints two rows: ``mesh`` as written (the
+default copy-on-write receive: the writes copy page by page) and ``mesh:copy``, the same method
+declaring ``@register(..., receive="copy")`` (one private copy up front, as the floor does).  ``--meshes tp2pp2dp2,tp4dp2,tp8dp1``: repeat the rows on other 8-rank meshes (the
 replica count of a dp piece is tp·pp).
 
 Also prints micro figures: DataProto ``chunk`` and ``concat`` of a 256 MiB batch against
@@ -37,6 +38,7 @@ Also prints micro figures: DataProto ``chunk`` and ``concat`` of a 256 MiB batch
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import pickle
@@ -100,6 +102,8 @@ def _bench_worker():
     from rankmesh.dispatch import Dispatch, register
     from rankmesh.worker import Worker
 
+    copy = {"receive": "copy"} if "receive" in inspect.signature(register).parameters else {}
+
     class DispatchBenchWorker(Worker):
         def __init__(self, write: bool = False) -> None:
             self.write = write
@@ -123,6 +127,20 @@ def _bench_worker():
 
         @register(Dispatch.MEGATRON_PP_AS_DP_PROTO)
         def echo_pp_as_dp(self, data: DataProto) -> DataProto:
+            return self._echo(data)
+
+        # The same methods declaring that they overwrite their input: one private copy up front.
+        # (A rankmesh without receive= -- measuring an older tree -- runs them as plain echoes.)
+        @register(Dispatch.DP_COMPUTE_PROTO, **copy)
+        def echo_dp_copy(self, data: DataProto) -> DataProto:
+            return self._echo(data)
+
+        @register(Dispatch.MEGATRON_COMPUTE_PROTO, **copy)
+        def echo_mesh_copy(self, data: DataProto) -> DataProto:
+            return self._echo(data)
+
+        @register(Dispatch.MEGATRON_PP_AS_DP_PROTO, **copy)
+        def echo_pp_as_dp_copy(self, data: DataProto) -> DataProto:
             return self._echo(data)
 
     return DispatchBenchWorker
@@ -283,15 +301,22 @@ def run_mesh(args: argparse.Namespace, mesh_name: str, wg, floor) -> list[Result
                 traced, plain = paired_ms(traced_call(wg.noop), wg.noop, n, warmup=5)
                 res = Result(mesh_name, "traced", 0, traced, plain, traced / plain, None, 0.0, n)
             else:
-                method = getattr(wg, f"echo_{workload}")
-                out = method(batch)
-                assert len(out) == ROWS and out.batch["x"].shape == batch.batch["x"].shape
-                assert np.array_equal(floor.echo(workload, arr), arr)
-                del out
-                rm, fl = paired_ms(lambda: method(batch), lambda: floor.echo(workload, arr), repeat)
-                copy = isolation_copy_ms(workload, arr, floor.plans)
-                rate = mib * MIB / 1e6 / (rm / 1000) if mib else None
-                res = Result(mesh_name, workload, mib, rm, fl, rm / fl, rate, copy, repeat)
+                # --workers-write: each data workload twice, as written (copy-on-write receive,
+                # the writes copy page by page) and declaring receive="copy" (one copy up front).
+                for suffix in ("", "_copy") if args.workers_write else ("",):
+                    method = getattr(wg, f"echo_{workload}{suffix}")
+                    out = method(batch)
+                    assert len(out) == ROWS and out.batch["x"].shape == batch.batch["x"].shape
+                    assert np.array_equal(floor.echo(workload, arr), arr)
+                    del out
+                    rm, fl = paired_ms(lambda: method(batch), lambda: floor.echo(workload, arr), repeat)
+                    copy = isolation_copy_ms(workload, arr, floor.plans)
+                    rate = mib * MIB / 1e6 / (rm / 1000) if mib else None
+                    name = workload + (":copy" if suffix else "")
+                    res = Result(mesh_name, name, mib, rm, fl, rm / fl, rate, copy, repeat)
+                    results.append(res)
+                    print(format_row(res), flush=True)
+                continue
             results.append(res)
             print(format_row(res), flush=True)
     return results
@@ -330,12 +355,12 @@ def micro(mib: int) -> dict[str, float]:
 
 
 def header() -> str:
-    return f"{'mesh':<10} {'workload':<9} {'MiB':>5} {'rankmesh ms':>12} {'floor ms':>9} {'ratio':>6} {'MB/s':>8} {'copy ms':>8}"
+    return f"{'mesh':<10} {'workload':<13} {'MiB':>5} {'rankmesh ms':>12} {'floor ms':>9} {'ratio':>6} {'MB/s':>8} {'copy ms':>8}"
 
 
 def format_row(r: Result) -> str:
     rate = f"{r.mb_per_s:8.0f}" if r.mb_per_s else f"{'-':>8}"
-    return f"{r.mesh:<10} {r.workload:<9} {r.mib:>5g} {r.rankmesh_ms:>12.2f} {r.floor_ms:>9.2f} {r.ratio:>6.2f} {rate} {r.copy_ms:>8.1f}"
+    return f"{r.mesh:<10} {r.workload:<13} {r.mib:>5g} {r.rankmesh_ms:>12.2f} {r.floor_ms:>9.2f} {r.ratio:>6.2f} {rate} {r.copy_ms:>8.1f}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

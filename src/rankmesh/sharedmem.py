@@ -317,6 +317,7 @@ class SharedFile:
         self._mm = mm
         key = (st.st_dev, st.st_ino)
         with _STATE.lock:
+            _STATE.regions = []  # the new mapping may sit where a freed one was: forget the cache
             _STATE.fds[key] = fd
             _STATE.how[key] = "memfd"
         weakref.finalize(self, _forget_file, key, fd)
@@ -390,8 +391,14 @@ def _cow_view(buf: Any, src: np.ndarray) -> np.ndarray | str:
         if region is None:
             return "the buffer is not in a file mapping (in-band or private memory)"
         fd = _file_fd(region)
+        if fd is None:  # perhaps a stale cached region (a freed mapping's address reused): reread
+            _STATE.regions = _read_regions()
+            region = _find_region(addr, size)
+            fd = _file_fd(region) if region is not None else None
+        if region is None:
+            return "the buffer is not in a file mapping (in-band or private memory)"
         if fd is None:
-            return f"cannot open {region.path}: no /proc/self/map_files access and no process of this user holds it"
+            return f"cannot open {region.path}: no /proc/self/map_files access and no store process holds it"
     file_off = region.offset + (addr - region.start)
     map_off = file_off - file_off % _PAGE
     head = file_off - map_off
