@@ -92,8 +92,8 @@ class Inplace(Worker):
         return out
 
     @register(Dispatch.ONE_TO_ALL)
-    def big(self, mib: int) -> torch.Tensor:
-        return torch.full((mib * MiB // 4,), float(self.rank))
+    def big(self, mib: int) -> DataProto:
+        return DataProto.from_dict({"x": torch.full((4, mib * MiB // 16), float(self.rank))})
 
     @register(Dispatch.ONE_TO_ALL)
     def to_device_report(self) -> dict:
@@ -282,16 +282,16 @@ def test_list_and_single_outputs_arrive_as_views(cow, backend):
     if backend == "local":
         pytest.skip("in-process outputs are deep-copied on fetch (the worker keeps its own object)")
     here = sharedmem.receive_info()
-    outs = cow.big(2)
-    assert [float(o[0]) for o in outs] == [0.0, 1.0, 2.0, 3.0]
-    one = cow.execute_rank_zero("big", 2)
-    assert float(one[-1]) == 0.0
+    outs = [o.batch["x"] for o in cow.big(2)]
+    assert [float(o[0, 0]) for o in outs] == [0.0, 1.0, 2.0, 3.0]
+    one = cow.execute_rank_zero("big", 2).batch["x"]
+    assert float(one[-1, -1]) == 0.0
     now = sharedmem.receive_info()
     assert now["copies"] == here["copies"]
     assert now["cow_views"] - here["cow_views"] == 5
     assert all(anonymous_kib(o.data_ptr(), 2 * MiB) == 0 for o in outs)  # no private page yet
-    outs[1][0] = -1.0  # writable, and the write stays in this process
-    assert float(cow.big(2)[1][0]) == 1.0
+    outs[1][0, 0] = -1.0  # writable, and the write stays in this process
+    assert float(cow.big(2)[1].batch["x"][0, 0]) == 1.0
 
 
 def test_in_process_share_is_one_copy_not_one_per_rank(local_group):
