@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from rankmesh.backend import RankCall, Shared
+from rankmesh.data import DataProtoFuture
 from rankmesh.errors import BackendError, DispatchError, WorkerError
 from rankmesh.group import WorkerGroup
 from rankmesh.mesh import RankMesh
@@ -98,7 +99,13 @@ class StoredObject:
 
 
 def store_object(obj: Any) -> Any:
-    """``obj`` as a :class:`StoredObject` when it pickles with large out-of-band buffers, else ``obj``."""
+    """``obj`` as a :class:`StoredObject` when it pickles with large out-of-band buffers, else ``obj``.
+
+    Futures stay as they are: their handles point at outputs that each rank's fetch copies
+    once anyway, so storing them first would add a copy.
+    """
+    if isinstance(obj, DataProtoFuture):
+        return obj
     buffers: list[pickle.PickleBuffer] = []
     try:
         inband = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
