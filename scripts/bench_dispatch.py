@@ -19,17 +19,26 @@ read-only; rankmesh workers get a private writable copy (the isolation rule), so
 prints ``copy ms``: that one receive-side copy of every rank's piece, done serially here
 (on N cores the workers do it in parallel).
 
+``--workers-write``: every worker writes its whole input once (floor workers copy their read-only
+input first, then write).  Each data workload then prints two rows: ``mesh`` as written (the
+default copy-on-write receive: the writes copy page by page) and ``mesh:copy``, the same method
+declaring ``@register(..., receive="copy")`` (one private copy up front, as the floor does).  ``--meshes tp2pp2dp2,tp4dp2,tp8dp1``: repeat the rows on other 8-rank meshes (the
+replica count of a dp piece is tp·pp).
+
 Also prints micro figures: DataProto ``chunk`` and ``concat`` of a 256 MiB batch against
 ``numpy.concatenate``, and the in-band pickle size of a 256 MiB batch.
 
     python scripts/bench_dispatch.py                       # 0, 1, 64, 256 MiB
     python scripts/bench_dispatch.py --quick --json out.json
     python scripts/bench_dispatch.py --sizes 64 --workloads mesh --repeat 10
+    python scripts/bench_dispatch.py --sizes 64 --workloads mesh --meshes tp2pp2dp2,tp4dp2,tp8dp1
+    python scripts/bench_dispatch.py --sizes 64 --workloads dp,mesh --workers-write
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import pickle
@@ -51,6 +60,7 @@ MODE_OF = {"dp": "DP_COMPUTE_PROTO", "mesh": "MEGATRON_COMPUTE_PROTO", "pp_as_dp
 
 @dataclass
 class Result:
+    mesh: str
     workload: str
     mib: float
     rankmesh_ms: float
@@ -92,22 +102,46 @@ def _bench_worker():
     from rankmesh.dispatch import Dispatch, register
     from rankmesh.worker import Worker
 
+    copy = {"receive": "copy"} if "receive" in inspect.signature(register).parameters else {}
+
     class DispatchBenchWorker(Worker):
+        def __init__(self, write: bool = False) -> None:
+            self.write = write
+
+        def _echo(self, data: DataProto) -> DataProto:
+            if self.write:
+                data.batch["x"].add_(0.0)  # writes every byte of the input, in place
+            return data
+
         @register(Dispatch.ONE_TO_ALL)
         def noop(self) -> None:
             return None
 
         @register(Dispatch.DP_COMPUTE_PROTO)
         def echo_dp(self, data: DataProto) -> DataProto:
-            return data
+            return self._echo(data)
 
         @register(Dispatch.MEGATRON_COMPUTE_PROTO)
         def echo_mesh(self, data: DataProto) -> DataProto:
-            return data
+            return self._echo(data)
 
         @register(Dispatch.MEGATRON_PP_AS_DP_PROTO)
         def echo_pp_as_dp(self, data: DataProto) -> DataProto:
-            return data
+            return self._echo(data)
+
+        # The same methods declaring that they overwrite their input: one private copy up front.
+        # (A rankmesh without receive= -- measuring an older tree -- runs them as plain echoes.)
+        @register(Dispatch.DP_COMPUTE_PROTO, **copy)
+        def echo_dp_copy(self, data: DataProto) -> DataProto:
+            return self._echo(data)
+
+        @register(Dispatch.MEGATRON_COMPUTE_PROTO, **copy)
+        def echo_mesh_copy(self, data: DataProto) -> DataProto:
+            return self._echo(data)
+
+        @register(Dispatch.MEGATRON_PP_AS_DP_PROTO, **copy)
+        def echo_pp_as_dp_copy(self, data: DataProto) -> DataProto:
+            return self._echo(data)
 
     return DispatchBenchWorker
 
@@ -117,10 +151,16 @@ def _floor_actor():
 
     @ray.remote(num_cpus=1)
     class FloorActor:
+        def __init__(self, write: bool = False) -> None:
+            self.write = write
+
         def noop(self) -> None:
             return None
 
         def echo(self, collect: bool, piece):
+            if self.write:  # the input is read-only: copy, then write every byte
+                piece = piece.copy()
+                piece += 0.0
             return piece if collect else None
 
     return FloorActor
@@ -138,13 +178,13 @@ def make_batch(mib: float):
 class Floor:
     """The hand-written plain-Ray version of each workload."""
 
-    def __init__(self, mesh) -> None:
+    def __init__(self, mesh, write: bool = False) -> None:
         import ray
 
         from rankmesh.dispatch.modes import DEFAULT_REGISTRY
 
         cls = _floor_actor()
-        self.actors = [cls.remote() for _ in range(WORLD)]
+        self.actors = [cls.remote(write) for _ in range(WORLD)]
         ray.get([a.noop.remote() for a in self.actors])
         self.plans = {w: DEFAULT_REGISTRY.resolve(m).plan(mesh) for w, m in MODE_OF.items()}
 
@@ -200,7 +240,6 @@ def traced_call(fn):
 
 
 def run_dispatch(args: argparse.Namespace) -> list[Result]:
-    import numpy as np
     import ray
 
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -209,29 +248,63 @@ def run_dispatch(args: argparse.Namespace) -> list[Result]:
 
     store = max(512, int(6 * max(args.sizes) + 256)) * MIB
     conn = ensure_ray(num_cpus=2 * WORLD + 2, object_store_memory=store)
-    mesh = RankMesh(tp=2, pp=2, dp=2)
-    wg = RayWorkerGroup(RayResourcePool([WORLD], use_gpu=False), RayClassWithInitArgs(_bench_worker()), mesh=mesh)
-    floor = Floor(mesh)
     results = []
     try:
-        for mib in args.sizes:
-            batch = make_batch(mib)
-            arr = batch.batch["x"].numpy()
-            repeat = args.repeat if args.repeat else (10 if mib < 64 else 5)
-            for workload in args.workloads:
-                if workload == "noop":
-                    if mib != args.sizes[0]:
-                        continue
-                    rm, fl = paired_ms(wg.noop, floor.noop, max(repeat, 20), warmup=5)
-                    res = Result("noop", 0, rm, fl, rm / fl, None, 0.0, max(repeat, 20))
-                elif workload == "traced":
-                    if mib != args.sizes[0]:
-                        continue
-                    n = max(repeat, 40)
-                    traced, plain = paired_ms(traced_call(wg.noop), wg.noop, n, warmup=5)
-                    res = Result("traced", 0, traced, plain, traced / plain, None, 0.0, n)
-                else:
-                    method = getattr(wg, f"echo_{workload}")
+        for mesh_name in args.meshes:
+            mesh = RankMesh(**parse_mesh(mesh_name))
+            init = RayClassWithInitArgs(_bench_worker(), args.workers_write)
+            wg = RayWorkerGroup(RayResourcePool([WORLD], use_gpu=False), init, mesh=mesh)
+            floor = Floor(mesh, args.workers_write)
+            try:
+                results += run_mesh(args, mesh_name, wg, floor)
+            finally:
+                wg.shutdown()
+                for a in floor.actors:
+                    ray.kill(a)
+    finally:
+        if conn.started_here:
+            ray.shutdown()
+    return results
+
+
+def parse_mesh(name: str) -> dict[str, int]:
+    """``tp2pp2dp2`` -> ``{"tp": 2, "pp": 2, "dp": 2}``; the sizes must multiply to 8."""
+    import re
+
+    parts = re.findall(r"(tp|pp|dp|cp)(\d+)", name)
+    if "".join(a + b for a, b in parts) != name:
+        raise SystemExit(f"--meshes: cannot read {name!r}; write it like tp2pp2dp2 or tp8dp1")
+    sizes = {a: int(b) for a, b in parts}
+    if __import__("math").prod(sizes.values()) != WORLD:
+        raise SystemExit(f"--meshes: {name} has {__import__('math').prod(sizes.values())} ranks, the benchmark uses {WORLD}")
+    return sizes
+
+
+def run_mesh(args: argparse.Namespace, mesh_name: str, wg, floor) -> list[Result]:
+    import numpy as np
+
+    results = []
+    for mib in args.sizes:
+        batch = make_batch(mib)
+        arr = batch.batch["x"].numpy()
+        repeat = args.repeat if args.repeat else (10 if mib < 64 else 5)
+        for workload in args.workloads:
+            if workload == "noop":
+                if mib != args.sizes[0]:
+                    continue
+                rm, fl = paired_ms(wg.noop, floor.noop, max(repeat, 20), warmup=5)
+                res = Result(mesh_name, "noop", 0, rm, fl, rm / fl, None, 0.0, max(repeat, 20))
+            elif workload == "traced":
+                if mib != args.sizes[0]:
+                    continue
+                n = max(repeat, 40)
+                traced, plain = paired_ms(traced_call(wg.noop), wg.noop, n, warmup=5)
+                res = Result(mesh_name, "traced", 0, traced, plain, traced / plain, None, 0.0, n)
+            else:
+                # --workers-write: each data workload twice, as written (copy-on-write receive,
+                # the writes copy page by page) and declaring receive="copy" (one copy up front).
+                for suffix in ("", "_copy") if args.workers_write else ("",):
+                    method = getattr(wg, f"echo_{workload}{suffix}")
                     out = method(batch)
                     assert len(out) == ROWS and out.batch["x"].shape == batch.batch["x"].shape
                     assert np.array_equal(floor.echo(workload, arr), arr)
@@ -239,15 +312,13 @@ def run_dispatch(args: argparse.Namespace) -> list[Result]:
                     rm, fl = paired_ms(lambda: method(batch), lambda: floor.echo(workload, arr), repeat)
                     copy = isolation_copy_ms(workload, arr, floor.plans)
                     rate = mib * MIB / 1e6 / (rm / 1000) if mib else None
-                    res = Result(workload, mib, rm, fl, rm / fl, rate, copy, repeat)
-                results.append(res)
-                print(format_row(res), flush=True)
-    finally:
-        wg.shutdown()
-        for a in floor.actors:
-            ray.kill(a)
-        if conn.started_here:
-            ray.shutdown()
+                    name = workload + (":copy" if suffix else "")
+                    res = Result(mesh_name, name, mib, rm, fl, rm / fl, rate, copy, repeat)
+                    results.append(res)
+                    print(format_row(res), flush=True)
+                continue
+            results.append(res)
+            print(format_row(res), flush=True)
     return results
 
 
@@ -284,12 +355,12 @@ def micro(mib: int) -> dict[str, float]:
 
 
 def header() -> str:
-    return f"{'workload':<9} {'MiB':>5} {'rankmesh ms':>12} {'floor ms':>9} {'ratio':>6} {'MB/s':>8} {'copy ms':>8}"
+    return f"{'mesh':<10} {'workload':<13} {'MiB':>5} {'rankmesh ms':>12} {'floor ms':>9} {'ratio':>6} {'MB/s':>8} {'copy ms':>8}"
 
 
 def format_row(r: Result) -> str:
     rate = f"{r.mb_per_s:8.0f}" if r.mb_per_s else f"{'-':>8}"
-    return f"{r.workload:<9} {r.mib:>5g} {r.rankmesh_ms:>12.2f} {r.floor_ms:>9.2f} {r.ratio:>6.2f} {rate} {r.copy_ms:>8.1f}"
+    return f"{r.mesh:<10} {r.workload:<13} {r.mib:>5g} {r.rankmesh_ms:>12.2f} {r.floor_ms:>9.2f} {r.ratio:>6.2f} {rate} {r.copy_ms:>8.1f}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -301,6 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=0, help="timed calls per figure (default 10, 5 from 64 MiB)")
     p.add_argument("--micro-mib", type=int, default=256, help="batch size of the micro figures (0: skip them)")
     p.add_argument("--json", default=None, help="write results as JSON to this path ('-' for stdout)")
+    p.add_argument("--meshes", type=names, default=["tp2pp2dp2"], help="8-rank meshes, e.g. tp2pp2dp2,tp4dp2,tp8dp1")
+    p.add_argument("--workers-write", action="store_true", help="every worker writes its whole input once")
     p.add_argument("--quick", action="store_true", help="sizes 0,1,64, 3 repeats, 64 MiB micro figures")
     args = p.parse_args(argv)
     bad = set(args.workloads) - set(WORKLOADS)
@@ -316,7 +389,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(f"# rankmesh dispatch vs plain Ray, {WORLD} ranks (tp2 pp2 dp2), {os.cpu_count()} CPUs", flush=True)
+    write = ", workers write their input" if args.workers_write else ""
+    receive = os.environ.get("RANKMESH_RECEIVE", "auto")
+    print(f"# rankmesh dispatch vs plain Ray, {WORLD} ranks, {os.cpu_count()} CPUs, receive={receive}{write}", flush=True)
     print(header(), flush=True)
     results = run_dispatch(args)
     print("# ratio = rankmesh / floor; copy ms = serial cost of rankmesh's receive-side isolation copies")

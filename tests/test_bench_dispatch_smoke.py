@@ -23,9 +23,9 @@ def test_bench_dispatch_smallest_run(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert any(line.startswith("workload") and "floor ms" in line and "ratio" in line for line in lines)
+    assert any(line.startswith("mesh") and "floor ms" in line and "ratio" in line for line in lines)
     for workload in ("noop", "dp", "mesh", "pp_as_dp", "traced"):
-        assert any(line.split()[:1] == [workload] for line in lines), workload
+        assert any(line.split()[:2] == ["tp2pp2dp2", workload] for line in lines), workload
     data = json.loads(out.read_text())
     assert {r["workload"] for r in data["results"]} == {"noop", "dp", "mesh", "pp_as_dp", "traced"}
     assert all(r["rankmesh_ms"] > 0 and r["floor_ms"] > 0 for r in data["results"])

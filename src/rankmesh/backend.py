@@ -24,6 +24,8 @@ class RankCall:
     transfer per replica instead of one per rank.  ``trace=True`` (only while a trace records
     the call) asks the rank to send back a ``rankmesh.tracing.recorder.TracedOutput``: its
     output with its own timing, which the group strips before anyone sees the output.
+    ``receive``: ``"copy"`` asks the rank for private copies of its inputs up front instead of
+    copy-on-write views (``@register(receive=...)``, ``wg.set_receive``); ``None``/``"cow"``: views.
     """
 
     rank: int
@@ -31,6 +33,7 @@ class RankCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
     return_output: bool = True
     trace: bool = False
+    receive: str | None = None
 
 
 @dataclass(frozen=True)

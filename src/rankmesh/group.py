@@ -29,6 +29,7 @@ from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan,
 from rankmesh.dispatch.split import CallSite, join_outputs, output_future, split_call
 from rankmesh.errors import DispatchError
 from rankmesh.mesh import RankMesh
+from rankmesh.sharedmem import check_receive
 from rankmesh.tracing import TRACING, install_from_env, write_trace
 from rankmesh.tracing.recorder import CallTrace, Recorder
 from rankmesh.validate import positive_seconds
@@ -307,6 +308,7 @@ class WorkerGroup:
         self._executor = executor
         self._table = table
         self._recorder: Recorder | None = None  # set by wg.trace(...) for this group alone
+        self._receive: str | None = None  # set_receive: overrides every method's declaration
         install_from_env()
         self._registered_plans: dict[str, DispatchPlan] = {}
         self._adhoc: dict[tuple[str, str], Binding] = {}
@@ -521,8 +523,9 @@ class WorkerGroup:
             return handle
 
         timed = ct is not None and ct.blocking
+        receive = self._receive or binding.method.receive
         calls = [
-            RankCall(rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect, timed)
+            RankCall(rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect, timed, receive)
             for rank, (args, kwargs) in zip(ranks, per_rank)
         ]
         if ct is None:
@@ -581,6 +584,33 @@ class WorkerGroup:
 
     def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> GroupFuture:
         return self._call(self._adhoc_binding(method_name, Execute.RANK_ZERO, False), args, kwargs)
+
+    def set_receive(self, receive: str | None) -> None:
+        """How this group's ranks receive their inputs, for every method (overrides ``@register(receive=...)``).
+
+        ``"cow"``: copy-on-write views of the shared bytes; ``"copy"``: one private copy per rank
+        up front (for workers that overwrite their input); ``None``: each method's declaration
+        (``"cow"`` unless it says otherwise).  Role groups spawned later start from ``None``.
+        """
+        try:
+            self._receive = check_receive(receive, "set_receive(receive)")
+        except ValueError as exc:
+            raise DispatchError(str(exc)) from None
+
+    @property
+    def receive(self) -> str | None:
+        """The group-wide receive override (``None``: per method); see :meth:`set_receive`."""
+        return self._receive
+
+    def transport_info(self) -> list[dict[str, Any]]:
+        """Per rank: which receive path its process takes and what receiving cost so far.
+
+        Each entry has ``path`` (``"cow"``: inputs are copy-on-write views of the object store,
+        ``"copy"``: private copies, ``"mixed"``, or ``None`` before the first large input),
+        ``fallback`` (the first reason a copy was made), ``fd_source``, and byte counters.  The
+        in-process backend shares one process, so its ranks report the same counters.
+        """
+        return self.execute_all("rankmesh_transport_info")
 
     execute_all_sync = execute_all
     execute_rank_zero_sync = execute_rank_zero

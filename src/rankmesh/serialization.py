@@ -15,9 +15,13 @@ functions get the buffer object exactly as the unpickler supplies it and decide:
 * a ``bytearray`` was created by the unpickler for this load alone (in-band data, or the private
   buffers :func:`loads_private` is given, e.g. freshly read from a file): it is used directly;
 * anything else (a read-only ``ray.get`` view, the sender's own ``PickleBuffer`` handed to
-  :func:`loads`, a ``bytes`` object) may be shared, so :func:`tensor_from_buffer` copies it once.
+  :func:`loads`, a ``bytes`` object) may be shared, so it goes through
+  :func:`rankmesh.sharedmem.private_bytes`: a copy-on-write mapping of the object store's pages
+  where the platform allows it (no bytes copied until the receiver writes, then only the pages
+  it writes), else one private copy.
 
-This module imports nothing from the package except :mod:`rankmesh.errors`.
+This module imports nothing from the package except :mod:`rankmesh.errors` and
+:mod:`rankmesh.sharedmem`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import numpy as np
 import torch
 
 from rankmesh.errors import DataProtoError
+from rankmesh.sharedmem import private_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -137,16 +142,22 @@ def tensor_from_buffer(
 ) -> torch.Tensor:
     """Wrap a numpy array as a tensor; this is where the receive-side copy happens.
 
-    ``writable_copy=True`` (or a read-only ``arr``, as ``ray.get`` returns) copies once so the
-    tensor owns writable memory shared with no one.  ``dtype`` views the result back to a torch
+    ``writable_copy=True`` (or a read-only ``arr``, as ``ray.get`` returns) makes the tensor's
+    memory private and writable: copy-on-write over shared memory where possible, else a copy
+    (:func:`rankmesh.sharedmem.private_bytes`).  ``dtype`` views the result back to a torch
     dtype numpy lacks (bf16, float8, ...), carried as a same-width integer array.
     """
     if writable_copy or not arr.flags.writeable:
-        arr = arr.copy()
+        arr = _private(arr)
     t = torch.from_numpy(arr)
     if dtype is not None and t.dtype != dtype:
         t = t.view(dtype)
     return t
+
+
+def _private(arr: np.ndarray) -> np.ndarray:
+    """``arr``'s bytes, writable and shared with no one (copy-on-write where possible)."""
+    return private_bytes(arr.reshape(-1).view(np.uint8)).view(arr.dtype).reshape(arr.shape)
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -283,7 +294,7 @@ class ArrayBytes:
         """Copies once unless the buffer is private (see the module docstring) or borrowed."""
         arr = np.frombuffer(self.carrier, dtype=self.dtype)
         if (not _is_private(self.carrier) or not arr.flags.writeable) and not _borrowing():
-            arr = arr.copy()
+            arr = _private(arr)
         return arr.reshape(self.shape)
 
 

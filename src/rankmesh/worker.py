@@ -28,6 +28,8 @@ from rankmesh.dispatch.spec import DEFAULT_MESH
 from rankmesh.errors import DispatchError, WorkerError
 from rankmesh.backend import Shared
 from rankmesh.mesh import DistRankInfo, RankMesh
+from rankmesh.data.receive import own_copies
+from rankmesh.sharedmem import receive_info, receiving
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +122,10 @@ class Worker:
     @property
     def context(self) -> WorkerContext:
         return self._rankmesh_context
+
+    def rankmesh_transport_info(self) -> dict[str, Any]:
+        """This rank's receive path (copy-on-write or copy) and its counters; see ``WorkerGroup.transport_info``."""
+        return {"rank": self.rank, **receive_info()}
 
     @property
     def rank(self) -> int:
@@ -248,17 +254,24 @@ def invoke(
     kwargs: Mapping[str, Any] | None = None,
     return_output: bool = True,
     resolve: Callable[[Shared], Any] | None = None,
+    receive: str | None = None,
 ) -> Any:
     """Run ``worker.method(*args, **kwargs)`` as a group call does; see the module docstring.
 
     ``resolve`` turns a :class:`Shared` handle into this rank's private copy of the object.
-    Returns the output, or ``None`` when ``return_output`` is false.  Raises :class:`WorkerError`.
+    ``receive="copy"``: inputs that arrived as copy-on-write views become private copies before
+    the method runs, and whatever the method fetches itself (futures) arrives copied
+    (:mod:`rankmesh.data.receive`).  Returns the output, or ``None`` when ``return_output`` is
+    false.  Raises :class:`WorkerError`.
     """
     try:
-        fn, args, call_kwargs = _prepare(worker, method, args, kwargs or {}, resolve)
-        result = fn(*args, **call_kwargs)
-        if inspect.isawaitable(result):
-            result = run_awaitable(worker, result)
+        with receiving(receive):
+            fn, args, call_kwargs = _prepare(worker, method, args, kwargs or {}, resolve)
+            if receive == "copy":
+                args, call_kwargs = own_copies(args), own_copies(call_kwargs)
+            result = fn(*args, **call_kwargs)
+            if inspect.isawaitable(result):
+                result = run_awaitable(worker, result)
     except Exception as exc:
         raise _fail(worker, method, exc) from exc
     return result if return_output else None

@@ -1,24 +1,36 @@
 """The in-process backend: every rank is an object in the controller's own process.
 
 Ranks run one after the other, in rank order, in the calling thread, so a breakpoint in a worker
-method just works.  Everything else behaves as on Ray: each rank receives its own deep copy of
-its arguments (a worker that writes into its input changes neither the caller's batch nor
-another rank's), outputs are copied when fetched, ranks outside the collect set return nothing,
-and a failing rank surfaces as :class:`~rankmesh.errors.WorkerError` when its output is fetched.
+method just works.  Everything else behaves as on Ray: each rank receives its own private
+arguments (a worker that writes into its input changes neither the caller's batch nor another
+rank's), outputs are copied when fetched, ranks outside the collect set return nothing, and a
+failing rank surfaces as :class:`~rankmesh.errors.WorkerError` when its output is fetched.
+
+How arguments stay private without a deep copy per rank: ``share`` pickles an object once
+(protocol 5) and writes its large buffers into one shared-memory file
+(:class:`rankmesh.sharedmem.SharedFile`, the in-process object store: one copy, as ``ray.put``).
+Each rank unpickles it from read-only views of that file, and the data layer's rebuild makes its
+tensors copy-on-write mappings (:func:`rankmesh.sharedmem.private_bytes`), exactly as on Ray:
+no bytes copied until a rank writes, then only the written pages.  Small arguments, objects
+pickle cannot carry (lambdas, locks) and objects with no large buffer are deep-copied per rank.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from rankmesh.backend import RankCall, Shared
+from rankmesh.data import DataProtoFuture
 from rankmesh.errors import BackendError, DispatchError, WorkerError
 from rankmesh.group import WorkerGroup
 from rankmesh.mesh import RankMesh
+from rankmesh.serialization import loads
+from rankmesh.sharedmem import COW_MIN_BYTES, SharedFile
 from rankmesh.tracing.recorder import timed_call
 from rankmesh.worker import WorkerContext, construct, invoke
 
@@ -68,8 +80,46 @@ def _check_handle(handle: Any) -> LocalPending:
     return handle
 
 
+@dataclass(frozen=True, eq=False)
+class StoredObject:
+    """An object shared in-process: its pickle's in-band bytes and its large buffers in a file.
+
+    Not copied by ``deepcopy`` (ranks share the one stored object); :meth:`receive` gives each
+    rank its own, copy-on-write over the file.
+    """
+
+    inband: bytes
+    file: SharedFile
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "StoredObject":
+        return self
+
+    def receive(self) -> Any:
+        return loads(self.inband, self.file.views())
+
+
+def store_object(obj: Any) -> Any:
+    """``obj`` as a :class:`StoredObject` when it pickles with large out-of-band buffers, else ``obj``.
+
+    Futures stay as they are: their handles point at outputs that each rank's fetch copies
+    once anyway, so storing them first would add a copy.
+    """
+    if isinstance(obj, DataProtoFuture):
+        return obj
+    buffers: list[pickle.PickleBuffer] = []
+    try:
+        inband = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    except Exception:  # noqa: BLE001 - not picklable (a lambda, a lock): deep-copied per rank
+        return obj
+    if sum(b.raw().nbytes for b in buffers) < COW_MIN_BYTES:
+        return obj
+    return StoredObject(inband, SharedFile(buffers))
+
+
 def _private(shared: Shared) -> Any:
-    return shared.ref
+    """This rank's own copy of a shared argument (already deep-copied unless stored)."""
+    ref = shared.ref
+    return ref.receive() if isinstance(ref, StoredObject) else ref
 
 
 class LocalExecutor:
@@ -134,8 +184,10 @@ class LocalExecutor:
         self._workers = {role: [] for role in self._workers}
 
     def share(self, obj: Any) -> Shared:
-        """Nothing to ship in-process; each rank deep-copies the object when its call runs."""
-        return Shared(obj)
+        """Store ``obj`` once (:func:`store_object`); each rank receives it copy-on-write."""
+        if isinstance(obj, Shared):
+            return obj
+        return Shared(store_object(obj))
 
     def submit(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[LocalPending]:
         """Run every call now, in the given (rank) order; errors are kept for :meth:`fetch`."""
@@ -150,10 +202,12 @@ class LocalExecutor:
                 if call.trace:
                     value = timed_call(
                         invoke, workers[call.rank], method, args, kwargs, call.return_output, resolve=_private,
-                        enter_ns=enter_ns, inputs=(args, kwargs), return_output=call.return_output,
+                        enter_ns=enter_ns, inputs=(args, kwargs), return_output=call.return_output, receive=call.receive,
                     )
                 else:
-                    value = invoke(workers[call.rank], method, args, kwargs, call.return_output, resolve=_private)
+                    value = invoke(
+                        workers[call.rank], method, args, kwargs, call.return_output, resolve=_private, receive=call.receive
+                    )
                 pending.append(LocalPending(call.rank, value))
             except WorkerError as exc:
                 pending.append(LocalPending(call.rank, error=exc))

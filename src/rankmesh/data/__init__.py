@@ -6,7 +6,8 @@ returns.  This package knows no Ray: backends hand futures their own ``fetch``.
 
 Modules, in import order: ``config`` (verl's auto-padding switch), ``columns`` (per-column work:
 checks, equality, concatenation, unions, TensorDict conversion), ``proto`` (DataProto),
-``ops`` (verl's module-level names over DataProto methods), ``future`` (DataProtoFuture).
+``ops`` (verl's module-level names over DataProto methods), ``future`` (DataProtoFuture),
+``receive`` (private copies of copy-on-write inputs, for ``receive="copy"`` calls).
 """
 
 from rankmesh.data.columns import (

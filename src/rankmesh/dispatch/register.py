@@ -17,6 +17,7 @@ from rankmesh.data import DataProtoFuture
 from rankmesh.dispatch.modes import Dispatch, DispatchMode, Execute, ModeLike, UserMode
 from rankmesh.dispatch.spec import MeshSpec
 from rankmesh.errors import DispatchError
+from rankmesh.sharedmem import CALL_RECEIVE
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,6 +31,10 @@ class MethodSpec:
 
     ``padding``: ``True`` pads uneven batches for this method, ``False`` never pads (even when the
     batch or ``DataProtoConfig`` asks for it), ``None`` leaves it to the spec and the batch.
+    ``receive``: how each rank receives its inputs (:data:`rankmesh.sharedmem.CALL_RECEIVE`):
+    ``"cow"`` copy-on-write views of the shared bytes (the default: nothing copied until the
+    worker writes, then only the written pages), ``"copy"`` one private copy up front, for methods
+    that overwrite most of their input.  A group's ``set_receive`` overrides it.
     """
 
     dispatch_mode: DispatchMode | MeshSpec | UserMode
@@ -37,6 +42,7 @@ class MethodSpec:
     blocking: bool = True
     materialize_futures: bool = True
     padding: bool | None = None
+    receive: str = "cow"
 
     def __post_init__(self) -> None:
         if not isinstance(self.execute_mode, Execute):
@@ -46,6 +52,8 @@ class MethodSpec:
                 raise DispatchError(f"{attr} must be a bool, got {getattr(self, attr)!r}")
         if self.padding is not None and not isinstance(self.padding, bool):
             raise DispatchError(f"padding must be True, False or None, got {self.padding!r}")
+        if self.receive not in CALL_RECEIVE:
+            raise DispatchError(f"receive must be one of {CALL_RECEIVE}, got {self.receive!r}")
 
 
 def _normalize_mode(mode: ModeLike) -> DispatchMode | MeshSpec | UserMode:
@@ -77,15 +85,18 @@ def register(
     materialize_futures: bool = True,
     *,
     padding: bool | None = None,
+    receive: str = "cow",
 ) -> Callable[[F], F]:
     """Expose a worker method on worker groups.
 
     ``dispatch_mode`` is a :class:`Dispatch` member, a :class:`MeshSpec`, a registered mode name,
     or verl's ``{"dispatch_fn": ..., "collect_fn": ...}`` dict.  ``blocking=False`` makes the
     group method return a future.  ``materialize_futures=False`` hands ``DataProtoFuture``
-    arguments to the method unfetched.  Works for ``def`` and ``async def`` methods.
+    arguments to the method unfetched.  ``receive="copy"`` gives each rank one private copy of its
+    inputs up front instead of copy-on-write views (for methods that overwrite their input; see
+    :class:`MethodSpec`).  Works for ``def`` and ``async def`` methods.
     """
-    spec = MethodSpec(_normalize_mode(dispatch_mode), execute_mode, blocking, materialize_futures, padding)
+    spec = MethodSpec(_normalize_mode(dispatch_mode), execute_mode, blocking, materialize_futures, padding, receive)
     return functools.partial(_decorate, spec)  # type: ignore[return-value]
 
 

@@ -59,6 +59,7 @@ class TinyModelWorker(MegatronWorker):
     # ----- helpers -----------------------------------------------------------------------------
 
     def _microbatches(self, data: DataProto, keys: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+        data = self.to_device(data)  # host->device from the received bytes (nothing on the CPU)
         n = max(1, min(self.micro_batches, len(data)))
         while len(data) % n:  # equal micro-batches keep the loss scaling exact
             n -= 1

@@ -205,6 +205,23 @@ class MegatronWorker(ReshardWorker):
         logger.debug("rank %d: parallel_state up, %s", dist.get_rank(), self._ps_rank_info)
 
     @property
+    def device(self) -> torch.device:
+        """Where this rank computes: its CUDA device under nccl, else the CPU."""
+        if self._backend == "nccl" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def to_device(self, data: Any) -> Any:
+        """``data`` (a received DataProto) on :attr:`device`, with no intermediate host copy.
+
+        A received batch's tensors are copy-on-write views of the object store
+        (:mod:`rankmesh.sharedmem`), so ``DataProto.to`` copies host→device straight from the
+        shared bytes, once; on the CPU it copies nothing.  Declaring ``receive="copy"`` on such a
+        method would add a host copy that buys nothing: keep the default.
+        """
+        return data.to(self.device)
+
+    @property
     def rank_info(self) -> DistRankInfo:  # type: ignore[override]
         """This rank's coordinates as parallel_state reports them (the mesh's before init)."""
         info = getattr(self, "_ps_rank_info", None)

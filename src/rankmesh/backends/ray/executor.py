@@ -27,10 +27,13 @@ from rankmesh.backend import RankCall, Shared
 from rankmesh.errors import BackendError, WorkerDiedError
 from rankmesh.validate import optional_seconds
 
+from rankmesh.sharedmem import register_store_processes
+
 from .hangs import gather_hangs
 from .hosts import HostSet
+from .runtime import raylet_pids
 from .waiting import Pending, fetch_outputs
-from .wire import encode_call
+from .wire import HeaderCache, encode_call
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +106,13 @@ class RayExecutor:
         self.call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
         self.stall_warn_s = optional_seconds(stall_warn_s, "stall_warn_s", BackendError)
         self.stats = CallStats()
+        #: Encoded slot-only call headers of this group's bound methods (and its role groups').
+        self.headers = HeaderCache()
         self._failed: WorkerDiedError | None = None
         self.token = uuid.uuid4().hex
         _EXECUTORS[self.token] = self
+        # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
+        register_store_processes(raylet_pids())
 
     @property
     def closed(self) -> bool:
@@ -158,7 +165,7 @@ class RayExecutor:
         for call in calls:
             if not 0 <= call.rank < self.world_size:
                 raise BackendError(f"{method}: rank {call.rank} is out of range for world size {self.world_size}")
-            header, refs = encode_call(role, method, call)
+            header, refs = encode_call(role, method, call, self.headers)
             ref = self.hosts.actors[call.rank].execute.remote(header, *refs)
             pending.append(Pending(ref, call.rank, method, self.nodes[call.rank], self.coords[call.rank]))
         self.stats.add(calls=len(pending))

@@ -202,9 +202,11 @@ class WorkerHost:
             if call.trace:  # a traced call: the output travels back with this rank's timing
                 return timed_call(
                     invoke, worker, call.method, call.args, call.kwargs,
-                    enter_ns=enter_ns, inputs=shared, return_output=call.return_output,
+                    enter_ns=enter_ns, inputs=shared, return_output=call.return_output, receive=call.receive,
                 )
-            return invoke(worker, call.method, call.args, call.kwargs, return_output=call.return_output)
+            return invoke(
+                worker, call.method, call.args, call.kwargs, return_output=call.return_output, receive=call.receive
+            )
         finally:
             self._call_thread = None
 

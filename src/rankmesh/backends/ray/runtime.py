@@ -150,3 +150,20 @@ def node_ip_address() -> str:
 def alive_nodes() -> dict[str, dict[str, Any]]:
     """Node id (hex) -> the ``ray.nodes()`` record, for live nodes only."""
     return {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+
+
+def raylet_pids() -> list[int]:
+    """Pids of the raylets this driver started (they own the object store's file), else ``[]``.
+
+    Read from Ray's node object, which only a driver that started Ray holds; a driver attached
+    to a running cluster gets ``[]`` (its receives then fall back to copies unless the kernel
+    lets it open ``/proc/self/map_files``).
+    """
+    node = getattr(ray._private.worker, "_global_node", None)  # noqa: SLF001 - no public accessor
+    procs = getattr(node, "all_processes", None) or {}
+    pids = []
+    for info in procs.get("raylet", []):
+        pid = getattr(getattr(info, "process", None), "pid", None)
+        if isinstance(pid, int):
+            pids.append(pid)
+    return pids

@@ -138,6 +138,15 @@ def _wait(
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
     warn_at = None if stall_warn_s is None or inspect is None else start + stall_warn_s
+    # The success path is one ray.get, not a ray.wait round first (~0.3 ms per 8-rank fan-out
+    # here).  It still fails fast: ray.get returns at the first error.  A timeout, a stall
+    # warning due or any error falls through to the loop below, which finds who is slow or
+    # failed (the outputs stay in the store, so nothing is lost by asking twice).
+    first_wait = min(x for x in (POLL_INTERVAL, timeout, stall_warn_s if warn_at is not None else None) if x is not None)
+    try:
+        return list(ray.get([p.ref for p in pending], timeout=first_wait))
+    except Exception:  # noqa: BLE001 - sorted out below, with every rank's outcome
+        pass
     by_ref = {p.ref: p for p in pending}
     results: dict[Any, Any] = {}
     remaining = [p.ref for p in pending]

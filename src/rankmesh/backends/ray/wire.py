@@ -43,12 +43,45 @@ class CallHeader:
     kwargs: dict[str, Any] = field(default_factory=dict)
     return_output: bool = True
     trace: bool = False
+    receive: str | None = None
 
 
-def encode_call(role: str | None, method: str, call: RankCall) -> tuple[bytes, list[Any]]:
+class HeaderCache:
+    """Encoded headers of one executor's slot-only calls, bounded to ``max_entries``.
+
+    A header of nothing but slots (no-argument calls, data calls whose batches travel shared) is
+    the same bytes on every call of a bound method, so its owner (one
+    :class:`~rankmesh.backends.ray.executor.RayExecutor`, shared by the role groups spawned from
+    it) pickles it once.  Keys are ``(role, method, slots, return_output, trace, receive)``; once full,
+    new headers are encoded per call again (no eviction: a group binds a fixed set of methods).
+    """
+
+    def __init__(self, max_entries: int = 1024) -> None:
+        self.max_entries = max_entries
+        self._encoded: dict[tuple[Any, ...], bytes] = {}
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._encoded)
+
+    def get(self, key: tuple[Any, ...]) -> bytes | None:
+        encoded = self._encoded.get(key)
+        if encoded is not None:
+            self.hits += 1
+        return encoded
+
+    def put(self, key: tuple[Any, ...], encoded: bytes) -> None:
+        if len(self._encoded) < self.max_entries:
+            self._encoded[key] = encoded
+
+
+def encode_call(
+    role: str | None, method: str, call: RankCall, cache: HeaderCache | None = None
+) -> tuple[bytes, list[Any]]:
     """``(header, refs)`` for one rank: pass them as ``execute.remote(header, *refs)``.
 
     Each distinct Shared reference (by identity) gets one slot, however often the call uses it.
+    With ``cache``, a slot-only header is encoded once and reused (see :class:`HeaderCache`).
     """
     refs: list[Any] = []
     slot_of: dict[int, SharedSlot] = {}
@@ -62,12 +95,19 @@ def encode_call(role: str | None, method: str, call: RankCall) -> tuple[bytes, l
             return slot_of[key]
         return value
 
-    header = CallHeader(
-        role, method, tuple(swap(a) for a in call.args), {k: swap(v) for k, v in call.kwargs.items()}, call.return_output,
-        call.trace,
-    )
+    args = tuple(swap(a) for a in call.args)
+    kwargs = {k: swap(v) for k, v in call.kwargs.items()}
+    key = None
+    if cache is not None and all(type(v) is SharedSlot for v in (*args, *kwargs.values())):
+        key = (role, method, args, tuple(kwargs.items()), call.return_output, call.trace, call.receive)
+        cached = cache.get(key)
+        if cached is not None:
+            return cached, refs
     # cloudpickle: arguments may be lambdas or classes defined in the driver's __main__.
-    return cloudpickle.dumps(header), refs
+    encoded = cloudpickle.dumps(CallHeader(role, method, args, kwargs, call.return_output, call.trace, call.receive))
+    if key is not None:
+        cache.put(key, encoded)
+    return encoded, refs
 
 
 def decode_call(header: bytes, values: tuple[Any, ...]) -> CallHeader:
@@ -86,4 +126,5 @@ def decode_call(header: bytes, values: tuple[Any, ...]) -> CallHeader:
         {k: fill(v) for k, v in call.kwargs.items()},
         call.return_output,
         call.trace,
+        call.receive,
     )

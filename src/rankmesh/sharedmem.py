@@ -1,0 +1,440 @@
+"""Copy-on-write views of shared memory: map the pages behind a read-only buffer again, privately.
+
+Why: ``ray.get`` hands a worker a read-only view into the object store, which on Linux is a
+shared-memory file (``/dev/shm/plasma...``, already deleted) mapped into every worker.  rankmesh's
+isolation rule (a worker that writes to its input changes nobody else's data) used to cost one
+private copy of every received byte on every rank.  Mapping the *same file region* a second time
+with ``MAP_PRIVATE`` gives the same bytes, writable, at no copy: the kernel copies a page only
+when this process writes it, and only that page.  Readers (other ranks, the controller, the
+stored object) never see the write.
+
+How the file is reached (the mapping's own fd is closed by Ray's plasma client):
+
+1. ``/proc/self/map_files/<lo>-<hi>``: the kernel's handle on the mapping's file.  Opening it
+   needs ``CAP_SYS_ADMIN`` (works as root, ``EPERM`` for an ordinary user).
+2. ``/proc/<pid>/fd/<n>`` of a process of the same user that keeps the file open, looked up
+   once per file and checked by device and inode against ``/proc/self/maps``.  Only this
+   process (``/proc/self/fd``: an in-process :class:`SharedFile`; Ray's plasma client closes
+   the store's fd after mapping it, so a Ray worker holds none) and the raylet that owns the
+   store are looked at: a worker's parent when its name is ``raylet``, and the raylet pids the
+   Ray backend registers in the controller (:func:`register_store_processes`).  No other
+   process is scanned.
+
+Where neither works (another OS, an object store that is not a file mapping, an in-band
+buffer, ``RANKMESH_RECEIVE=copy`` in the environment) :func:`private_bytes` makes a private copy,
+as before.  The first fallback in a process is logged once, with its reason;
+:func:`receive_info` says which path this process took.
+
+A trap this module closes: a private mapping snapshots nothing.  Pages not yet written still
+show whatever the file holds later, so if the store freed the object and reused the region, a
+kept tensor would silently change.  Every view therefore holds the original buffer (Ray's own
+zero-copy view, which pins the object) for as long as the view lives.
+
+This module imports nothing from the package.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable choosing the receive path, read once per process: ``auto`` (copy-on-write
+#: where possible, the default), ``procfd`` (copy-on-write only through another process's fd, the
+#: way an ordinary user gets it even when running as root) or ``copy`` (always a private copy).
+RECEIVE_ENV = "RANKMESH_RECEIVE"
+RECEIVE_MODES = ("auto", "procfd", "copy")
+
+#: Buffers smaller than this are copied: a mapping costs a syscall and a VMA, a small memcpy less.
+COW_MIN_BYTES = 1 << 20
+
+_PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+@dataclass(frozen=True)
+class Region:
+    """One line of ``/proc/self/maps``: a file mapped at ``[start, end)`` from ``offset``."""
+
+    start: int
+    end: int
+    offset: int
+    dev: int
+    inode: int
+    path: str
+
+
+class _PinnedMap(mmap.mmap):
+    """A private mapping that keeps the buffer it was made from alive (the object's pin)."""
+
+    pin: Any = None
+
+
+class _State:
+    """Per-process state: mode, cached regions and fds, counters, the first fallback's reason."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entered by SharedFile finalizers run by GC
+        mode = os.environ.get(RECEIVE_ENV, "auto").strip().lower() or "auto"
+        if mode not in RECEIVE_MODES:
+            logger.warning("%s=%r is not one of %s; using 'auto'", RECEIVE_ENV, mode, RECEIVE_MODES)
+            mode = "auto"
+        self.mode = mode
+        self.regions: list[Region] = []  # sorted by start; the file mappings seen so far
+        self.fds: dict[tuple[int, int], int] = {}  # (dev, inode) -> an fd this process opened
+        self.how: dict[tuple[int, int], str] = {}  # (dev, inode) -> how the fd was obtained
+        self.unreachable: set[tuple[int, int]] = set()
+        self.cow_views = 0
+        self.cow_bytes = 0
+        self.copies = 0
+        self.copied_bytes = 0
+        self.fallback: str | None = None
+
+
+_STATE = _State()
+
+#: Receive choice of the call running in this thread (``receiving``), over the process mode.
+_CALL = threading.local()
+
+#: Live copy-on-write views: data address -> (end address, weak reference to the mapping).
+_VIEWS: dict[int, tuple[int, "weakref.ref[_PinnedMap]"]] = {}
+
+#: Per-call receive choices a method or group can declare (``@register(receive=...)``).
+#: ``"cow"``: copy-on-write views (the default); ``"copy"``: one private copy up front, for
+#: methods that overwrite most of their input (a page fault per written 4 KiB page costs more
+#: than one memcpy into fresh memory).
+CALL_RECEIVE = ("cow", "copy")
+
+
+def check_receive(value: Any, what: str = "receive") -> str | None:
+    """``value`` if it is ``None`` or one of :data:`CALL_RECEIVE`, else a ``ValueError`` naming ``what``."""
+    if value is None or value in CALL_RECEIVE:
+        return value
+    raise ValueError(f"{what} must be one of {CALL_RECEIVE} (or None for the default), got {value!r}")
+
+
+@contextlib.contextmanager
+def receiving(receive: str | None) -> Iterator[None]:
+    """Within the block, in this thread, receive as ``receive`` says (``"copy"``: private copies).
+
+    ``None`` or ``"cow"`` leaves the process's mode (:data:`RECEIVE_ENV`) in charge.
+    """
+    check_receive(receive)
+    before = getattr(_CALL, "receive", None)
+    _CALL.receive = receive
+    try:
+        yield
+    finally:
+        _CALL.receive = before
+
+
+def set_receive_mode(mode: str) -> None:
+    """Choose the receive path for this process (what ``RANKMESH_RECEIVE`` sets at start)."""
+    if mode not in RECEIVE_MODES:
+        raise ValueError(f"receive mode must be one of {RECEIVE_MODES}, got {mode!r}")
+    _STATE.mode = mode
+
+
+def receive_info() -> dict[str, Any]:
+    """Which receive path this process took, and what it cost so far.
+
+    ``path``: ``"cow"`` once a copy-on-write view was made (and no fallback since), ``"copy"``
+    when only copies were made, ``"mixed"`` for both, ``None`` before the first receive.
+    ``fallback``: the first reason a copy had to be made instead.  ``fd_source``: how the
+    object store's file was opened (``map_files`` or ``proc_fd:<pid>``).
+    """
+    s = _STATE
+    if s.cow_views and s.copies:
+        path = "mixed"
+    elif s.cow_views:
+        path = "cow"
+    elif s.copies:
+        path = "copy"
+    else:
+        path = None
+    return {
+        "pid": os.getpid(),
+        "mode": s.mode,
+        "path": path,
+        "cow_views": s.cow_views,
+        "cow_bytes": s.cow_bytes,
+        "copies": s.copies,
+        "copied_bytes": s.copied_bytes,
+        "fallback": s.fallback,
+        "fd_source": sorted(set(s.how.values())),
+    }
+
+
+def note_copy(nbytes: int, reason: str) -> None:
+    """Count one fallback copy; log the first one in this process with its reason."""
+    s = _STATE
+    s.copies += 1
+    s.copied_bytes += nbytes
+    if s.fallback is None and reason != "small buffer":
+        s.fallback = reason
+        logger.info("receive: private copy instead of copy-on-write (%s); logged once per process", reason)
+
+
+def _read_regions() -> list[Region]:
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or parts[4] == "0":
+                continue  # anonymous mapping
+            lo, hi = parts[0].split("-")
+            major, minor = parts[3].split(":")
+            out.append(
+                Region(int(lo, 16), int(hi, 16), int(parts[2], 16), os.makedev(int(major, 16), int(minor, 16)),
+                       int(parts[4]), parts[5].rstrip("\n"))
+            )
+    out.sort(key=lambda r: r.start)
+    return out
+
+
+def _find_region(addr: int, size: int) -> Region | None:
+    """The file mapping holding ``[addr, addr + size)``, from the cache or a fresh read of maps."""
+    for fresh in (False, True):
+        if fresh:
+            _STATE.regions = _read_regions()
+        regions = _STATE.regions
+        i = bisect.bisect_right([r.start for r in regions], addr) - 1
+        if i >= 0 and regions[i].start <= addr and addr + size <= regions[i].end:
+            return regions[i]
+    return None
+
+
+def _same_file(fd: int, region: Region) -> bool:
+    st = os.fstat(fd)
+    return st.st_dev == region.dev and st.st_ino == region.inode
+
+
+def _open_map_files(region: Region) -> int | None:
+    try:
+        fd = os.open(f"/proc/self/map_files/{region.start:x}-{region.end:x}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if _same_file(fd, region):
+        return fd
+    os.close(fd)
+    return None
+
+
+#: Processes known to keep the object store's file open (the raylet), told by the backend.
+_STORE_PIDS: set[int] = set()
+
+#: ``/proc/<pid>/comm`` of the process that owns Ray's object store.
+STORE_PROCESS_NAME = "raylet"
+
+
+def register_store_processes(pids: Any) -> None:
+    """Tell this module which processes hold the object store's file (the Ray backend tells it
+    the raylet's pid in the controller; a worker finds its parent raylet itself)."""
+    _STORE_PIDS.update(int(p) for p in pids)
+
+
+def _store_pids() -> list[int]:
+    """Where to look for the store's fd: this process, then the raylet that started it (its
+    parent, checked by name) and the raylets the backend registered; never any other process."""
+    pids = [os.getpid()]
+    try:
+        ppid = os.getppid()
+        with open(f"/proc/{ppid}/comm") as f:
+            if f.read().strip() == STORE_PROCESS_NAME:
+                pids.append(ppid)
+    except OSError:
+        pass
+    pids += sorted(_STORE_PIDS - set(pids))
+    return pids
+
+
+def _open_other_fd(region: Region) -> tuple[int, int] | None:
+    """Find an fd of the mapped file in :func:`_store_pids` (same user only) and open it."""
+    uid = os.getuid()
+    name = os.path.basename(region.path.removesuffix(" (deleted)"))
+    for pid in _store_pids():
+        base = f"/proc/{pid}/fd"
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            fds = os.listdir(base)
+        except OSError:
+            continue
+        for n in fds:
+            try:
+                target = os.readlink(f"{base}/{n}")
+            except OSError:
+                continue
+            if name not in target:
+                continue
+            try:
+                fd = os.open(f"{base}/{n}", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            if _same_file(fd, region):
+                return fd, pid
+            os.close(fd)
+    return None
+
+
+class SharedFile:
+    """Bytes written once into an anonymous shared-memory file (``memfd``), mapped read-only.
+
+    The in-process backend's object store: :meth:`views` are read-only buffers into one shared
+    mapping (as ``ray.get`` gives), and the file's fd is known to this module while the object
+    lives, so :func:`private_bytes` turns each view into a copy-on-write mapping with no
+    ``/proc`` lookup.  Writing costs one copy of ``buffers``; the fd is closed when the object is
+    collected (views made from it keep their own mappings alive).
+    """
+
+    def __init__(self, buffers: list[Any]) -> None:
+        raws = [memoryview(b).cast("B") for b in buffers]
+        self.spans: list[tuple[int, int]] = []
+        offset = 0
+        for raw in raws:
+            self.spans.append((offset, raw.nbytes))
+            offset += -(-raw.nbytes // _PAGE) * _PAGE  # each buffer starts on a page
+        self.size = max(offset, _PAGE)
+        fd = os.memfd_create("rankmesh-shared", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, self.size)
+            mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            for raw, (start, n) in zip(raws, self.spans):
+                mm[start:start + n] = raw
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._mm = mm
+        key = (st.st_dev, st.st_ino)
+        with _STATE.lock:
+            _STATE.regions = []  # the new mapping may sit where a freed one was: forget the cache
+            _STATE.fds[key] = fd
+            _STATE.how[key] = "memfd"
+        weakref.finalize(self, _forget_file, key, fd)
+
+    def views(self) -> list[memoryview]:
+        """Read-only views of the stored buffers, in order (zero-copy)."""
+        whole = memoryview(self._mm)
+        return [whole[start:start + n].toreadonly() for start, n in self.spans]
+
+
+def _forget_file(key: tuple[int, int], fd: int) -> None:
+    with _STATE.lock:
+        if _STATE.fds.get(key) == fd:
+            del _STATE.fds[key]
+    os.close(fd)
+
+
+def _file_fd(region: Region) -> int | None:
+    key = (region.dev, region.inode)
+    fd = _STATE.fds.get(key)
+    if fd is not None or key in _STATE.unreachable:
+        return fd
+    fd = _open_map_files(region) if _STATE.mode == "auto" else None
+    how = "map_files"
+    if fd is None:
+        found = _open_other_fd(region)
+        if found is not None:
+            fd, pid = found
+            how = "self_fd" if pid == os.getpid() else f"proc_fd:{pid}"
+    if fd is None:
+        _STATE.unreachable.add(key)
+        return None
+    _STATE.fds[key] = fd
+    _STATE.how[key] = how
+    logger.debug("copy-on-write receive: opened %s via %s", region.path, how)
+    return fd
+
+
+def private_bytes(buf: Any) -> np.ndarray:
+    """A writable ``uint8`` array with ``buf``'s bytes that nobody else sees: the receive copy.
+
+    Copy-on-write over the object store's file where possible (nothing copied now; a write
+    copies the written pages only; the view keeps ``buf`` alive), else one private copy,
+    counted, with the first reason logged once per process.
+    """
+    src = np.frombuffer(buf, dtype=np.uint8)
+    view = _cow_view(buf, src)
+    if isinstance(view, np.ndarray):
+        _STATE.cow_views += 1
+        _STATE.cow_bytes += src.nbytes
+        return view
+    note_copy(src.nbytes, view)
+    return src.copy()
+
+
+def _cow_view(buf: Any, src: np.ndarray) -> np.ndarray | str:
+    """The copy-on-write view of ``src`` (``buf``'s bytes), or why there is none."""
+    s = _STATE
+    if s.mode == "copy":
+        return f"{RECEIVE_ENV}=copy"
+    if getattr(_CALL, "receive", None) == "copy":
+        return "the method or group declares receive='copy'"
+    size = src.nbytes
+    if size < COW_MIN_BYTES:
+        return "small buffer"
+    if not os.path.exists("/proc/self/maps"):
+        return "no /proc/self/maps on this system"
+    addr = src.ctypes.data
+    with s.lock:
+        region = _find_region(addr, size)
+        if region is None:
+            return "the buffer is not in a file mapping (in-band or private memory)"
+        fd = _file_fd(region)
+        if fd is None:  # perhaps a stale cached region (a freed mapping's address reused): reread
+            _STATE.regions = _read_regions()
+            region = _find_region(addr, size)
+            fd = _file_fd(region) if region is not None else None
+        if region is None:
+            return "the buffer is not in a file mapping (in-band or private memory)"
+        if fd is None:
+            return f"cannot open {region.path}: no /proc/self/map_files access and no store process holds it"
+    file_off = region.offset + (addr - region.start)
+    map_off = file_off - file_off % _PAGE
+    head = file_off - map_off
+    try:
+        mm = _PinnedMap(fd, head + size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=map_off)
+    except (OSError, ValueError) as exc:
+        return f"mmap of {region.path} failed: {exc}"
+    # Pages are mapped lazily, on first touch (one fault per 64 KiB of fault-around; ~3 ms per
+    # 32 MiB read here).  MADV_POPULATE_READ up front measured the same, and costs it even
+    # for bytes the worker never reads.
+    mm.pin = buf
+    view = np.frombuffer(mm, dtype=np.uint8, count=size, offset=head)
+    _remember(view.ctypes.data, size, mm)
+    return view
+
+
+def _remember(addr: int, size: int, mm: _PinnedMap) -> None:
+    with _STATE.lock:
+        for start in [a for a, (_, ref) in _VIEWS.items() if ref() is None]:
+            del _VIEWS[start]
+        _VIEWS[addr] = (addr + size, weakref.ref(mm))
+
+
+def original_bytes(addr: int, size: int) -> np.ndarray | None:
+    """The shared bytes behind ``[addr, addr + size)`` if that range lies in a live copy-on-write
+    view (read-only, the buffer the view was made from), else ``None``.
+
+    What a copy of a received tensor should read from: the object store's own mapping, already
+    faulted in for this process, rather than the private mapping (a read fault per 64 KiB).
+    """
+    with _STATE.lock:
+        for start, (end, ref) in _VIEWS.items():
+            if start <= addr and addr + size <= end:
+                mm = ref()
+                if mm is None:
+                    return None
+                src = np.frombuffer(mm.pin, dtype=np.uint8)
+                return src[addr - start:addr - start + size]
+    return None

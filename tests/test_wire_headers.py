@@ -1,0 +1,61 @@
+"""The call-header cache: owned by an object (one per executor), bounded, keyed by everything that
+changes the header's bytes.  Decoding the cached bytes gives the same call as a fresh encoding."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+pytest.importorskip("ray")
+
+from rankmesh.backend import RankCall, Shared  # noqa: E402
+from rankmesh.backends.ray.wire import CallHeader, HeaderCache, SharedSlot, decode_call, encode_call  # noqa: E402
+
+
+def test_slot_only_headers_are_encoded_once_per_cache():
+    cache = HeaderCache()
+    call = RankCall(0, (Shared(object()),), {}, True)
+    first, refs = encode_call(None, "compute", call, cache)
+    again, _ = encode_call(None, "compute", RankCall(3, (Shared(object()),), {}, True), cache)
+    assert again is first and cache.hits == 1 and len(cache) == 1  # same bytes object: not re-pickled
+    assert len(refs) == 1
+    other = HeaderCache()  # another executor's cache knows nothing of it
+    fresh, _ = encode_call(None, "compute", call, other)
+    assert fresh == first and fresh is not first and other.hits == 0
+    assert pickle.loads(first) == CallHeader(None, "compute", (SharedSlot(0),), {}, True, False, None)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"return_output": False},
+        {"trace": True},
+        {"receive": "copy"},
+    ],
+)
+def test_every_field_that_changes_the_bytes_is_in_the_key(change):
+    cache = HeaderCache()
+    base, _ = encode_call("actor", "compute", RankCall(0, (Shared(object()),)), cache)
+    changed, _ = encode_call("actor", "compute", RankCall(0, (Shared(object()),), **change), cache)
+    assert changed != base
+    header = decode_call(changed, ("value",))
+    assert header.args == ("value",)
+    for key, value in change.items():
+        assert getattr(header, key) == value
+
+
+def test_calls_with_plain_arguments_are_not_cached():
+    cache = HeaderCache()
+    a, _ = encode_call(None, "f", RankCall(0, (1, 2)), cache)
+    b, _ = encode_call(None, "f", RankCall(0, (1, 3)), cache)
+    assert len(cache) == 0 and decode_call(a, ()).args == (1, 2) and decode_call(b, ()).args == (1, 3)
+
+
+def test_cache_is_bounded():
+    cache = HeaderCache(max_entries=2)
+    for name in ("a", "b", "c"):
+        encode_call(None, name, RankCall(0, ()), cache)
+    assert len(cache) == 2
+    out, _ = encode_call(None, "c", RankCall(0, ()), cache)  # past the bound: still correct
+    assert decode_call(out, ()).method == "c"
