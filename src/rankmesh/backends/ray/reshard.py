@@ -176,6 +176,16 @@ class ReshardWorker(Worker):
                 tensors[name][sl].copy_(view)
         return received
 
+    @register(Dispatch.ONE_TO_ALL)
+    def reshard_drop(self, token: str) -> int:
+        """Forget the regions a colocated send of reshard ``token`` left in this process (after a failure)."""
+        return len(_OUTBOX.pop((token, self.rank), ()))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reshard_pending(self) -> int:
+        """How many colocated sends left regions in this process that no receive has taken (0 when idle)."""
+        return sum(rank == self.rank for _, rank in _OUTBOX)
+
 
 @dataclass(frozen=True)
 class ReshardStats:
@@ -238,14 +248,22 @@ def reshard(src_group: Any, dst_group: Any, plan: ReshardPlan) -> ReshardStats:
                           "local": [(t.name, t.src_slices) for t in plan.sends(r) if t.local]})
     for d in range(plan.dst.world_size):
         recv_jobs[d]["local"] = [(t.name, t.dst_slices) for t in plan.receives(d) if t.local]
-    start = time.perf_counter()
-    refs: list[list[Any]] = src_group.reshard_send(send_jobs)
-    send_s = time.perf_counter() - start
-    for d, r, i, regions in wanted:
-        recv_jobs[d]["refs"].append((refs[r][i], regions))
-    start = time.perf_counter()
-    received = sum(dst_group.reshard_recv(recv_jobs))
-    recv_s = time.perf_counter() - start
+    try:
+        start = time.perf_counter()
+        refs: list[list[Any]] = src_group.reshard_send(send_jobs)
+        send_s = time.perf_counter() - start
+        for d, r, i, regions in wanted:
+            recv_jobs[d]["refs"].append((refs[r][i], regions))
+        start = time.perf_counter()
+        received = sum(dst_group.reshard_recv(recv_jobs))
+        recv_s = time.perf_counter() - start
+    except BaseException:
+        if any(job["local"] for job in send_jobs):  # views a colocated send left behind would pin the tensors
+            try:
+                src_group.reshard_drop(token)
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                logger.warning("reshard %s failed and its colocated regions could not be dropped", token, exc_info=True)
+        raise
     if received != plan.bytes_moved:
         raise ReshardError(f"destinations received {received} bytes, the plan moves {plan.bytes_moved}")
     return ReshardStats(plan.bytes_moved, plan.bytes_local, sum(len(r) for r in refs), send_s, recv_s)
