@@ -174,13 +174,13 @@ class WorkerHost:
             f"a call for role {role!r} names none of them (call a role's group from wg.spawn(...))"
         )
 
-    def execute(self, header: bytes, *shared: Any) -> Any:
+    def execute(self, header: bytes, *shared: Any, enter_ns: int = 0) -> Any:
         """Run one call (see :mod:`.wire` for ``header`` and ``shared``) through :func:`rankmesh.worker.invoke`.
 
         ``shared`` are the values of the call's shared objects, fetched by Ray before the call
-        starts and already rebuilt as this rank's private copies by the data layer.
+        starts and already rebuilt as this rank's private copies by the data layer.  A traced
+        call comes through :meth:`execute_traced` (``enter_ns``), so an untraced one reads no clock.
         """
-        enter_ns = time.time_ns()
         call = decode_call(header, shared)
         worker = self._worker(call.role)
         if call.trace:  # a traced call: the output travels back with this rank's timing
@@ -189,6 +189,10 @@ class WorkerHost:
                 enter_ns=enter_ns, inputs=shared, return_output=call.return_output,
             )
         return invoke(worker, call.method, call.args, call.kwargs, return_output=call.return_output)
+
+    def execute_traced(self, header: bytes, *shared: Any) -> Any:
+        """:meth:`execute` of a traced call: the clock is read on arrival, before the call is decoded."""
+        return self.execute(header, *shared, enter_ns=time.time_ns())
 
     # ----- introspection (attaching to detached groups, tests) ---------------------------------
 
