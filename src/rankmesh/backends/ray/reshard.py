@@ -20,6 +20,7 @@ and receive them inside their arguments (Ray keeps them alive while referenced).
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 import uuid
@@ -196,6 +197,8 @@ class ReshardStats:
     objects: int
     send_s: float
     recv_s: float
+    #: Bytes the sources put into the object store: each region once, however many destinations read it.
+    bytes_put: int = 0
 
     @property
     def seconds(self) -> float:
@@ -240,8 +243,11 @@ def reshard(src_group: Any, dst_group: Any, plan: ReshardPlan) -> ReshardStats:
     token = uuid.uuid4().hex
     send_jobs, recv_jobs = [], [{"token": token, "refs": [], "local": []} for _ in range(plan.dst.world_size)]
     wanted: list[tuple[int, int, int, list]] = []  # (destination, source, object index, regions)
+    bytes_put = 0
     for r in range(plan.src.world_size):
         objects = _objects_of(plan, r)
+        bytes_put += sum(math.prod(s.stop - s.start for s in sl) * plan.params[name].itemsize
+                         for regions, _ in objects for name, sl in regions)
         for i, (_, places) in enumerate(objects):
             wanted += [(d, r, i, regions) for d, regions in places.items()]
         send_jobs.append({"token": token, "objects": [regions for regions, _ in objects],
@@ -266,7 +272,7 @@ def reshard(src_group: Any, dst_group: Any, plan: ReshardPlan) -> ReshardStats:
         raise
     if received != plan.bytes_moved:
         raise ReshardError(f"destinations received {received} bytes, the plan moves {plan.bytes_moved}")
-    return ReshardStats(plan.bytes_moved, plan.bytes_local, sum(len(r) for r in refs), send_s, recv_s)
+    return ReshardStats(plan.bytes_moved, plan.bytes_local, sum(len(r) for r in refs), send_s, recv_s, bytes_put)
 
 
 def plan_between(
