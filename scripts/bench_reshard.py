@@ -10,8 +10,8 @@ and refit into each generator mesh (default tp1·dp8, then tp4·dp2), on local R
   destination rank its slice.
 
 Printed per destination mesh: bytes moved (plan, naive, and the minimum: the bytes destination
-ranks keep), the median time of both over ``--repeat`` runs, and the max bytes one source rank
-sends.  Both ways must leave identical weights on every destination rank (checked by checksum).
+ranks keep), the median time of both over ``--repeat`` runs (the two ways alternate run by run),
+their ratio, and the max bytes one source rank sends.  Both ways must leave identical weights on every destination rank (checked by checksum).
 
     python scripts/bench_reshard.py                        # 8 + 8 ranks, ~200 MB model
     python scripts/bench_reshard.py --src tp=2,pp=2 --dst tp=1,dp=4 --dst tp=4   # 4 + 4 ranks
@@ -160,15 +160,6 @@ def parse_mesh(text: str) -> RankMesh:
     return RankMesh(**sizes)
 
 
-def median_time(fn, repeat: int) -> tuple[float, list[Any]]:
-    times, values = [], []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        values.append(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), values
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--src", default="tp=2,pp=2,dp=2", help="trainer mesh (default %(default)s)")
@@ -190,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     procs = src_mesh.world_size + max(m.world_size for m in dst_meshes)
     ensure_ray(num_cpus=procs, object_store_memory=int(max(2 * 1024**3, 4 * model_bytes)))
     print(f"model: {args.layers} layers of hidden {args.hidden}, ffn {args.ffn}: {len(layouts)} tensors, "
-          f"{model_bytes / MIB:.0f} MiB fp32; {os.cpu_count()} CPU cores, {procs} processes")
+          f"{model_bytes / MIB:.0f} MiB fp32; {os.cpu_count()} CPU cores, {procs} processes; "
+          f"load average {os.getloadavg()[0]:.1f}")
     src_group = RayWorkerGroup(RayResourcePool([src_mesh.world_size], use_gpu=False),
                                RayClassWithInitArgs(BenchWorker, layouts, True), mesh=src_mesh)
     results = []
@@ -205,22 +197,33 @@ def main(argv: list[str] | None = None) -> int:
                 plan_s = time.perf_counter() - t0
                 minimum = sum(int(np.prod(local_shape(p, dst_mesh))) * p.itemsize
                               for p in dst_layouts for r in range(dst_mesh.world_size) if holds(p, dst_mesh, r))
+                # The least the sources can put: each element of the model once (destinations keep all of it).
+                distinct = model_bytes
                 reshard(src_group, dst_group, plan)  # warm-up (first object-store use of each process)
-                plan_time, runs = median_time(lambda: reshard(src_group, dst_group, plan), args.repeat)
-                stats = runs[0]
-                send_s, recv_s = statistics.median(r.send_s for r in runs), statistics.median(r.recv_s for r in runs)
                 after_plan = dst_group.checksum()
                 dst_group.zero()
                 naive_refit(src_group, dst_group, layouts, dst_layouts, src_mesh, dst_mesh)  # warm-up
-                naive_time, naives = median_time(lambda: naive_refit(src_group, dst_group, layouts, dst_layouts, src_mesh, dst_mesh), args.repeat)
-                naive = naives[0]
+                # Alternate the two ways run by run, so that a change in machine load hits both alike.
+                plan_times, naive_times, runs, naives = [], [], [], []
+                for _ in range(args.repeat):
+                    for times, values, fn in (
+                        (plan_times, runs, lambda: reshard(src_group, dst_group, plan)),
+                        (naive_times, naives, lambda: naive_refit(src_group, dst_group, layouts, dst_layouts, src_mesh, dst_mesh)),
+                    ):
+                        start = time.perf_counter()
+                        values.append(fn())
+                        times.append(time.perf_counter() - start)
+                plan_time, naive_time = statistics.median(plan_times), statistics.median(naive_times)
+                stats, naive = runs[0], naives[0]
+                send_s, recv_s = statistics.median(r.send_s for r in runs), statistics.median(r.recv_s for r in runs)
                 same = dst_group.checksum() == after_plan
                 sent = plan.bytes_per_src_rank
                 row = {
                     "src": repr(src_mesh), "dst": repr(dst_mesh), "plan_s": plan_s,
                     "bytes_plan": plan.bytes_moved, "bytes_naive": naive["bytes"], "bytes_minimum": minimum,
                     "time_reshard_s": plan_time, "time_naive_s": naive_time, "speedup": naive_time / plan_time,
-                    "reshard_send_s": send_s, "reshard_recv_s": recv_s,
+                    "reshard_send_s": send_s, "reshard_recv_s": recv_s, "bytes_put": stats.bytes_put,
+                    "bytes_distinct": distinct,
                     "max_src_bytes_plan": max(sent.values()), "mean_src_bytes_plan": sum(sent.values()) / len(sent),
                     "max_src_bytes_naive": naive["max_src"], "regions": len(plan.transfers), "objects": stats.objects,
                     "identical_weights": same,
@@ -233,10 +236,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"   {'== minimum' if plan.bytes_moved == minimum else '!= MINIMUM'}")
                 print(f"  time (median of {args.repeat})  reshard {plan_time:7.3f} s   naive {naive_time:7.3f} s   "
                       f"ratio {plan_time / naive_time:.2f} (target <= 0.5); reshard = send {send_s:.3f} + receive {recv_s:.3f}")
+                print(f"  object store   sources put {stats.bytes_put / MIB:.1f} MiB in {stats.objects} objects "
+                      f"(the model is {distinct / MIB:.1f} MiB: each byte put once)")
                 print(f"  max bytes by one source rank  reshard {max(sent.values()) / MIB:.1f} MiB "
                       f"(mean {sum(sent.values()) / len(sent) / MIB:.1f}, ratio {max(sent.values()) / (sum(sent.values()) / len(sent)):.3f})"
                       f"   naive {naive['max_src'] / MIB:.1f} MiB (to the controller, which then sends {naive['sent'] / MIB:.1f} MiB)")
-                print(f"  destination weights identical after both ways: {same}")
+                print(f"  destination weights identical after both ways: {same}   (load average {os.getloadavg()[0]:.1f})")
             finally:
                 dst_group.shutdown()
     finally:

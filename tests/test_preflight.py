@@ -39,6 +39,17 @@ roles:
   actor: {mesh: {tp: 4}}
 """
 
+LABELLED_LAYOUT = """
+name: labelled
+cluster: {nodes: 2, devices_per_node: 4}
+pools:
+  train: {process_on_nodes: [4], nodes: [0], node_labels: {zone: a}}
+  gen: {process_on_nodes: [4], nodes: [1]}
+roles:
+  actor: {pool: train, mesh: {tp: 4}}
+  rollout: {pool: gen, mesh: {tp: 4}}
+"""
+
 
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "layout.yaml"
@@ -61,6 +72,45 @@ def test_preflight_pure(tmp_path):
     assert crossing.ok and crossing.crossing == ["role 'actor': tp group [0, 1, 2, 3] spans nodes [0, 1]"]
 
 
+def test_preflight_checks_node_labels(tmp_path):
+    from rankmesh.errors import LayoutError
+
+    layout = load_layout(write(tmp_path, LABELLED_LAYOUT))
+    assert layout.pools["train"].node_labels == {"zone": "a"} and layout.pools["gen"].node_labels == {}
+    # Only the big node has zone a: train must take it, although the unlabelled pool would fit there
+    # too and is listed first among equal demands; gen then takes the small one.
+    ok = preflight(layout, [LiveNode("big", {"GPU": 8}, {"zone": "a"}), LiveNode("small", {"GPU": 4}, {"zone": "b"})])
+    assert ok.ok, ok.format()
+    assert sorted(ok.placed) == [
+        "layout node 0 (4 GPU, labels {zone: a}: pool 'train' (4 processes)) -> node big",
+        "layout node 1 (4 GPU: pool 'gen' (4 processes)) -> node small",
+    ]
+    # No node carries zone a.
+    none = preflight(layout, [LiveNode("x", {"GPU": 8}, {"zone": "b"}), LiveNode("y", {"GPU": 8})])
+    assert none.unplaced == ["layout node 0 (4 GPU, labels {zone: a}: pool 'train' (4 processes)): no live node with "
+                             "GPU has the labels {zone: a} (live nodes have zone: b)"]
+    # The zone-a node is too small; the big node lacks the label.
+    small = preflight(layout, [LiveNode("x", {"GPU": 2}, {"zone": "a"}), LiveNode("y", {"GPU": 8})])
+    assert small.unplaced == ["layout node 0 (4 GPU, labels {zone: a}: pool 'train' (4 processes)): needs 4 GPU on "
+                              "one node; node x (the largest left with its labels) offers 2"]
+    # A pool on two layout nodes needs two labelled nodes.
+    two = load_layout(write(tmp_path, LABELLED_LAYOUT.replace("[4], nodes: [0]", "[4, 4], nodes: [0, 1]")
+                            .replace("gen: {process_on_nodes: [4], nodes: [1]}", "gen: {process_on_nodes: [4], nodes: [2]}")
+                            .replace("nodes: 2,", "nodes: 3,").replace("tp: 4}}\n  rollout", "tp: 4, dp: 2}}\n  rollout")))
+    taken = preflight(two, [LiveNode(n, {"GPU": 4}, {"zone": z}) for n, z in (("p", "a"), ("q", "b"), ("r", "b"))])
+    assert len(taken.placed) == 2 and taken.unplaced == [
+        "layout node 1 (4 GPU, labels {zone: a}: pool 'train' (4 processes)): the 1 live node(s) with GPU and labels "
+        "{zone: a} are taken by other layout nodes"]
+    # Two pools on one layout node that want different values of one label.
+    clash = load_layout(write(tmp_path, LABELLED_LAYOUT.replace("[4], nodes: [1]}", "[4], nodes: [0], node_labels: {zone: b}}")
+                              .replace("nodes: 2, devices_per_node: 4", "nodes: 1, devices_per_node: 8")))
+    report = preflight(clash, [LiveNode("big", {"GPU": 8}, {"zone": "a"})])
+    assert not report.ok and "its pools require zone=a and zone=b on one node" in report.unplaced[0]
+    # Label values are strings: an unquoted number names the field and how to fix it.
+    with pytest.raises(LayoutError, match=r"pools\.train\.node_labels.*label values are strings, got 1; quote it"):
+        load_layout(write(tmp_path, LABELLED_LAYOUT.replace("{zone: a}", "{zone: 1}")))
+
+
 def test_preflight_against_the_session_ray(ray_session, capsys):
     import ray
 
@@ -78,15 +128,30 @@ def test_preflight_against_the_session_ray(ray_session, capsys):
 SIMULATED_DRIVER = textwrap.dedent(
     """
     import json, sys
+    import ray
     from rankmesh.backends.ray.simulated import loopback_cluster
     from rankmesh.backends.ray.preflight import validate_on_cluster
     from rankmesh.layout import load_layout
-    cluster, _ = loopback_cluster([{"num_cpus": c, "object_store_memory": 96 << 20} for c in (4, 4, 2)])
+    from rankmesh.backends.ray import RayResourcePool
+    from rankmesh.errors import ResourcePoolError
+    zones = {4: "a", 2: "b"}
+    cluster, _ = loopback_cluster([{"num_cpus": c, "object_store_memory": 96 << 20, "labels": {"zone": zones[c]}}
+                                   for c in (4, 4, 2)])
     try:
         out = {}
         for name in sys.argv[1:]:
             r = validate_on_cluster(load_layout(name), None, "CPU")
             out[name] = {"ok": r.ok, "placed": r.placed, "unplaced": r.unplaced, "nodes": [n.units("CPU") for n in r.nodes]}
+        # A pool with node labels lands on the node that has them, and fails clearly when none has them.
+        pool = RayResourcePool([2], use_gpu=False, node_labels={"zone": "b"})
+        node = pool.slots()[0].node_id
+        out["pool_zone"] = [n["Labels"].get("zone") for n in ray.nodes() if n["NodeID"] == node]
+        pool.remove()
+        try:
+            RayResourcePool([1], use_gpu=False, node_labels={"zone": "c"}, ready_timeout=3).slots()
+            out["missing"] = "placed"
+        except ResourcePoolError as exc:
+            out["missing"] = str(exc)
         print("REPORT " + json.dumps(out))
     finally:
         import ray
@@ -102,9 +167,13 @@ def test_preflight_on_a_simulated_three_node_cluster(tmp_path):
     two.write_text(TWO_NODE_LAYOUT)
     three = tmp_path / "three.yaml"
     three.write_text(THREE_NODE_LAYOUT)
+    labelled = tmp_path / "labelled.yaml"
+    labelled.write_text(LABELLED_LAYOUT)
+    nowhere = tmp_path / "nowhere.yaml"
+    nowhere.write_text(LABELLED_LAYOUT.replace("{zone: a}", "{zone: c}"))
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
     proc = subprocess.run(
-        [sys.executable, "-c", SIMULATED_DRIVER, str(two), str(three)], capture_output=True, text=True, env=env, timeout=280
+        [sys.executable, "-c", SIMULATED_DRIVER, str(two), str(three), str(labelled), str(nowhere)], capture_output=True, text=True, env=env, timeout=280
     )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("REPORT ")), None)
     assert line is not None, proc.stderr[-3000:]
@@ -114,3 +183,8 @@ def test_preflight_on_a_simulated_three_node_cluster(tmp_path):
     assert out[str(two)]["ok"] and len(out[str(two)]["placed"]) == 2
     assert not out[str(three)]["ok"]
     assert "needs 4 CPU on one node" in out[str(three)]["unplaced"][0] and "offers 2" in out[str(three)]["unplaced"][0]
+    # labels: the two 4-CPU nodes have zone a, the 2-CPU node zone b
+    assert out[str(labelled)]["ok"] and out[str(labelled)]["placed"][0].startswith("layout node 0 (4 CPU, labels {zone: a}")
+    assert "no live node with CPU has the labels {zone: c}" in out[str(nowhere)]["unplaced"][0]
+    assert out["pool_zone"] == ["b"]
+    assert "NOT placed" in out["missing"] and "with labels {'zone': 'c'}" in out["missing"]

@@ -77,6 +77,7 @@ def check_plan(params, src, dst, dst_layouts=None, colocated=False, balance=True
     assert sum(plan.bytes_per_src_rank.values()) == sum(plan.bytes_per_dst_rank.values()) == minimum
     if balance:
         check_balance(plan, params, src)
+    check_read_once(plan, params, src, src_shards)
     return plan
 
 
@@ -103,6 +104,28 @@ def _key(p, mesh, r):
     tp = (c.etp_rank if p.expert else c.tp_rank) if p.tp_dim is not None else 0
     key = (tp, c.ep_rank if p.expert else 0)
     return key + (c.pp_rank if p.pp_stage is not None else None,)
+
+
+def check_read_once(plan, params, src, src_shards):
+    """Destinations that keep the same bytes read them from the same holder, so the bytes are put once.
+
+    Per holder set, the element ids its ranks send, counted once per rank, exceed the distinct ids
+    sent by at most one element per cut between holders (an element at a cut may be served to some
+    readers by one holder and to the others by the next).
+    """
+    layouts = {p.name: p for p in params}
+    per_rank: dict[tuple, dict[int, set]] = {}
+    for t in plan.transfers:
+        if t.local:
+            continue
+        p = layouts[t.name]
+        key = _key(p, src, t.src_rank)
+        holders = tuple(r for r in range(src.world_size) if holds(p, src, r) and _key(p, src, r) == key)
+        ids = src_shards[(t.src_rank, t.name)][t.src_slices].ravel().tolist()
+        per_rank.setdefault(holders, {}).setdefault(t.src_rank, set()).update((t.name, i) for i in ids)
+    for holders, by_rank in per_rank.items():
+        repeats = sum(len(s) for s in by_rank.values()) - len(set().union(*by_rank.values()))
+        assert repeats <= len(holders) - 1, (holders, repeats)
 
 
 # ----- random cases -----------------------------------------------------------------------------
@@ -216,9 +239,18 @@ def test_colocated_moves_only_what_is_missing() -> None:
 
 def test_identity_is_one_region_per_shard() -> None:
     params = gpt_layouts()
-    plan = plan_reshard(params, RankMesh(tp=2, pp=2), RankMesh(tp=2, pp=2))
-    assert all(t.src_rank == t.dst_rank for t in plan.transfers)
-    assert len(plan.transfers) == len(params) * 2 + 2 * 2 * 2  # qkv: 3 stride blocks (2 layers x 2 ranks x 2 more)
+    plan = check_plan(params, RankMesh(tp=2, pp=2), RankMesh(tp=2, pp=2))
+    split = [t for t in plan.transfers if not t.name.endswith(".ln")]
+    # a tp-split shard has one holder: it is sent whole, from the rank with the same coordinates
+    assert all(t.src_rank == t.dst_rank for t in split)
+    assert len(split) == (len(params) - 2) * 2 + 2 * 2 * 2  # qkv: 3 stride blocks (2 layers x 2 ranks x 2 more)
+    # a replicated ln (64 floats) has two holders (the tp ranks of its stage); both destinations
+    # read the same bytes, so each holder serves one half to both: every byte is read from one rank
+    for i, stage_ranks in enumerate([(0, 1), (2, 3)]):
+        ln = sorted((t.src_rank, t.dst_rank, t.src_slices[0].start, t.src_slices[0].stop)
+                    for t in plan.transfers if t.name == f"l{i}.ln")
+        a, b = stage_ranks
+        assert ln == [(a, a, 0, 32), (a, b, 0, 32), (b, a, 32, 64), (b, b, 32, 64)]
 
 
 def test_describe_is_a_table() -> None:

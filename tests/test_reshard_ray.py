@@ -71,6 +71,28 @@ def test_colocated_refit_moves_only_missing_halves(groups) -> None:
     assert_shards(gen.shards(), expected(LAYOUTS, GEN, seed=1))
 
 
+def test_failed_colocated_refit_leaves_nothing_behind(groups) -> None:
+    from dataclasses import replace
+
+    from rankmesh.errors import WorkerError
+    from rankmesh.reshard import ReshardPlan
+
+    train, gen, _ = groups
+    good = plan_between(train, gen, colocated=True, dst_mesh=GEN)
+    # One remote region is aimed at a box of another shape: rank 0's receive fails after every
+    # source has put its regions and left its local views for the receive of its process.
+    bad = next(i for i, t in enumerate(good.transfers) if not t.local and t.dst_rank == 0)
+    transfers = list(good.transfers)
+    transfers[bad] = replace(transfers[bad], dst_slices=tuple(slice(0, 10**6) for _ in transfers[bad].dst_slices))
+    broken = ReshardPlan(good.src, good.dst, good.params, good.dst_params, transfers, colocated=True)
+    with pytest.raises(WorkerError, match="rank 0"):
+        reshard(train, gen, broken)
+    assert train.reshard_pending() == [0, 0, 0, 0]
+    reshard(train, gen, good)  # and the roles still refit
+    assert_shards(gen.shards(), expected(LAYOUTS, GEN, seed=1))
+    assert train.reshard_pending() == [0, 0, 0, 0]
+
+
 def test_pipelined_source_to_generator_and_back(groups) -> None:
     train, gen, pipe = groups
     plan = plan_between(pipe, gen, dst_mesh=GEN)

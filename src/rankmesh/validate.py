@@ -12,7 +12,7 @@ This module imports nothing from the package.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -63,3 +63,19 @@ def positive_seconds(value: Any, what: str, error: ErrorType = ValueError) -> fl
 def optional_seconds(value: Any, what: str, error: ErrorType = ValueError) -> float | None:
     """``None`` (no limit) or :func:`positive_seconds`."""
     return None if value is None else positive_seconds(value, f"{what} (None for no limit)", error)
+
+
+def node_labels(value: Any, what: str, error: ErrorType = ValueError) -> dict[str, str]:
+    """Node labels to require: a ``{key: value}`` mapping of strings (``None``: none)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise error(f"{what} must be a mapping of label keys to values, e.g. {{zone: us-east-1a}}, got {value!r}")
+    out = {}
+    for key, val in value.items():
+        if not isinstance(key, str) or not key:
+            raise error(f"{what}: label keys must be non-empty strings, got {key!r}")
+        if not isinstance(val, str):
+            raise error(f"{what}.{key}: label values are strings, got {val!r}; quote it in a layout file ({key}: \"{val}\")")
+        out[key] = val
+    return out

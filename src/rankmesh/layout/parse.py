@@ -16,12 +16,12 @@ from rankmesh.layout.spec import (
     layout_error,
 )
 from rankmesh.mesh import AXES
-from rankmesh.validate import is_int
+from rankmesh.validate import is_int, node_labels
 
 # The fields each part of a layout file may have (anything else is a typo, reported as such).
 _TOP_FIELDS = {"name", "description", "cluster", "pools", "roles", "intra_node"}
 _CLUSTER_FIELDS = {"nodes", "devices_per_node", "process_on_nodes"}
-_POOL_FIELDS = {"process_on_nodes", "devices_per_node", "nodes"}
+_POOL_FIELDS = {"process_on_nodes", "devices_per_node", "nodes", "node_labels"}
 _ROLE_FIELDS = {"pool", "mesh", "colocate_with"}
 _MESH_FIELDS = {"tp", "pp", "cp", "dp", "ep", "etp", "order"}
 
@@ -181,7 +181,11 @@ def _parse_pool(r: _Reader, name: object, raw: object) -> PoolSpec:
         counts = [r.positive(pool["devices_per_node"], None, f"{prefix}.devices_per_node")] * len(nodes)
     else:
         raise r.fail("missing required field (or give devices_per_node with nodes)", None, f"{prefix}.process_on_nodes")
-    return PoolSpec(name, tuple(counts), tuple(nodes))
+    try:
+        labels = node_labels(pool.get("node_labels"), "node_labels", LayoutError)
+    except LayoutError as exc:
+        raise r.fail(str(exc), None, f"{prefix}.node_labels") from None
+    return PoolSpec(name, tuple(counts), tuple(nodes), labels)
 
 
 def _parse_role(r: _Reader, name: str, raw: object, pools: Mapping[str, PoolSpec]) -> LayoutRole:

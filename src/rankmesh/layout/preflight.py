@@ -5,9 +5,12 @@ nodes with resources.  Each layout node needs one live node of its own with at l
 units of the process resource (``GPU``, or ``CPU`` for CPU workers) as the processes of every
 pool on it (colocated roles share their pool, so they count once).  Matching the largest demand
 to the largest live node, in order, finds a mapping whenever one exists (one resource, one node
-each).  The report says which pool entries land on which live node, which cannot and why (no
+each, no labels).  The report says which pool entries land on which live node, which cannot and why (no
 node offers the resource, too few nodes, a node too small), and which tp/cp/ep groups of a role
-cross nodes.  The live nodes come from the backend (``rankmesh.backends.ray.preflight``); this
+cross nodes.  A pool's ``node_labels`` restrict its layout nodes to live nodes carrying those
+labels; layout nodes are then matched to live nodes by augmenting paths (a maximum matching),
+and one that finds none is reported with the reason (no node has the labels, the labelled
+nodes are too small, or taken).  The live nodes come from the backend (``rankmesh.backends.ray.preflight``); this
 module only compares.
 """
 
@@ -67,26 +70,82 @@ def preflight(layout: Layout, nodes: Sequence[LiveNode], resource: str = "GPU") 
     used_pools = {role.pool.name: role.pool for role in layout.roles.values()}
     demand: dict[int, int] = {}
     entries: dict[int, list[str]] = {}
+    labels: dict[int, dict[str, str]] = {}
+    clashes: dict[int, list[str]] = {}
     for pool in used_pools.values():
         for node, count in zip(pool.nodes, pool.process_on_nodes):
             demand[node] = demand.get(node, 0) + count
             entries.setdefault(node, []).append(f"pool {pool.name!r} ({count} process{'es' if count > 1 else ''})")
+            wanted_labels = labels.setdefault(node, {})
+            for key, value in pool.node_labels.items():
+                if wanted_labels.setdefault(key, value) != value:
+                    clashes.setdefault(node, []).append(f"{key}={wanted_labels[key]} and {key}={value}")
     live = sorted((n for n in nodes if n.units(resource) > 0), key=lambda n: -n.units(resource))
     wanted = sorted(demand, key=lambda k: (-demand[k], k))
     if not live:
         report.unplaced.append(f"no live node offers {resource} (nodes offer {sorted({r for n in nodes for r in n.resources})})")
-    for i, node in enumerate(wanted):
-        what = f"layout node {node} ({demand[node]} {resource}: {', '.join(entries[node])})"
-        if not live:
-            continue
-        if i >= len(live):
-            report.unplaced.append(f"{what}: the layout uses {len(wanted)} nodes, only {len(live)} live node(s) offer {resource}")
-        elif live[i].units(resource) < demand[node]:
-            report.unplaced.append(f"{what}: needs {demand[node]} {resource} on one node; node {live[i].name} "
-                                   f"(the largest left) offers {live[i].units(resource)}")
+        wanted = []
+    # Which live nodes each layout node may use, then a maximum matching (one live node each).
+    fits = {k: [i for i, n in enumerate(live) if _has(n, labels[k]) and n.units(resource) >= demand[k]]
+            for k in wanted if k not in clashes}
+    match = _match([k for k in wanted if k in fits], fits)
+    taken = set(match.values())
+    for node in wanted:
+        tag = f", labels {_fmt(labels[node])}" if labels[node] else ""
+        what = f"layout node {node} ({demand[node]} {resource}{tag}: {', '.join(entries[node])})"
+        if node in clashes:
+            report.unplaced.append(f"{what}: its pools require {'; '.join(clashes[node])} on one node")
+        elif node in match:
+            report.placed.append(f"{what} -> node {live[match[node]].name}")
         else:
-            report.placed.append(f"{what} -> node {live[i].name}")
+            report.unplaced.append(f"{what}: {_why(node, demand, labels, live, taken, resource, len(wanted))}")
     for role in layout.roles.values():
         for group in role.placement().spanning_groups(role.mesh(), CROSSING_TOKENS):
             report.crossing.append(f"role {role.name!r}: {group.describe()}")
     return report
+
+
+def _has(node: LiveNode, labels: Mapping[str, str]) -> bool:
+    return all(node.labels.get(k) == v for k, v in labels.items())
+
+
+def _fmt(labels: Mapping[str, str]) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in labels.items()) + "}"
+
+
+def _match(order: Sequence[int], fits: Mapping[int, Sequence[int]]) -> dict[int, int]:
+    """Layout node -> live node index: a maximum matching (augmenting paths), largest demands first."""
+    owner: dict[int, int] = {}  # live node index -> layout node
+
+    def assign(node: int, seen: set[int]) -> bool:
+        for i in fits[node]:
+            if i not in seen:
+                seen.add(i)
+                if i not in owner or assign(owner[i], seen):
+                    owner[i] = node
+                    return True
+        return False
+
+    for node in order:
+        assign(node, set())
+    return {node: i for i, node in owner.items()}
+
+
+def _why(node: int, demand: Mapping[int, int], labels: Mapping[int, Mapping[str, str]], live: Sequence[LiveNode],
+         taken: set[int], resource: str, used: int) -> str:
+    """Why layout ``node`` found no live node (the matching left it out)."""
+    need = labels[node]
+    with_labels = [i for i, n in enumerate(live) if _has(n, need)]
+    if not with_labels:
+        seen = sorted({f"{k}: {v}" for n in live for k, v in n.labels.items() if k in need})
+        return (f"no live node with {resource} has the labels {_fmt(need)}"
+                + (f" (live nodes have {', '.join(seen)})" if seen else " (no live node has these keys)"))
+    left = [i for i in with_labels if i not in taken]
+    if not left:
+        if need:
+            return (f"the {len(with_labels)} live node(s) with {resource} and labels {_fmt(need)} are taken by other "
+                    "layout nodes")
+        return f"the layout uses {used} nodes, only {len(live)} live node(s) offer {resource}"
+    best = live[left[0]]
+    return (f"needs {demand[node]} {resource} on one node; node {best.name} (the largest left"
+            f"{' with its labels' if need else ''}) offers {best.units(resource)}")

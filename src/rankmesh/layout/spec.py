@@ -13,7 +13,7 @@ from typing import Literal, Mapping, Sequence
 from rankmesh.errors import LayoutError, MeshError
 from rankmesh.mesh import DEFAULT_ORDER, RankMesh
 from rankmesh.placement import Placement
-from rankmesh.validate import non_negative_int, positive_int
+from rankmesh.validate import node_labels, non_negative_int, positive_int
 
 LAYOUTS_ENV = "RANKMESH_LAYOUTS"
 """Environment variable: extra layout directories (``os.pathsep``-separated), searched first."""
@@ -82,12 +82,15 @@ class PoolSpec:
     """A resource pool: the processes one worker group (or several colocated ones) runs in.
 
     ``nodes[i]`` is the cluster node that hosts ``process_on_nodes[i]`` of the pool's processes;
-    the pool's ranks fill those nodes in order.
+    the pool's ranks fill those nodes in order.  ``node_labels``: labels every node of the pool
+    must carry, exact ``key: value`` matches (Ray: ``ray start --labels``; a pool honours them
+    as the placement groups' ``bundle_label_selector``).
     """
 
     name: str
     process_on_nodes: tuple[int, ...]
     nodes: tuple[int, ...] = ()
+    node_labels: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         counts = _counts(self.process_on_nodes, f"pools.{self.name}.process_on_nodes")
@@ -101,6 +104,7 @@ class PoolSpec:
             raise LayoutError(f"pools.{self.name}.nodes lists a node twice: {list(nodes)}")
         object.__setattr__(self, "process_on_nodes", counts)
         object.__setattr__(self, "nodes", nodes)
+        object.__setattr__(self, "node_labels", node_labels(self.node_labels, f"pools.{self.name}.node_labels", LayoutError))
 
     @property
     def world_size(self) -> int:

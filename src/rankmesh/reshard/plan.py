@@ -19,7 +19,8 @@ How a rank's shard is cut (megatron-core's rules):
 Ranks that hold the same shard (dp replicas and cp ranks; expert dp replicas) form a *holder
 set*.  Every destination region is read from one holder; the regions a holder set sends are cut
 into equal contiguous runs of bytes, one per holder, so the busiest holder sends at most its
-share plus one element.
+share plus one element.  Destinations that want the same source bytes (replicas of the
+destination) read them from the same holder, which can then put them into the object store once.
 """
 
 from __future__ import annotations
@@ -345,25 +346,50 @@ class _Region:
 
 
 def _spread(holders: list[int], regions: list[_Region]) -> list[tuple[int, _Region, Box, Box, int]]:
-    """Cut the regions' bytes, in order, into ``len(holders)`` equal runs; holder ``j`` sends run ``j``.
+    """Cut the holders' work into ``len(holders)`` equal runs; holder ``j`` sends run ``j``.
 
-    Runs end on element boundaries, so a holder sends at most its share plus one element; a
-    region crossing a run boundary is split into boxes (:func:`linear_boxes`).
+    Regions that read the same source box (the same bytes, wanted by several destinations, e.g.
+    the dp replicas of the destination) form one *content*, so that a content's bytes are mostly
+    read from one holder and can be put into the object store once for all its readers.  The work
+    is the sequence of (element, reader) units of every content, element-major; it is cut into
+    equal runs on unit boundaries, so a holder sends at most its share plus one element.  A
+    content crossing a run boundary is split into boxes (:func:`linear_boxes`); only the element
+    at the cut may be served to some of its readers by one holder and to the rest by the next.
     """
     k = len(holders)
+    contents: dict[tuple[str, Box], list[_Region]] = {}
+    for region in regions:
+        contents.setdefault((region.name, region.src_box), []).append(region)
     total = sum(r.nbytes for r in regions)
     cuts = [total * j // k for j in range(1, k)]
     out = []
-    offset = 0  # bytes of the run before this region
-    for region in regions:
-        item, n = region.itemsize, region.nbytes // region.itemsize
-        # element of this region where each cut falls (the first element starting at or after it)
-        bounds = [0] + [min(n, max(0, -(-(c - offset) // item))) for c in cuts] + [n]
+    offset = 0  # bytes of work before this content
+    for readers in contents.values():
+        item, n, m = readers[0].itemsize, readers[0].nbytes // readers[0].itemsize, len(readers)
+        units = n * m
+        # unit of this content where each cut falls (the first unit starting at or after it)
+        bounds = [0] + [min(units, max(0, -(-(c - offset) // item))) for c in cuts] + [units]
         for j in range(k):
-            if bounds[j] < bounds[j + 1]:
-                for src, dst, nbytes in region.part(bounds[j], bounds[j + 1]):
-                    out.append((holders[j], region, src, dst, nbytes))
-        offset += region.nbytes
+            u0, u1 = bounds[j], bounds[j + 1]
+            if u0 >= u1:
+                continue
+            (e0, r0), (e1, r1) = divmod(u0, m), divmod(u1, m)
+            runs: list[tuple[int, int, range]] = []  # (first element, stop element, readers)
+            if e0 == e1:
+                runs.append((e0, e0 + 1, range(r0, r1)))
+            else:
+                if r0:
+                    runs.append((e0, e0 + 1, range(r0, m)))
+                    e0 += 1
+                if e1 > e0:
+                    runs.append((e0, e1, range(m)))
+                if r1:
+                    runs.append((e1, e1 + 1, range(r1)))
+            for start, stop, who in runs:
+                for i in who:
+                    for src, dst, nbytes in readers[i].part(start, stop):
+                        out.append((holders[j], readers[i], src, dst, nbytes))
+        offset += units * item
     return out
 
 
@@ -457,7 +483,7 @@ def plan_reshard(
                         else:
                             pending[tuple(holders)].append(_Region(rank, name, s_box, d_box, p.itemsize))
     for holders, regions in pending.items():
-        regions.sort(key=lambda r: (r.dst_rank, r.name, r.dst_box))
+        regions.sort(key=lambda r: (r.name, r.src_box, r.dst_rank, r.dst_box))
         for sender, region, s_box, d_box, nbytes in _spread(list(holders), regions):
             rows.append((sender, region.dst_rank, region.name, s_box, d_box, nbytes, False))
     rows.sort(key=lambda row: (row[0], row[1], row[2], row[4]))

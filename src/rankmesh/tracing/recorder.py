@@ -7,7 +7,7 @@ does nothing else different.
 
 With a recorder installed, a blocking call records on the controller the end of each phase
 (split, put, submit, wait, concat) with :class:`CallTrace`, and asks every rank to time itself
-(``RankCall.trace``): the rank's host wraps its output in a :class:`TracedOutput` carrying a
+(``RankCall.trace``): the rank's host wraps its output in a :data:`TracedOutput` carrying a
 :class:`RankTiming` (worker clock), which :meth:`CallTrace.unwrap` strips before the outputs are
 joined.  A non-blocking call records its controller phases only (its outputs travel inside a
 future, untouched), and the future it returns becomes the tail of a flow arrow to every later
@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
 logger = logging.getLogger(__name__)
@@ -84,21 +84,23 @@ class RankTiming(NamedTuple):
     pid: int
 
 
-TracedOutput = tuple  # (output, timing as a plain tuple of RankTiming's fields)
-"""What a traced rank call sends back: ``(output, timing)``, ``timing`` a plain tuple of
-:class:`RankTiming`'s fields.  Plain tuples, because the wrapper crosses the process boundary on
-every traced call: a tuple of ints pickles in a few bytes, a class would add its reference."""
+TracedOutput = list  # [output, *RankTiming's fields]
+"""What a traced rank call sends back: ``[output, enter_ns, start_ns, end_ns, bytes_in, bytes_out, pid]``.
+
+A flat list, because the wrapper crosses the process boundary on every traced call: Ray
+serializes a list of ints with msgpack (~3 µs, like a bare ``None``), where a tuple or a class
+goes through pickle (~12 µs); the output inside is serialized as it would be alone."""
 
 
 def timed_call(
     run: Callable[..., Any], *args: Any, enter_ns: int, inputs: Any, return_output: bool = True, **kwargs: Any
-) -> tuple[Any, tuple[int, ...]]:
+) -> list[Any]:
     """Worker side: ``run(*args, **kwargs)`` timed, as a :data:`TracedOutput`; ``enter_ns``: when the call reached the rank."""
     start = time.time_ns()
     value = run(*args, **kwargs)
     end = time.time_ns()
     out = payload_bytes(value) if return_output else 0
-    return value, (enter_ns, start, end, payload_bytes(inputs), out, os.getpid())
+    return [value, enter_ns, start, end, payload_bytes(inputs), out, os.getpid()]
 
 
 @dataclass
@@ -116,37 +118,53 @@ class GroupTrack:
         return f"rank {rank} · {coords} · {info['node']}"
 
 
-@dataclass
-class RankRecord:
+class RankRecord(NamedTuple):
     rank: int
     timing: RankTiming
 
 
-@dataclass
 class CallTrace:
-    """What the controller records of one group call (see the module docstring)."""
+    """What the controller records of one group call (see the module docstring).
 
-    recorder: "Recorder"
-    id: int
-    group: GroupTrack
-    method: str
-    thread: int
-    start_ns: int
-    blocking: bool
-    marks: list[tuple[str, int]] = field(default_factory=list)
-    put_bytes: int = 0
-    submit_start_ns: int = 0
-    ranks: list[RankRecord] = field(default_factory=list)
-    flows_in: list[int] = field(default_factory=list)
-    flow_out: int | None = None
-    end_ns: int | None = None
+    Kept lean, because a traced call pays for it: phases are ``(name, end time)`` pairs, the
+    ranks' timings stay the plain tuples they arrived as until the trace is written
+    (:attr:`ranks`), and clock bounds are folded in then too (:attr:`Recorder.clock_bounds`).
+    """
+
+    __slots__ = ("recorder", "id", "group", "method", "thread", "start_ns", "blocking", "marks", "put_bytes",
+                 "flows_in", "flow_out", "end_ns", "fetched_ns", "_ranks", "_timings")
+
+    def __init__(self, recorder: "Recorder", id: int, group: GroupTrack, method: str, thread: int, start_ns: int,
+                 blocking: bool) -> None:
+        self.recorder, self.id, self.group, self.method = recorder, id, group, method
+        self.thread, self.start_ns, self.blocking = thread, start_ns, blocking
+        self.marks: list[tuple[str, int]] = []
+        self.put_bytes = 0
+        self.flows_in: list[int] = []
+        self.flow_out: int | None = None
+        self.end_ns: int | None = None
+        self.fetched_ns = 0  # when the ranks' outputs (and timings) were in the controller's hands
+        self._ranks: Sequence[int] = ()
+        self._timings: Sequence[tuple[int, ...]] = ()
+
+    @property
+    def submit_start_ns(self) -> int:
+        """When the submit phase began (the end of the phase before it; 0 without one)."""
+        last = self.start_ns
+        for phase, at in self.marks:
+            if phase == "submit":
+                return last
+            last = at
+        return 0
+
+    @property
+    def ranks(self) -> list[RankRecord]:
+        """Each timed rank's own account of the call."""
+        return [RankRecord(rank, RankTiming(*t)) for rank, t in zip(self._ranks, self._timings)]
 
     def mark(self, phase: str) -> None:
         """Phase ``phase`` ends now (it began where the previous one ended)."""
-        now = time.time_ns()
-        if phase == "submit":
-            self.submit_start_ns = self.marks[-1][1] if self.marks else self.start_ns
-        self.marks.append((phase, now))
+        self.marks.append((phase, time.time_ns()))
 
     def shipped(self, value: Any) -> None:
         """Count ``value``'s array bytes as put by the controller."""
@@ -154,18 +172,18 @@ class CallTrace:
 
     def consumes(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Link futures among the arguments to the calls that produced them (flow arrows)."""
+        if not self.recorder._keep:  # no future handed out yet: nothing to link
+            return
         for value in (*args, *kwargs.values()):
             flow = self.recorder.flow_of(value)
             if flow is not None:
                 self.flows_in.append(flow)
 
     def unwrap(self, outputs: list[Any], ranks: Sequence[int]) -> list[Any]:
-        """The outputs without their :data:`TracedOutput` wrappers; their timings recorded."""
-        fetched = time.time_ns()
-        timings = [RankTiming(*fields) for _, fields in outputs]
-        self.ranks = [RankRecord(rank, t) for rank, t in zip(ranks, timings)]
-        self.recorder.bound_clocks(self.group.pid, ranks, self.submit_start_ns, fetched, timings)
-        return [value for value, _ in outputs]
+        """The outputs without their :data:`TracedOutput` wrappers; their timings kept."""
+        self.fetched_ns = time.time_ns()
+        self._ranks, self._timings = ranks, [traced[1:] for traced in outputs]
+        return [traced[0] for traced in outputs]
 
     def finish(self, output: Any = None) -> Any:
         """End the call; a future output becomes the start of a flow.  Returns ``output``."""
@@ -188,7 +206,8 @@ class Recorder:
         self.origin_ns = time.time_ns()
         self.groups: dict[int, GroupTrack] = {}
         self.calls: list[CallTrace] = []
-        self.clock_bounds: dict[tuple[int, int], tuple[int, int]] = {}
+        self._bounds: dict[tuple[int, int], tuple[int, int]] = {}
+        self._folded = 0  # calls whose timings are in _bounds
         self.startups: list[dict[str, Any]] = []
         self._keep: dict[int, tuple[Any, int]] = {}  # id(future) -> (future, flow id)
         self._ids = itertools.count(1)
@@ -235,18 +254,29 @@ class Recorder:
         kept = self._keep.get(id(value))
         return kept[1] if kept is not None and kept[0] is value else None
 
+    @property
+    def clock_bounds(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(group track pid, rank) -> (lower, upper) bounds on the rank's clock offset, over every timed call."""
+        with self._lock:
+            calls, start = self.calls, self._folded
+            self._folded = len(calls)
+            for call in calls[start:]:
+                if call._timings:
+                    self.bound_clocks(call.group.pid, call._ranks, call.submit_start_ns, call.fetched_ns,
+                                      [RankTiming(*t) for t in call._timings])
+            return self._bounds
+
     def bound_clocks(
         self, pid: int, ranks: Sequence[int], submitted_ns: int, fetched_ns: int, timings: Sequence[RankTiming]
     ) -> None:
         """Tighten the bounds on each rank's clock offset with one call (module docstring)."""
-        with self._lock:
-            bounds = self.clock_bounds
-            for rank, t in zip(ranks, timings):
-                upper, lower = t.enter_ns - submitted_ns, t.end_ns - fetched_ns
-                old = bounds.get((pid, rank))
-                if old is not None:
-                    lower, upper = max(lower, old[0]), min(upper, old[1])
-                bounds[(pid, rank)] = (lower, upper)
+        bounds = self._bounds
+        for rank, t in zip(ranks, timings):
+            upper, lower = t.enter_ns - submitted_ns, t.end_ns - fetched_ns
+            old = bounds.get((pid, rank))
+            if old is not None:
+                lower, upper = max(lower, old[0]), min(upper, old[1])
+            bounds[(pid, rank)] = (lower, upper)
 
     def clock_offset_ns(self, pid: int, rank: int) -> int:
         """Estimated ``worker clock - controller clock`` of a rank (0 before any traced call)."""

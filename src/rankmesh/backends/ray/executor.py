@@ -166,7 +166,8 @@ class RayExecutor:
             if not 0 <= call.rank < self.world_size:
                 raise BackendError(f"{method}: rank {call.rank} is out of range for world size {self.world_size}")
             header, refs = encode_call(role, method, call, self.headers)
-            ref = self.hosts.actors[call.rank].execute.remote(header, *refs)
+            actor = self.hosts.actors[call.rank]
+            ref = (actor.execute_traced if call.trace else actor.execute).remote(header, *refs)
             pending.append(Pending(ref, call.rank, method, self.nodes[call.rank], self.coords[call.rank]))
         self.stats.add(calls=len(pending))
         return pending

@@ -188,13 +188,13 @@ class WorkerHost:
             f"a call for role {role!r} names none of them (call a role's group from wg.spawn(...))"
         )
 
-    def execute(self, header: bytes, *shared: Any) -> Any:
+    def execute(self, header: bytes, *shared: Any, enter_ns: int = 0) -> Any:
         """Run one call (see :mod:`.wire` for ``header`` and ``shared``) through :func:`rankmesh.worker.invoke`.
 
         ``shared`` are the values of the call's shared objects, fetched by Ray before the call
-        starts and already rebuilt as this rank's private copies by the data layer.
+        starts and already rebuilt by the data layer as this rank's private (copy-on-write) data.  A traced
+        call comes through :meth:`execute_traced` (``enter_ns``), so an untraced one reads no clock.
         """
-        enter_ns = time.time_ns()
         self._call_thread = threading.get_ident()
         try:
             call = decode_call(header, shared)
@@ -218,6 +218,10 @@ class WorkerHost:
         :func:`rankmesh.hangs.capture_process`).
         """
         return capture_process(self._call_thread, None if self._setup is None else self._setup.mesh)
+
+    def execute_traced(self, header: bytes, *shared: Any) -> Any:
+        """:meth:`execute` of a traced call: the clock is read on arrival, before the call is decoded."""
+        return self.execute(header, *shared, enter_ns=time.time_ns())
 
     # ----- introspection (attaching to detached groups, tests) ---------------------------------
 

@@ -31,13 +31,14 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from rankmesh.errors import PlacementError, ResourcePoolError
 from rankmesh.placement import Placement, RankPlace
+from rankmesh.validate import node_labels as validate_labels
 
 from .runtime import RayConnection, alive_nodes, ensure_ray
 
@@ -98,8 +99,10 @@ class RayResourcePool:
         detached: bool = False,
         ready_timeout: float = DEFAULT_READY_TIMEOUT,
         accelerator_type: str | None = None,
+        node_labels: Mapping[str, str] | None = None,
     ) -> None:
         self._counts = _check_counts(process_on_nodes)
+        self.node_labels = validate_labels(node_labels, "node_labels", ResourcePoolError)
         if isinstance(max_colocate_count, bool) or not isinstance(max_colocate_count, int) or max_colocate_count < 1:
             raise ResourcePoolError(f"max_colocate_count must be a positive integer, got {max_colocate_count!r}")
         if ready_timeout is not None and ready_timeout <= 0:
@@ -234,6 +237,7 @@ class RayResourcePool:
                 strategy="STRICT_PACK",
                 name=f"{self.name_prefix}_pg{i}",
                 lifetime=lifetime,
+                **({"bundle_label_selector": [dict(self.node_labels)] * count} if self.node_labels else {}),
             )
             for i, count in enumerate(self._counts)
         ]
@@ -273,7 +277,8 @@ class RayResourcePool:
                 node = placement_group_table(pg)["bundles_to_node_id"].get(0, "?")
                 parts.append(f"  entry {entry}: {count} x {self.bundle} placed on node {str(node)[:8]}")
             else:
-                parts.append(f"  entry {entry}: {count} x {self.bundle} NOT placed (needs {need} on one node)")
+                on = f" with labels {self.node_labels}" if self.node_labels else ""
+                parts.append(f"  entry {entry}: {count} x {self.bundle} NOT placed (needs {need} on one node{on})")
         try:
             totals = ray._private.state.total_resources_per_node()
             avail = ray._private.state.available_resources_per_node()

@@ -24,7 +24,8 @@ def live_nodes() -> list[LiveNode]:
         if not info.get("Alive"):
             continue
         resources = {k: float(v) for k, v in info.get("Resources", {}).items() if not k.startswith("node:")}
-        labels = {str(k): str(v) for k, v in (info.get("Labels") or {}).items() if not str(k).startswith("ray.io/")}
+        # Ray's own labels (ray.io/accelerator-type, ...) can be required too; the node id is its name already.
+        labels = {str(k): str(v) for k, v in (info.get("Labels") or {}).items() if str(k) != "ray.io/node-id"}
         name = f"{info.get('NodeManagerAddress', '?')}/{info['NodeID'][:8]}"
         nodes.append(LiveNode(name, resources, labels))
     return nodes

@@ -20,6 +20,7 @@ and receive them inside their arguments (Ray keeps them alive while referenced).
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 import uuid
@@ -176,6 +177,16 @@ class ReshardWorker(Worker):
                 tensors[name][sl].copy_(view)
         return received
 
+    @register(Dispatch.ONE_TO_ALL)
+    def reshard_drop(self, token: str) -> int:
+        """Forget the regions a colocated send of reshard ``token`` left in this process (after a failure)."""
+        return len(_OUTBOX.pop((token, self.rank), ()))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reshard_pending(self) -> int:
+        """How many colocated sends left regions in this process that no receive has taken (0 when idle)."""
+        return sum(rank == self.rank for _, rank in _OUTBOX)
+
 
 @dataclass(frozen=True)
 class ReshardStats:
@@ -186,6 +197,8 @@ class ReshardStats:
     objects: int
     send_s: float
     recv_s: float
+    #: Bytes the sources put into the object store: each region once, however many destinations read it.
+    bytes_put: int = 0
 
     @property
     def seconds(self) -> float:
@@ -230,25 +243,36 @@ def reshard(src_group: Any, dst_group: Any, plan: ReshardPlan) -> ReshardStats:
     token = uuid.uuid4().hex
     send_jobs, recv_jobs = [], [{"token": token, "refs": [], "local": []} for _ in range(plan.dst.world_size)]
     wanted: list[tuple[int, int, int, list]] = []  # (destination, source, object index, regions)
+    bytes_put = 0
     for r in range(plan.src.world_size):
         objects = _objects_of(plan, r)
+        bytes_put += sum(math.prod(s.stop - s.start for s in sl) * plan.params[name].itemsize
+                         for regions, _ in objects for name, sl in regions)
         for i, (_, places) in enumerate(objects):
             wanted += [(d, r, i, regions) for d, regions in places.items()]
         send_jobs.append({"token": token, "objects": [regions for regions, _ in objects],
                           "local": [(t.name, t.src_slices) for t in plan.sends(r) if t.local]})
     for d in range(plan.dst.world_size):
         recv_jobs[d]["local"] = [(t.name, t.dst_slices) for t in plan.receives(d) if t.local]
-    start = time.perf_counter()
-    refs: list[list[Any]] = src_group.reshard_send(send_jobs)
-    send_s = time.perf_counter() - start
-    for d, r, i, regions in wanted:
-        recv_jobs[d]["refs"].append((refs[r][i], regions))
-    start = time.perf_counter()
-    received = sum(dst_group.reshard_recv(recv_jobs))
-    recv_s = time.perf_counter() - start
+    try:
+        start = time.perf_counter()
+        refs: list[list[Any]] = src_group.reshard_send(send_jobs)
+        send_s = time.perf_counter() - start
+        for d, r, i, regions in wanted:
+            recv_jobs[d]["refs"].append((refs[r][i], regions))
+        start = time.perf_counter()
+        received = sum(dst_group.reshard_recv(recv_jobs))
+        recv_s = time.perf_counter() - start
+    except BaseException:
+        if any(job["local"] for job in send_jobs):  # views a colocated send left behind would pin the tensors
+            try:
+                src_group.reshard_drop(token)
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                logger.warning("reshard %s failed and its colocated regions could not be dropped", token, exc_info=True)
+        raise
     if received != plan.bytes_moved:
         raise ReshardError(f"destinations received {received} bytes, the plan moves {plan.bytes_moved}")
-    return ReshardStats(plan.bytes_moved, plan.bytes_local, sum(len(r) for r in refs), send_s, recv_s)
+    return ReshardStats(plan.bytes_moved, plan.bytes_local, sum(len(r) for r in refs), send_s, recv_s, bytes_put)
 
 
 def plan_between(
