@@ -153,6 +153,29 @@ class Worker:
     def node(self) -> str:
         return self._rankmesh_context.node
 
+    # ----- recovery hooks (called when the Ray backend replaces dead ranks) --------------------
+
+    def leave_distributed(self) -> None:
+        """A survivor of a rank death, before torch.distributed is re-formed: let go of old groups.
+
+        Drop every reference to a process group this worker built or captured (the backend then
+        destroys the default group).  Called once the rank's main thread is free.  Default: nothing.
+        """
+
+    def rejoin_distributed(self) -> None:
+        """A survivor, after the default process group was re-formed with the new rank(s): rebuild
+        the groups dropped by :meth:`leave_distributed`.  Default: nothing."""
+
+    def restore_from_peer(self, peer_rank: int, sending: bool) -> None:
+        """Give a replaced rank the state its dead predecessor had, from a live peer holding it.
+
+        Called on both ends at once, after the world was re-formed: on the new rank with
+        ``sending=False`` (receive from ``peer_rank``) and on its live dp peer, the rank with the
+        same (tp, pp, cp, ep) coordinates, with ``sending=True`` (send to ``peer_rank``).  Use
+        point-to-point ``torch.distributed.send``/``recv`` on the default group, in the same
+        order on both ends.  A worker with no state needs none: the default does nothing.
+        """
+
     # ----- verl's worker-side dispatch info ----------------------------------------------------
 
     def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:

@@ -7,7 +7,8 @@
   outside the collect set run with ``return_output=False`` and send back ``None``.
 * ``fetch`` waits fail-fast (:func:`.waiting.fetch_outputs`).  A dead process fails the whole
   group: :meth:`RayExecutor.fail` kills the other ranks (so their blocked collectives end) and
-  later calls raise at once.
+  later calls raise at once.  With ``on_rank_death="keep"`` or ``"replace"`` the survivors are
+  kept instead, for :mod:`.recovery` to replace the dead ranks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Sequence
 import ray
 
 from rankmesh.backend import RankCall, Shared
-from rankmesh.errors import BackendError, WorkerDiedError
+from rankmesh.errors import BackendError, RankMeshError, WorkerDiedError
 from rankmesh.validate import optional_seconds
 
 from .hosts import HostSet
@@ -49,6 +50,10 @@ class CallStats:
 #: Executors of this process by token, so that a fetcher (which travels inside futures) can
 #: fail its group when it finds a dead rank in the controller.
 _EXECUTORS: "weakref.WeakValueDictionary[str, RayExecutor]" = weakref.WeakValueDictionary()
+
+#: What a group does when a rank's process dies: ``fail`` (stop the others, refuse later calls),
+#: ``keep`` (keep the survivors for ``replace_dead_ranks()``), ``replace`` (replace and retry once).
+ON_RANK_DEATH: tuple[str, ...] = ("fail", "keep", "replace")
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class RayExecutor:
     ``coords[r]`` (optional) names rank ``r``'s mesh coordinates in error messages.
     ``call_timeout_s`` bounds every fetch that gives no timeout of its own (``None``: wait as long
     as the ranks run).  Role groups spawned from one group share its executor: one closed flag,
-    one failure, one set of stats.
+    one failure, one set of stats.  ``on_rank_death`` is one of :data:`ON_RANK_DEATH`.
     """
 
     def __init__(
@@ -87,14 +92,19 @@ class RayExecutor:
         hosts: HostSet,
         coords: Sequence[dict[str, int]] | None = None,
         call_timeout_s: float | None = None,
+        on_rank_death: str = "fail",
     ) -> None:
+        if on_rank_death not in ON_RANK_DEATH:
+            raise BackendError(f"on_rank_death must be one of {list(ON_RANK_DEATH)}, got {on_rank_death!r}")
         self.hosts = hosts
         self.world_size = len(hosts.actors)
         self.nodes = hosts.nodes
         self.coords = list(coords) if coords is not None else [None] * self.world_size
         self.call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
+        self.on_rank_death = on_rank_death
         self.stats = CallStats()
-        self._failed: WorkerDiedError | None = None
+        self._failed: RankMeshError | None = None
+        self.dead: set[int] = set()  # ranks seen dead since the last replacement
         self.token = uuid.uuid4().hex
         _EXECUTORS[self.token] = self
 
@@ -103,7 +113,7 @@ class RayExecutor:
         return self.hosts.closed
 
     @property
-    def failed(self) -> WorkerDiedError | None:
+    def failed(self) -> RankMeshError | None:
         return self._failed
 
     def close(self) -> None:
@@ -116,24 +126,47 @@ class RayExecutor:
         Killing is what ends peers blocked in a collective the dead rank will never join; a
         group with a dead rank cannot run another collective call anyway.
         """
+        self.dead.update(err.ranks)
+        if self.on_rank_death != "fail":  # the survivors stay up, for replace_dead_ranks()
+            if self._failed is None:
+                self._failed = err
+            logger.warning("worker group: %s; survivors kept for replace_dead_ranks()", err)
+            return
         if self._failed is not None:
             return
         self._failed = err
         logger.error("worker group failed: %s; stopping its %d processes", err, self.world_size)
         self.hosts.kill()
 
+    def abandon(self, err: RankMeshError) -> None:
+        """Fail the group for good (dead ranks could not be replaced): stop every process."""
+        self._failed = err
+        logger.error("worker group failed: %s; stopping its %d processes", err, self.world_size)
+        self.hosts.kill()
+
+    def recovered(self) -> None:
+        """The dead ranks were replaced: accept calls again, with the new processes' nodes."""
+        self.nodes = self.hosts.nodes
+        self.dead.clear()
+        self._failed = None
+
     def _check_usable(self, method: str) -> None:
         if self.closed:
             raise BackendError(f"cannot call {method}: the worker group has been shut down")
         if self._failed is not None:
             f = self._failed
+            if not isinstance(f, WorkerDiedError):
+                raise BackendError(f"cannot run {method}: the group failed earlier ({f}); shut it down and start a new group")
+            if self.on_rank_death == "fail":
+                advice = "and its processes were stopped; shut it down and start a new group"
+            else:
+                advice = "and the survivors are kept: call replace_dead_ranks() first"
             raise WorkerDiedError(
                 f.rank,
                 f.method,
-                f"cannot run {method}: the group failed earlier ({f.detail}) and its processes were stopped; "
-                "shut it down and start a new group",
+                f"cannot run {method}: the group failed earlier ({f.detail}) {advice}",
                 f.node,
-                ranks=f.ranks,
+                ranks=sorted(self.dead | set(f.ranks)),
                 coords=f.coords,
             )
 
