@@ -298,3 +298,12 @@ def replace_dead_ranks(
     recovery.reports.append(report)
     logger.warning("%s", report.format())
     return report
+
+
+def exit_on_next_call(group: Any, rank: int, method: str) -> int:
+    """Fault injection (drills, the demo): ``rank`` of ``group`` SIGKILLs itself on entering its next ``method`` call.
+
+    Nothing of that call runs on the rank.  Returns the pid of the process that will die.
+    """
+    host = group.workers[rank]
+    return fetch_outputs([Pending(host.exit_on_next_call.remote(group.role, method), rank, "exit_on_next_call")], 60.0)[0]
