@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from rankmesh.backends.ray.rendezvous import init_torch_distributed
 from rankmesh.dispatch import Dispatch, register
-from rankmesh.megatron.roles import ActorWorker
 from rankmesh.worker import Worker
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "EXTRA")
@@ -60,17 +59,3 @@ class StateWorker(Worker):
             dist.send(self.state, dst=peer_rank)
         else:
             dist.recv(self.state, src=peer_rank)
-
-
-class TrainActor(ActorWorker):
-    """The demo's actor, plus two accessors the tests compare bit by bit."""
-
-    @register(Dispatch.ONE_TO_ALL)
-    def state_bytes(self) -> dict:
-        opt = self.optimizer.state_dict()
-        return {
-            "params": {k: v.detach().clone().numpy().tobytes() for k, v in self.stage.state_dict().items()},
-            "opt": {i: {k: (v.numpy().tobytes() if torch.is_tensor(v) else v) for k, v in st.items()}
-                    for i, st in opt["state"].items()},
-            "pid": os.getpid(),
-        }

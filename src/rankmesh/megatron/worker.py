@@ -328,6 +328,8 @@ class MegatronWorker(ReshardWorker):
         device = self._comm_device()
         for module in self.recovery_modules():
             for tensor in module.state_dict(keep_vars=True).values():
+                if not torch.is_tensor(tensor):  # megatron layers' ``_extra_state`` is None
+                    continue
                 if sending:
                     dist.send(tensor.detach().to(device).contiguous(), dst=peer_rank)
                 else:
