@@ -58,8 +58,9 @@ class ReplacementReport:
 
     ranks: list[int]
     peers: dict[int, int] = field(default_factory=dict)  # new rank -> live peer its state came from
-    old_nodes: dict[int, str | None] = field(default_factory=dict)
+    old_nodes: dict[int, str | None] = field(default_factory=dict)  # node address, before and after
     new_nodes: dict[int, str | None] = field(default_factory=dict)
+    moved: dict[int, bool] = field(default_factory=dict)  # the new process runs on another Ray node
     new_pids: dict[int, int] = field(default_factory=dict)
     detected_s: float | None = None  # failed call submitted -> WorkerDiedError (set by the retry policy)
     drain_s: float = 0.0  # survivors' calls ended and they left torch.distributed
@@ -72,7 +73,8 @@ class ReplacementReport:
 
     def format(self) -> str:
         where = ", ".join(
-            f"rank {r}: {self.old_nodes.get(r)} -> {self.new_nodes.get(r)} (pid {self.new_pids.get(r)}, "
+            f"rank {r}: {self.old_nodes.get(r)} -> {self.new_nodes.get(r)}{' (another node)' if self.moved.get(r) else ''} "
+            f"(pid {self.new_pids.get(r)}, "
             f"restored from rank {self.peers[r]})" if r in self.peers else f"rank {r}"
             for r in self.ranks
         )
@@ -263,6 +265,7 @@ def replace_dead_ranks(
                 peers = restore_peers(mesh, sorted(dead))
                 survivors = [r for r in survivors if r not in dead]
             report = ReplacementReport(sorted(dead), peers, old_nodes={r: hosts.nodes[r] for r in dead})
+            old_ids = {r: hosts.info[r].get("node_id") for r in dead}
             t1 = time.monotonic()
             report.drain_s = t1 - t0
             info = start_replacements(hosts, report.ranks, timeout)
@@ -270,6 +273,7 @@ def replace_dead_ranks(
             report.start_s = t2 - t1
             report.new_nodes = {r: i.get("node_ip") for r, i in info.items()}
             report.new_pids = {r: i["pid"] for r, i in info.items()}
+            report.moved = {r: i.get("node_id") != old_ids[r] for r, i in info.items()}
             sent_ns = time.time_ns()
             built = reform(hosts, report.ranks, survivors, timeout)
             t3 = time.monotonic()
