@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator, Mapping
 
@@ -283,7 +284,11 @@ def invoke(
         if inspect.isawaitable(result):
             result = run_awaitable(worker, result)
     except Exception as exc:
-        raise _fail(worker, method, exc) from exc
+        err = _fail(worker, method, exc)  # keeps the traceback as text
+        # The frames' locals (tensors, process groups) go now, not whenever the exception does:
+        # a process group left alive this way keeps its gloo connections, and its peers blocked.
+        traceback.clear_frames(exc.__traceback__)
+        raise err from exc
     return result if return_output else None
 
 

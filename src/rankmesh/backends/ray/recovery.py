@@ -48,6 +48,8 @@ from .waiting import PROCESS_DIED, Pending, fetch_outputs
 
 logger = logging.getLogger(__name__)
 
+#: A survivor still busy this long after the last other survivor left is blocked for good (seconds).
+STUCK_GRACE_S = 10.0
 #: How long a liveness probe waits for an idle rank's answer when no death was recorded (seconds).
 PROBE_TIMEOUT = 5.0
 
@@ -61,6 +63,7 @@ class ReplacementReport:
     old_nodes: dict[int, str | None] = field(default_factory=dict)  # node address, before and after
     new_nodes: dict[int, str | None] = field(default_factory=dict)
     moved: dict[int, bool] = field(default_factory=dict)  # the new process runs on another Ray node
+    stuck: list[int] = field(default_factory=list)  # survivors blocked for good, replaced with the dead
     new_pids: dict[int, int] = field(default_factory=dict)
     detected_s: float | None = None  # failed call submitted -> WorkerDiedError (set by the retry policy)
     drain_s: float = 0.0  # survivors' calls ended and they left torch.distributed
@@ -79,6 +82,8 @@ class ReplacementReport:
             for r in self.ranks
         )
         detected = "" if self.detected_s is None else f"detected in {self.detected_s:.2f}s; "
+        if self.stuck:
+            detected += f"survivors {self.stuck} stayed blocked and were replaced too; "
         return (
             f"replaced ranks {self.ranks} ({where}): {detected}replaced in {self.total_s:.2f}s = "
             f"drain {self.drain_s:.2f} + process start {self.start_s:.2f} + import {self.import_s:.2f} + "
@@ -158,32 +163,51 @@ def probe_dead(hosts: HostSet, timeout: float = PROBE_TIMEOUT) -> set[int]:
     return dead
 
 
-def drain(hosts: HostSet, survivors: Sequence[int], timeout: float) -> set[int]:
-    """Every survivor leaves torch.distributed once its main thread is free; returns ranks found dead meanwhile.
+def drain(hosts: HostSet, survivors: Sequence[int], dead: set[int], mesh: RankMesh, timeout: float) -> tuple[set[int], set[int]]:
+    """Every survivor leaves torch.distributed once its main thread is free.
 
-    Raises :class:`RecoveryError` naming the survivors still busy after ``timeout``.
+    Returns (ranks found dead meanwhile, survivors that stayed blocked and are to be replaced
+    too).  A survivor counts as blocked when no other survivor has finished for
+    :data:`STUCK_GRACE_S` while it is still busy (it waits on nothing that will come); it is
+    replaced only if a free survivor holds its shard.  Otherwise the drain waits up to
+    ``timeout`` and raises :class:`RecoveryError` naming the survivors still busy.
     """
     refs = {hosts.actors[r].leave_distributed.remote(): r for r in survivors}
-    ready, busy = ray.wait(list(refs), num_returns=len(refs), timeout=timeout, fetch_local=False)
-    died, failed = set(), []
-    for ref in ready:
-        try:
-            ray.get(ref)
-        except PROCESS_DIED:
-            died.add(refs[ref])
-        except rex.RayTaskError as exc:
-            failed.append(f"rank {refs[ref]}: {str(exc).strip().splitlines()[-1]}")
-    if busy:
-        stuck = sorted(refs[r] for r in busy)
-        raise RecoveryError(
-            f"cannot replace dead ranks: survivor ranks {stuck} are still busy {timeout:g}s after the death "
-            "(blocked in user code, or in a collective that never errors); their main thread must be free "
-            "to re-form torch.distributed. The group is stopped",
-            ranks=stuck,
-        )
+    pending = list(refs)
+    died, failed, free = set(), [], set()
+    start = last = time.monotonic()
+    stuck: set[int] = set()
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2, fetch_local=False)
+        for ref in ready:
+            last = time.monotonic()
+            try:
+                ray.get(ref)
+                free.add(refs[ref])
+            except PROCESS_DIED:
+                died.add(refs[ref])
+            except rex.RayTaskError as exc:
+                failed.append(f"rank {refs[ref]}: {str(exc).strip().splitlines()[-1]}")
+        now = time.monotonic()
+        busy = {refs[r] for r in pending}
+        if busy and now - last >= STUCK_GRACE_S:
+            want = {r: shard_coords(mesh, r) for r in busy}
+            if all(any(shard_coords(mesh, p) == c for p in free) for c in want.values()):
+                stuck = busy
+                break
+        if busy and now - start >= timeout:
+            raise RecoveryError(
+                f"cannot replace dead ranks: survivor ranks {sorted(busy)} are still busy {timeout:g}s after the "
+                "death (blocked in user code, or in a collective that never errors) and no free rank holds their "
+                "shard; their main thread must be free to re-form torch.distributed. The group is stopped",
+                ranks=sorted(busy),
+            )
     if failed:
         raise RecoveryError("cannot replace dead ranks: survivors failed to leave torch.distributed: " + "; ".join(failed))
-    return died
+    if stuck:
+        logger.warning("survivor ranks %s stayed blocked %.0fs after their peers left: replacing them too",
+                       sorted(stuck), STUCK_GRACE_S)
+    return died, stuck
 
 
 def start_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
@@ -259,12 +283,13 @@ def replace_dead_ranks(
         try:
             peers = restore_peers(mesh, sorted(dead))
             survivors = [r for r in range(len(hosts.actors)) if r not in dead]
-            more = drain(hosts, survivors, timeout)
-            if more:  # died while the others drained: their shards may be lost now
-                dead |= more
+            more, stuck = drain(hosts, survivors, dead, mesh, timeout)
+            if more or stuck:  # died while the others drained, or blocked for good: replace them too
+                dead |= more | stuck
                 peers = restore_peers(mesh, sorted(dead))
                 survivors = [r for r in survivors if r not in dead]
             report = ReplacementReport(sorted(dead), peers, old_nodes={r: hosts.nodes[r] for r in dead})
+            report.stuck = sorted(stuck)
             old_ids = {r: hosts.info[r].get("node_id") for r in dead}
             t1 = time.monotonic()
             report.drain_s = t1 - t0

@@ -8,13 +8,18 @@ role order, which is the same in every process of the group.
 Why leaving also frees blocked peers: a survivor that was in a gloo collective with the dead
 rank gets an error within milliseconds (the kernel closes the dead process's sockets), but one
 that waits on a *live* peer which itself already failed would wait for gloo's timeout.  Each
-survivor leaves as soon as its own call has ended, and destroying its process groups closes its
+survivor leaves as soon as its own call has ended, and dropping its process groups closes its
 gloo connections, so the peers waiting on it fail in turn: the group drains rank by rank.
+Dropping means every reference: ``destroy_process_group`` alone (or gloo's ``abort``) leaves
+the sockets open while anything still holds the group object (measured: the peer stayed
+blocked until this process exited), hence the modules' captured groups are cleared by
+``leave_distributed`` and the garbage collector runs last.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -43,6 +48,10 @@ def leave(workers: Mapping[Any, Any]) -> str | None:
         invoke(worker, "leave_distributed")
     if dist.is_initialized():
         dist.destroy_process_group()
+    # A gloo group closes its connections only when its last reference goes, and the failed call
+    # left some in reference cycles (its exception's traceback holds the frames that held the
+    # group): collect them now, so the peers still waiting on this rank get their error.
+    gc.collect()
     return backend
 
 
