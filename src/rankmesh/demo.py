@@ -418,8 +418,9 @@ def _judge(result: DemoResult) -> None:
         "critic loss falls with every update": bool(its) and all(s.critic_loss_after < s.critic_loss for s in its),
     }
     if result.config.kill_rank is not None:
-        result.checks["the killed actor rank was replaced in place and the update retried"] = [
-            r["ranks"] for r in result.replacements] == [[result.config.kill_rank]]
+        # One replacement, of the killed rank (plus any survivor that stayed blocked, see docs/ray_backend.md).
+        result.checks["the killed actor rank was replaced in place and the update retried"] = (
+            len(result.replacements) == 1 and result.config.kill_rank in result.replacements[0]["ranks"])
 
 
 _PHASES = ("gen", "logp", "ref", "values", "adv", "upd_actor", "upd_critic", "refit", "total")
@@ -451,9 +452,11 @@ def format_summary(result: DemoResult) -> str:
                      f"(the minimum), rollout vs actor log-probs max diff "
                      f"{max([s.rollout_diff for s in its] + [result.final_rollout_diff]):.1e}")
     for r in result.replacements:
-        lines.append(f"actor rank {r['ranks']} killed: detected in {r['detected_s']:.2f}s, replaced in {r['total_s']:.2f}s "
-                     f"(process start {r['start_s']:.2f}s + import {r['import_s']:.2f}s, init {r['init_s']:.2f}s, "
-                     f"restore {r['restore_s']:.2f}s, re-check {r['check_s']:.2f}s)")
+        stuck = f" and blocked survivors {r['stuck']}" if r["stuck"] else ""
+        lines.append(f"actor rank {result.config.kill_rank} killed: detected in {r['detected_s']:.2f}s; ranks {r['ranks']} "
+                     f"(the dead one{stuck}) replaced in {r['total_s']:.2f}s = drain {r['drain_s']:.2f}s + process start "
+                     f"{r['start_s']:.2f}s + import {r['import_s']:.2f}s + init {r['init_s']:.2f}s + restore "
+                     f"{r['restore_s']:.2f}s + re-check {r['check_s']:.2f}s")
     lines.append(f"final actor weights sha256 {result.final_weights_sha256[:16]}")
     lines.append(f"log-prob max |3D-parallel - single-process|: {result.logprob_max_diff:.2e} before training, "
                  f"{result.final_logprob_max_diff:.2e} after (tolerance {result.config.tolerance:.0e}); "

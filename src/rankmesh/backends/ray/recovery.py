@@ -49,7 +49,7 @@ from .waiting import PROCESS_DIED, Pending, fetch_outputs
 logger = logging.getLogger(__name__)
 
 #: A survivor still busy this long after the last other survivor left is blocked for good (seconds).
-STUCK_GRACE_S = 10.0
+STUCK_GRACE_S = 5.0
 #: How long a liveness probe waits for an idle rank's answer when no death was recorded (seconds).
 PROBE_TIMEOUT = 5.0
 
