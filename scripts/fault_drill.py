@@ -10,6 +10,7 @@ status is non-zero if any scenario hung, lost data or did not raise what it shou
     python scripts/fault_drill.py --no-node-loss  # skip the simulated multi-node scenario
     python scripts/fault_drill.py --json          # JSON instead of the table
     python scripts/fault_drill.py --only-recovery # just the replacement scenarios (~2-3 min)
+    python scripts/fault_drill.py --only-recovery --demo-equality  # + the demo killed vs undisturbed
 
 Scenarios: worker raises (several ranks; futures too); worker SIGKILLed while its peer blocks
 in a gloo all_reduce; worker exits (os._exit) under a DataProtoFuture; call timeout; pool too
@@ -233,6 +234,8 @@ def node_loss() -> Probe:
 RECOVERY_LIMIT_S = 420.0
 #: The issue's target: a dead rank replaced and the group usable again, 8-rank megatron group.
 REPLACE_TARGET_S = 30.0
+#: Seconds one demo run may take (start-up of 16 processes dominates).
+DEMO_LIMIT_S = 600.0
 #: Lines printed under the table: one per replacement, with its time split.
 RECOVERY_LINES: list[str] = []
 
@@ -330,13 +333,47 @@ def node_removed_and_replaced() -> Probe:
     return Probe(None, report.get("seconds"), report.get("result") == [10.0] * 4, good, shown=shown)
 
 
-def recovery_scenarios(node_loss: bool) -> list[tuple[str, Callable[[], Probe], float]]:
+def demo_equality(kill_rank: int = 5, kill_at: int = 2) -> Probe:
+    """``rankmesh demo`` twice, undisturbed and with ``--kill-rank``: final weights and every loss must be equal."""
+    import tempfile
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("RAY_ADDRESS", None)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("undisturbed", []), ("killed", ["--kill-rank", str(kill_rank), "--kill-at-iteration", str(kill_at)])):
+            path = os.path.join(tmp, f"{name}.json")
+            proc = subprocess.run([sys.executable, "-m", "rankmesh", "demo", "--no-progress", "--json", path, *extra],
+                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=DEMO_LIMIT_S)
+            if not os.path.exists(path):
+                return Probe(RuntimeError(f"{name} demo failed: {proc.stderr.strip().splitlines()[-1:]}"), None, False, False)
+            with open(path, encoding="utf-8") as fh:
+                runs[name] = json.load(fh)
+    a, b = runs["undisturbed"], runs["killed"]
+    keys = ("actor_loss", "actor_loss_after", "critic_loss", "critic_loss_after", "score", "kl", "rollout_diff")
+    same_losses = [{k: i[k] for k in keys} for i in a["iterations"]] == [{k: i[k] for k in keys} for i in b["iterations"]]
+    same_weights = a["final_weights_sha256"] == b["final_weights_sha256"] != ""
+    rep_ = b["replacements"][0] if b["replacements"] else {}
+    RECOVERY_LINES.append(
+        f"target: the demo with a kill (actor rank {kill_rank}, iteration {kill_at}) equals the undisturbed demo: "
+        f"weights sha256 {'equal' if same_weights else 'DIFFER'} ({b['final_weights_sha256'][:16]}), losses of all "
+        f"{len(b['iterations'])} iterations {'bitwise equal' if same_losses else 'DIFFER'}, both runs' checks "
+        f"{'pass' if a['ok'] and b['ok'] else 'FAIL'} -> {'met' if same_losses and same_weights and a['ok'] and b['ok'] else 'MISSED'}"
+    )
+    good = same_losses and same_weights and a["ok"] and b["ok"]
+    return Probe(None, rep_.get("detected_s"), same_losses and same_weights, good,
+                 shown=f"replaced {rep_.get('ranks')} in {rep_.get('total_s', 0):.1f} s; equal: {same_losses and same_weights}")
+
+
+def recovery_scenarios(node_loss: bool, demo: bool = False) -> list[tuple[str, Callable[[], Probe], float]]:
     out = [
         ("killed and replaced x3 (8-rank megatron)", megatron_killed_and_replaced, RECOVERY_LIMIT_S),
         ("replacement impossible (dp = 1)", replacement_impossible, SCENARIO_LIMIT_S),
     ]
     if node_loss:
         out.append(("node removed, ranks re-placed elsewhere", node_removed_and_replaced, RECOVERY_LIMIT_S))
+    if demo:
+        out.append(("demo killed == demo undisturbed", demo_equality, 2 * DEMO_LIMIT_S + 30))
     return out
 
 
@@ -389,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-node-loss", action="store_true", help="skip the simulated multi-node scenario")
     parser.add_argument("--no-recovery", action="store_true", help="skip the replacement scenarios")
     parser.add_argument("--only-recovery", action="store_true", help="run only the replacement scenarios")
+    parser.add_argument("--demo-equality", action="store_true",
+                        help="also run rankmesh demo twice (undisturbed, and with --kill-rank 5) and compare (~2-8 min)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("rankmesh").setLevel(logging.CRITICAL)  # the table is the output
@@ -426,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_node_loss and not args.only_recovery:
             outcomes.append(bounded("node removed mid-call (simulated)", node_loss, SCENARIO_LIMIT_S + 40))
         if not args.no_recovery:
-            outcomes += [bounded(name, fn, limit) for name, fn, limit in recovery_scenarios(not args.no_node_loss)]
+            outcomes += [bounded(name, fn, limit) for name, fn, limit in recovery_scenarios(not args.no_node_loss, args.demo_equality)]
     finally:
         hung = any(o.note == "hang" for o in outcomes)
         if drill is not None and not hung:
