@@ -19,7 +19,7 @@ import uuid
 from typing import Any, Mapping, Sequence
 
 from rankmesh.dispatch.modes import DispatchRegistry
-from rankmesh.errors import BackendError, WorkerDiedError
+from rankmesh.errors import BackendError, WorkerDiedError, WorkerError
 from rankmesh.group import ROLES_ATTR, MethodTable, WorkerGroup
 from rankmesh.mesh import RankMesh
 from rankmesh.placement import Placement, RankPlace
@@ -30,7 +30,7 @@ from .classes import RayClassWithInitArgs, fused_worker_class, unwrap_actor_clas
 from .executor import RayExecutor
 from .hosts import HostSet, attach_hosts, build_workers, check_worker_env, start_hosts
 from .pool import RayResourcePool
-from .recovery import Recovery, ReplacementReport, replace_dead_ranks
+from .recovery import Recovery, ReplacementReport, probe_dead, replace_dead_ranks
 from .runtime import ensure_ray
 from .startup import StartupProgress, StartupReport
 
@@ -349,7 +349,9 @@ class RayWorkerGroup(WorkerGroup):
         """The base call, plus the ``on_rank_death="replace"`` policy: replace, then retry once.
 
         Only a blocking call is retried (a non-blocking one raises from its future; the next
-        call replaces first).  The retry re-sends the caller's unchanged arguments.
+        call replaces first).  The retry re-sends the caller's unchanged arguments.  A
+        ``WorkerError`` is retried only if a rank is found dead (:func:`.recovery.probe_dead`):
+        survivors may see the death as a gloo error before Ray reports it.
         """
         rec = self._recovery
         if rec.policy != "replace" or rec.replacing:
@@ -359,9 +361,16 @@ class RayWorkerGroup(WorkerGroup):
         start = time.monotonic()
         try:
             return super()._call(binding, args, kwargs, timeout)
-        except WorkerDiedError as err:
+        except (WorkerDiedError, WorkerError) as err:
             if not binding.method.blocking:
                 raise
+            if not isinstance(err, WorkerDiedError):
+                # A peer's death can reach the survivors as a gloo error before Ray reports the
+                # process dead (a removed node takes its health checks to be declared dead).
+                dead = probe_dead(self._hosts)
+                if not dead:
+                    raise
+                self.executor.fail(WorkerDiedError(min(dead), binding.name, f"found dead after: {err.detail}", ranks=sorted(dead)))
             detected = time.monotonic() - start
             logger.warning("%s: %s; replacing the dead ranks and retrying once", binding.name, err)
             report = self.replace_dead_ranks()
