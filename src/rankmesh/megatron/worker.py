@@ -179,6 +179,12 @@ def release_parallel_state() -> None:
     _PS_STATE["kwargs"] = None
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    # megatron-core 0.16's destroy_model_parallel leaves _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP
+    # set (the dp-cp group itself): a group still referenced keeps its gloo sockets open, and a
+    # peer blocked in a dp all-reduce with this rank stays blocked (see rankmesh.backends.ray.rejoin).
+    for name, value in list(vars(ps).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
     if dist.is_initialized():
         dist.destroy_process_group()
 
