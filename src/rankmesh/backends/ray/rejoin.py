@@ -12,8 +12,9 @@ survivor leaves as soon as its own call has ended, and dropping its process grou
 gloo connections, so the peers waiting on it fail in turn: the group drains rank by rank.
 Dropping means every reference: ``destroy_process_group`` alone (or gloo's ``abort``) leaves
 the sockets open while anything still holds the group object (measured: the peer stayed
-blocked until this process exited), hence the modules' captured groups are cleared by
-``leave_distributed`` and the garbage collector runs last.
+blocked until this process exited), hence the workers clear what they hold in
+``leave_distributed`` (megatron: captured groups and parallel_state's globals), the failed
+call's frames are cleared (:func:`rankmesh.worker.invoke`) and the garbage collector runs last.
 """
 
 from __future__ import annotations
