@@ -9,11 +9,18 @@ status is non-zero if any scenario hung, lost data or did not raise what it shou
     python scripts/fault_drill.py                 # all scenarios, node loss included (~1-2 min)
     python scripts/fault_drill.py --no-node-loss  # skip the simulated multi-node scenario
     python scripts/fault_drill.py --json          # JSON instead of the table
+    python scripts/fault_drill.py --only-recovery # just the replacement scenarios (~2-3 min)
+    python scripts/fault_drill.py --only-recovery --demo-equality  # + the demo killed vs undisturbed
 
 Scenarios: worker raises (several ranks; futures too); worker SIGKILLed while its peer blocks
 in a gloo all_reduce; worker exits (os._exit) under a DataProtoFuture; call timeout; pool too
 big for the cluster; shutdown and reuse of the pool; bad input; node removed (subprocess driver
-on a simulated cluster, see tests/reliability_node_loss.py).
+on a simulated cluster, see tests/reliability_node_loss.py).  Recovery (``on_rank_death``, see
+docs/ray_backend.md): an 8-rank megatron group (tp2·pp2·dp2) whose ranks are killed and replaced
+three times in a row, each retried call returning the undisturbed log-probs with the survivors'
+pids unchanged; replacement impossible (dp = 1); node removed and its ranks re-placed on a
+spare node (simulated cluster).  Their replacement times, split into process start, import,
+init, restore and re-check, are printed under the table.
 
 Hang scenarios (a tp2·dp2 group of tests.hang_workers.HangWorker with real gloo groups): stuck in
 user code (two ranks sleep in a named function) and stuck in a collective (three ranks wait in
@@ -275,6 +282,155 @@ def node_loss() -> Probe:
     return Probe(None, report.get("seconds"), True, good and (report.get("seconds") or 99) < 10, shown=shown)
 
 
+# ----- recovery scenarios (replacing dead ranks in place) -----------------------------------------
+
+#: Seconds an 8-rank megatron scenario may take (start-up included: megatron-core imports per process).
+RECOVERY_LIMIT_S = 420.0
+#: The issue's target: a dead rank replaced and the group usable again, 8-rank megatron group.
+REPLACE_TARGET_S = 30.0
+#: Seconds one demo run may take (start-up of 16 processes dominates).
+DEMO_LIMIT_S = 600.0
+#: Lines printed under the table: one per replacement, with its time split.
+RECOVERY_LINES: list[str] = []
+
+
+def megatron_killed_and_replaced(victims: tuple[int, ...] = (5, 0, 3)) -> Probe:
+    """tp2·pp2·dp2 actor group, on_rank_death="replace": kill a rank on entering compute_log_prob, thrice."""
+    import torch
+
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool
+    from rankmesh.backends.ray.recovery import exit_on_next_call
+    from rankmesh.data import DataProto
+    from rankmesh.megatron.group import collect_reports, start_megatron_group
+    from rankmesh.megatron.reference import TinyConfig
+    from rankmesh.megatron.roles import ActorWorker
+    from rankmesh.mesh import RankMesh
+
+    cfg = TinyConfig()
+    start = time.monotonic()
+    wg = start_megatron_group(
+        RayResourcePool([8], use_gpu=False),
+        RayClassWithInitArgs(ActorWorker, model=cfg.to_dict(), lr=1e-3, micro_batches=2),
+        RankMesh(tp=2, pp=2, dp=2),
+        on_rank_death="replace",
+        call_timeout_s=RECOVERY_LIMIT_S,
+        progress=False,
+    )
+    RECOVERY_LINES.append(f"8-rank megatron group (tp2·pp2·dp2) started and cross-checked in {time.monotonic() - start:.1f} s")
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (8, 12), generator=torch.Generator().manual_seed(7))
+        data = DataProto.from_dict({"input_ids": ids}, meta_info={"prompt_length": 4})
+        want = wg.compute_log_prob(data).batch["log_probs"]
+        pids = [r.pid for r in collect_reports(wg)]
+        equal = kept = True
+        worst = 0.0
+        for victim in victims:
+            exit_on_next_call(wg, victim, "compute_log_prob")
+            got = wg.compute_log_prob(data).batch["log_probs"]  # dies, is replaced, retried
+            equal = equal and torch.equal(got, want)
+            now = [r.pid for r in collect_reports(wg)]
+            kept = kept and all(now[r] == pids[r] for r in range(8) if r != victim) and now[victim] != pids[victim]
+            pids = now
+            rep = wg.replacements[-1]
+            worst = max(worst, (rep.detected_s or 0.0) + rep.total_s)
+            RECOVERY_LINES.append("  " + rep.format())
+        RECOVERY_LINES.append(
+            f"target: dead rank replaced and group usable again <= {REPLACE_TARGET_S:g} s: worst {worst:.1f} s "
+            f"(detection + replacement) -> {'met' if worst <= REPLACE_TARGET_S else 'MISSED'}"
+        )
+        good = equal and kept and [r.ranks for r in wg.replacements] == [[v] for v in victims]
+        detected = max(r.detected_s or 0.0 for r in wg.replacements)
+        return Probe(None, detected, equal, good, shown=f"{len(victims)} replacements, results equal: {equal}, "
+                                                         f"survivor pids kept: {kept}")
+    finally:
+        wg.shutdown()
+
+
+def replacement_impossible() -> Probe:
+    """tp2 (dp = 1): the dead rank's shard has no live copy -> ShardLostError naming it."""
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rankmesh.backends.ray.recovery import exit_on_next_call
+    from rankmesh.errors import ShardLostError
+    from rankmesh.mesh import RankMesh
+    from tests.recovery_workers import StateWorker
+
+    wg = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(StateWorker), mesh=RankMesh(tp=2),
+                        on_rank_death="replace", call_timeout_s=SCENARIO_LIMIT_S)
+    try:
+        exit_on_next_call(wg, 1, "world_sum")
+        err, took = timed(lambda: wg.world_sum([1.0, 2.0]))
+        later, _ = timed(wg.whoami)  # the group is failed: later calls raise at once
+        good = isinstance(err, ShardLostError) and err.shards == {1: {"tp": 1, "pp": 0, "cp": 0, "ep": 0}}
+        return Probe(err, took, True, good and later is not None, note="later calls raise")
+    finally:
+        wg.shutdown()
+
+
+def node_removed_and_replaced() -> Probe:
+    """Simulated three-node cluster in a subprocess driver: a node removed, its ranks re-placed on the spare one."""
+    env = {**os.environ}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tests.recovery_node_loss"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=RECOVERY_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        return Probe(TimeoutError("node-loss recovery driver hung"), None, False, False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    if not lines:
+        return Probe(RuntimeError(f"driver failed: {proc.stderr.strip().splitlines()[-1:]}"), None, False, False)
+    report = json.loads(lines[-1][len("REPORT ") :])
+    RECOVERY_LINES.append("  node removed: " + report.get("format", ""))
+    moved = all(report["nodes_after"][r] not in (None, report["victim"]) for r in report["ranks_on_victim"])
+    good = (report.get("result") == [10.0] * 4 and report.get("replaced") == report.get("ranks_on_victim")
+            and moved and report.get("survivor_pids_kept"))
+    shown = f"ranks {report.get('replaced')} re-placed on node(s) {sorted({report['nodes_after'][r] for r in report['ranks_on_victim']})}"
+    return Probe(None, report.get("seconds"), report.get("result") == [10.0] * 4, good, shown=shown)
+
+
+def demo_equality(kill_rank: int = 5, kill_at: int = 2) -> Probe:
+    """``rankmesh demo`` twice, undisturbed and with ``--kill-rank``: final weights and every loss must be equal."""
+    import tempfile
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("RAY_ADDRESS", None)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("undisturbed", []), ("killed", ["--kill-rank", str(kill_rank), "--kill-at-iteration", str(kill_at)])):
+            path = os.path.join(tmp, f"{name}.json")
+            proc = subprocess.run([sys.executable, "-m", "rankmesh", "demo", "--no-progress", "--json", path, *extra],
+                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=DEMO_LIMIT_S)
+            if not os.path.exists(path):
+                return Probe(RuntimeError(f"{name} demo failed: {proc.stderr.strip().splitlines()[-1:]}"), None, False, False)
+            with open(path, encoding="utf-8") as fh:
+                runs[name] = json.load(fh)
+    a, b = runs["undisturbed"], runs["killed"]
+    keys = ("actor_loss", "actor_loss_after", "critic_loss", "critic_loss_after", "score", "kl", "rollout_diff")
+    same_losses = [{k: i[k] for k in keys} for i in a["iterations"]] == [{k: i[k] for k in keys} for i in b["iterations"]]
+    same_weights = a["final_weights_sha256"] == b["final_weights_sha256"] != ""
+    rep_ = b["replacements"][0] if b["replacements"] else {}
+    RECOVERY_LINES.append(
+        f"target: the demo with a kill (actor rank {kill_rank}, iteration {kill_at}) equals the undisturbed demo: "
+        f"weights sha256 {'equal' if same_weights else 'DIFFER'} ({b['final_weights_sha256'][:16]}), losses of all "
+        f"{len(b['iterations'])} iterations {'bitwise equal' if same_losses else 'DIFFER'}, both runs' checks "
+        f"{'pass' if a['ok'] and b['ok'] else 'FAIL'} -> {'met' if same_losses and same_weights and a['ok'] and b['ok'] else 'MISSED'}"
+    )
+    good = same_losses and same_weights and a["ok"] and b["ok"]
+    return Probe(None, rep_.get("detected_s"), same_losses and same_weights, good,
+                 shown=f"replaced {rep_.get('ranks')} in {rep_.get('total_s', 0):.1f} s; equal: {same_losses and same_weights}")
+
+
+def recovery_scenarios(node_loss: bool, demo: bool = False) -> list[tuple[str, Callable[[], Probe], float]]:
+    out = [
+        ("killed and replaced x3 (8-rank megatron)", megatron_killed_and_replaced, RECOVERY_LIMIT_S),
+        ("replacement impossible (dp = 1)", replacement_impossible, SCENARIO_LIMIT_S),
+    ]
+    if node_loss:
+        out.append(("node removed, ranks re-placed elsewhere", node_removed_and_replaced, RECOVERY_LIMIT_S))
+    if demo:
+        out.append(("demo killed == demo undisturbed", demo_equality, 2 * DEMO_LIMIT_S + 30))
+    return out
+
+
 def batch(rows: int, **meta):
     import torch
 
@@ -322,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--no-node-loss", action="store_true", help="skip the simulated multi-node scenario")
+    parser.add_argument("--no-recovery", action="store_true", help="skip the replacement scenarios")
+    parser.add_argument("--only-recovery", action="store_true", help="run only the replacement scenarios")
+    parser.add_argument("--demo-equality", action="store_true",
+                        help="also run rankmesh demo twice (undisturbed, and with --kill-rank 5) and compare (~2-8 min)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("rankmesh").setLevel(logging.CRITICAL)  # the table is the output
@@ -339,8 +499,11 @@ def main(argv: list[str] | None = None) -> int:
     hangs: list[HangDrill] = []
     try:
         box: list = []
-        setup = bounded("start 4-rank group", lambda: box.append(Drill()) or Probe(None, None, True, True))
-        if not setup.ok:
+        setup = (Outcome("-", None, "", True, True) if args.only_recovery else
+                 bounded("start 4-rank group", lambda: box.append(Drill()) or Probe(None, None, True, True)))
+        if args.only_recovery:
+            pass
+        elif not setup.ok:
             outcomes.append(setup)
         else:
             drill = box[0]
@@ -354,14 +517,18 @@ def main(argv: list[str] | None = None) -> int:
                 ("bad input", drill.bad_input),
             ]:
                 outcomes.append(bounded(name, fn))
-        hang_setup = bounded("start 4-rank hang group (tp2·dp2, gloo)", lambda: hangs.append(HangDrill()) or Probe(None, None, True, True))
-        if not hang_setup.ok:
+        hang_setup = None if args.only_recovery else bounded("start 4-rank hang group (tp2·dp2, gloo)", lambda: hangs.append(HangDrill()) or Probe(None, None, True, True))
+        if hang_setup is None:
+            pass
+        elif not hang_setup.ok:
             outcomes.append(hang_setup)
         else:
             outcomes.append(bounded("stuck in user code (2 ranks sleep)", hangs[0].in_user_code))
             outcomes.append(bounded("stuck in a collective (3 ranks, tp+dp)", hangs[0].in_collective))
-        if not args.no_node_loss:
+        if not args.no_node_loss and not args.only_recovery:
             outcomes.append(bounded("node removed mid-call (simulated)", node_loss, SCENARIO_LIMIT_S + 40))
+        if not args.no_recovery:
+            outcomes += [bounded(name, fn, limit) for name, fn, limit in recovery_scenarios(not args.no_node_loss, args.demo_equality)]
     finally:
         hung = any(o.note == "hang" for o in outcomes)
         if drill is not None and not hung:
@@ -371,9 +538,13 @@ def main(argv: list[str] | None = None) -> int:
     total = time.monotonic() - started
     sys.stdout = real_stdout
     if args.json:
-        print(json.dumps({"seconds": round(total, 1), "scenarios": [asdict(o) for o in outcomes]}, indent=2))
+        print(json.dumps({"seconds": round(total, 1), "scenarios": [asdict(o) for o in outcomes],
+                          "recovery": RECOVERY_LINES}, indent=2))
     else:
         print(table(outcomes))
+        if RECOVERY_LINES:
+            print("\nrecovery (seconds; import = the worker classes, e.g. megatron-core, in the new process):")
+            print("\n".join(RECOVERY_LINES))
         print(f"\n{sum(o.ok for o in outcomes)}/{len(outcomes)} scenarios ok in {total:.1f} s")
     code = 0 if all(o.ok for o in outcomes) else 1
     sys.stdout.flush()

@@ -85,6 +85,7 @@ PROCESS_BOUNDARY: dict[str, tuple[str, ...]] = {
         "rankmesh.backends.ray.hangs",
         "rankmesh.backends.ray.hosts",
         "rankmesh.backends.ray.pool",
+        "rankmesh.backends.ray.recovery",
         "rankmesh.backends.ray.startup",
         "rankmesh.backends.ray.waiting",
         "rankmesh.group",

@@ -282,3 +282,16 @@ def test_console_script_and_python_m(tmp_path):
     )
     assert done.returncode == 2 and done.stdout == ""
     assert one_error_line(done.stderr) == "rankmesh: error: tp must be a positive integer, got 0"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kill-at-iteration", "2"], "--kill-at-iteration needs --kill-rank"),
+        (["--kill-rank", "8"], "--kill-rank must be an actor rank, 0 to 7"),  # cpu_demo's actor: tp2·pp2·dp2
+        (["--kill-rank", "1", "--kill-at-iteration", "5"], "between 1 and --iterations (4)"),
+    ],
+)
+def test_demo_kill_options_are_checked_before_anything_starts(capsys, argv, message):
+    code, out, err = run(capsys, "demo", *argv)
+    assert code == 2 and message in err and out == ""

@@ -18,6 +18,11 @@ The loop is on-policy, and the demo checks itself and exits non-zero unless
 * every update lowers the actor's loss on its batch, as seen through the refit rollout (the update
   is visible in the next rollout), and the critic's.
 
+``--kill-rank R --kill-at-iteration K`` kills actor rank R's process on entering ``update_actor``
+in iteration K; the actor group (created with ``on_rank_death="replace"``) replaces it in place
+and retries the update, and the run must end with the same losses and weights as an undisturbed
+one (compare ``final_weights_sha256``; docs/ray_backend.md, "Recovery model", says why it is exact).
+
 Sampling seeds are fixed per row, so a run is deterministic (see docs/megatron.md).  Nothing here
 imports megatron-core or Ray at module level (the roles and the Ray backend are imported when the
 groups start), so ``rankmesh --help`` stays quick.  The command line (``rankmesh demo``, options and
@@ -70,6 +75,8 @@ class DemoConfig:
     address: str | None = None
     progress: bool = True
     hang_rank: int | None = None  # --hang-rank: rankmesh.demo_hang
+    kill_rank: int | None = None  # actor rank whose process is killed (with kill_at_iteration, 1-based)
+    kill_at_iteration: int | None = None
 
 
 @dataclass
@@ -106,6 +113,8 @@ class DemoResult:
     logprob_max_diff: float = float("nan")
     final_logprob_max_diff: float = float("nan")
     replica_max_diff: float = float("nan")
+    final_weights_sha256: str = ""  # the trained actor's gathered weights, to compare runs bit by bit
+    replacements: list[dict[str, Any]] = field(default_factory=list)  # ReplacementReport fields per kill
     checks: dict[str, bool] = field(default_factory=dict)
     hang: HangDrill | None = None
 
@@ -222,8 +231,10 @@ def start_groups(cfg: DemoConfig, model: dict):
         "actor": RayClassWithInitArgs(ActorWorker, lr=cfg.actor_lr, clip_ratio=cfg.clip_ratio, **common),
         "ref": RayClassWithInitArgs(RefWorker, **common),
     })
+    # With a kill planned, the actor replaces a dead rank in place and retries the call once.
+    policy = {} if cfg.kill_rank is None else {"on_rank_death": "replace"}
     roles = start_megatron_group(RayResourcePool(actor_counts, use_gpu=False, name_prefix="actor_pool"),
-                                 colocated, actor_mesh, roles=["actor", "ref"], name_prefix="demo-actor")
+                                 colocated, actor_mesh, roles=["actor", "ref"], name_prefix="demo-actor", **policy)
     critic = start_megatron_group(RayResourcePool(critic_counts, use_gpu=False, name_prefix="critic_pool"),
                                   RayClassWithInitArgs(CriticWorker, lr=cfg.critic_lr, **common),
                                   critic_mesh, name_prefix="demo-critic")
@@ -311,7 +322,12 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
                 "advantages": adv, "returns": returns, "old_log_probs": batch.batch["rollout_log_probs"].clone(),
             }))
             times["adv"] = time.perf_counter() - t
+            if cfg.kill_rank is not None and it + 1 == cfg.kill_at_iteration:
+                kill_actor_rank(actor, cfg.kill_rank, out)
             m_actor = timed("upd_actor", actor.update_actor, batch)
+            for report in actor.replacements[len(result.replacements):]:
+                result.replacements.append(asdict(report))
+                tqdm.write(f"  {report.format()}", file=out)
             m_critic = timed("upd_critic", critic.update_critic, batch)
             result.refit_bytes.append(timed("refit", reshard, actor, rollout, plan).bytes_moved)
             times["total"] = time.perf_counter() - t_iter
@@ -338,6 +354,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
             bar.update(1)
         bar.set_description("final check")
         weights, result.replica_max_diff = gathered_actor_weights(actor)
+        result.final_weights_sha256 = weights_digest(weights)
         trained = ReferenceModel(tcfg).eval()
         trained.load_state_dict(weights)
         final = actor.compute_log_prob(batch).batch["log_probs"]
@@ -363,6 +380,32 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
     return result
 
 
+def kill_actor_rank(actor: Any, rank: int, out: TextIO) -> None:
+    """Arm actor ``rank`` to SIGKILL itself on entering ``update_actor``: before it changes any state.
+
+    Every rank's optimizer step follows the dp gradient all-reduce, which no rank can finish
+    without the dead rank's replica, so the survivors abort the step with weights and Adam state
+    untouched; the retried update then runs on exactly the state the first attempt saw.
+    """
+    from tqdm import tqdm
+
+    from rankmesh.backends.ray.recovery import exit_on_next_call
+
+    pid = exit_on_next_call(actor, rank, "update_actor")
+    tqdm.write(f"  killing actor rank {rank} (pid {pid}) on entering update_actor", file=out)
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the weights' names and bytes, in name order (equal digests: bitwise equal weights)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _judge(result: DemoResult) -> None:
     tol, its = result.config.tolerance, result.iterations
     result.logprob_max_diff = its[0].logprob_diff if its else float("nan")
@@ -381,6 +424,10 @@ def _judge(result: DemoResult) -> None:
     }
     if result.hang is not None:
         result.checks["--hang-rank: the timeout names the rank, its coordinates, node and collective"] = result.hang.ok
+    if result.config.kill_rank is not None:
+        # One replacement, of the killed rank (plus any survivor that stayed blocked, see docs/ray_backend.md).
+        result.checks["the killed actor rank was replaced in place and the update retried"] = (
+            len(result.replacements) == 1 and result.config.kill_rank in result.replacements[0]["ranks"])
 
 
 _PHASES = ("gen", "logp", "ref", "values", "adv", "upd_actor", "upd_critic", "refit", "total")
@@ -411,6 +458,13 @@ def format_summary(result: DemoResult) -> str:
         lines.append(f"refits: {len(result.refit_bytes)} x {result.refit_minimum_bytes / 1024:.0f} KiB "
                      f"(the minimum), rollout vs actor log-probs max diff "
                      f"{max([s.rollout_diff for s in its] + [result.final_rollout_diff]):.1e}")
+    for r in result.replacements:
+        stuck = f" and blocked survivors {r['stuck']}" if r["stuck"] else ""
+        lines.append(f"actor rank {result.config.kill_rank} killed: detected in {r['detected_s']:.2f}s; ranks {r['ranks']} "
+                     f"(the dead one{stuck}) replaced in {r['total_s']:.2f}s = drain {r['drain_s']:.2f}s + process start "
+                     f"{r['start_s']:.2f}s + import {r['import_s']:.2f}s + init {r['init_s']:.2f}s + restore "
+                     f"{r['restore_s']:.2f}s + re-check {r['check_s']:.2f}s")
+    lines.append(f"final actor weights sha256 {result.final_weights_sha256[:16]}")
     lines.append(f"log-prob max |3D-parallel - single-process|: {result.logprob_max_diff:.2e} before training, "
                  f"{result.final_logprob_max_diff:.2e} after (tolerance {result.config.tolerance:.0e}); "
                  f"dp replicas differ by {result.replica_max_diff:.1e}")

@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help="Ray cluster address (default: local Ray on 127.0.0.1)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--kill-rank", dest="kill_rank", type=int, default=None, metavar="R",
+                        help="kill actor rank R's process (on entering update_actor); it is replaced in place")
+    parser.add_argument("--kill-at-iteration", dest="kill_at_iteration", type=int, default=None, metavar="K",
+                        help="the iteration (1-based) in which --kill-rank strikes (default 1)")
     parser.add_argument("--trace", dest="trace_path", metavar="PATH",
                         help="record every group call to a Chrome trace (open in ui.perfetto.dev; rankmesh trace summarize PATH)")
 
@@ -60,6 +64,18 @@ def run_from_args(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     if cfg.hang_rank is not None:  # a bad --hang-rank fails now, not after a minute of start-up
         check_hang_rank(cfg.hang_rank, demo.resolve_meshes(cfg)[0])
+    if cfg.kill_at_iteration is not None and cfg.kill_rank is None:
+        print("demo: error: --kill-at-iteration needs --kill-rank", file=sys.stderr)
+        return 2
+    if cfg.kill_rank is not None:
+        cfg.kill_at_iteration = 1 if cfg.kill_at_iteration is None else cfg.kill_at_iteration
+        if not 1 <= cfg.kill_at_iteration <= cfg.iterations:
+            print(f"demo: error: --kill-at-iteration must be between 1 and --iterations ({cfg.iterations})", file=sys.stderr)
+            return 2
+        world = demo.resolve_meshes(cfg)[0].world_size
+        if not 0 <= cfg.kill_rank < world:
+            print(f"demo: error: --kill-rank must be an actor rank, 0 to {world - 1}", file=sys.stderr)
+            return 2
     trace_path = getattr(args, "trace_path", None)
     with trace(trace_path) if trace_path else contextlib.nullcontext():
         result = run_demo(cfg, out)

@@ -243,3 +243,32 @@ class WorkerEnvError(BackendError, ValueError):
 
 class ReshardError(MeshError):
     """A reshard cannot be planned or run: a parameter does not fit a mesh, or the two sides disagree."""
+
+
+class RecoveryError(BackendError):
+    """Dead ranks could not be replaced (a survivor stayed blocked, a new process failed to start).
+
+    ``ranks`` names the ranks at fault.  The group is failed afterwards, as after an unrecovered
+    death: its processes are stopped and later calls raise at once.
+    """
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = sorted(ranks or [])
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.ranks))
+
+
+class ShardLostError(RecoveryError):
+    """A dead rank's shard has no live copy (dp = 1, or its whole dp group died): restore from a checkpoint.
+
+    ``shards`` maps each such rank to the coordinates (tp, pp, cp, ep) no live rank holds.
+    """
+
+    def __init__(self, message: str, ranks: list[int] | None = None, shards: dict[int, dict[str, int]] | None = None) -> None:
+        super().__init__(message, ranks)
+        self.shards = {int(r): dict(c) for r, c in (shards or {}).items()}
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.ranks, self.shards))

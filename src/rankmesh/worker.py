@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator, Mapping
 
@@ -159,6 +160,29 @@ class Worker:
     def node(self) -> str:
         return self._rankmesh_context.node
 
+    # ----- recovery hooks (called when the Ray backend replaces dead ranks) --------------------
+
+    def leave_distributed(self) -> None:
+        """A survivor of a rank death, before torch.distributed is re-formed: let go of old groups.
+
+        Drop every reference to a process group this worker built or captured (the backend then
+        destroys the default group).  Called once the rank's main thread is free.  Default: nothing.
+        """
+
+    def rejoin_distributed(self) -> None:
+        """A survivor, after the default process group was re-formed with the new rank(s): rebuild
+        the groups dropped by :meth:`leave_distributed`.  Default: nothing."""
+
+    def restore_from_peer(self, peer_rank: int, sending: bool) -> None:
+        """Give a replaced rank the state its dead predecessor had, from a live peer holding it.
+
+        Called on both ends at once, after the world was re-formed: on the new rank with
+        ``sending=False`` (receive from ``peer_rank``) and on its live dp peer, the rank with the
+        same (tp, pp, cp, ep) coordinates, with ``sending=True`` (send to ``peer_rank``).  Use
+        point-to-point ``torch.distributed.send``/``recv`` on the default group, in the same
+        order on both ends.  A worker with no state needs none: the default does nothing.
+        """
+
     # ----- verl's worker-side dispatch info ----------------------------------------------------
 
     def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
@@ -273,7 +297,11 @@ def invoke(
             if inspect.isawaitable(result):
                 result = run_awaitable(worker, result)
     except Exception as exc:
-        raise _fail(worker, method, exc) from exc
+        err = _fail(worker, method, exc)  # keeps the traceback as text
+        # The frames' locals (tensors, process groups) go now, not whenever the exception does:
+        # a process group left alive this way keeps its gloo connections, and its peers blocked.
+        traceback.clear_frames(exc.__traceback__)
+        raise err from exc
     return result if return_output else None
 
 

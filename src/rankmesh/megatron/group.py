@@ -56,18 +56,22 @@ def start_megatron_group(
     """Start a RayWorkerGroup of MegatronWorkers over ``mesh`` and cross-check it before returning.
 
     ``cls_with_init`` is a ``RayClassWithInitArgs`` (or a colocated class; then ``roles`` names the
-    roles to spawn and a dict role -> group is returned).  On a mismatch the group is shut down
+    roles to spawn and a dict role -> group is returned).  With ``verify``, the same check runs
+    again (with all-reduces) after every replacement of dead ranks.  On a mismatch the group is shut down
     and :class:`~rankmesh.errors.MeshMismatchError` raised, so no caller ever trains on groups
     that differ from what the controller dispatches by.
     """
     start = time.perf_counter()
     group = ray_backend.RayWorkerGroup(resource_pool, cls_with_init, mesh=mesh, **group_kwargs)
     spawned: Mapping[str, Any] | None = group.spawn(roles) if roles else None
+    # Colocated roles share one parallel_state per process: checking one role checks all.
+    checked = next(iter(spawned.values())) if spawned else group
     try:
         if verify:
-            # Colocated roles share one parallel_state per process: checking one role checks all.
-            verify_group(next(iter(spawned.values())) if spawned else group, mesh, allreduce=allreduce)
+            verify_group(checked, mesh, allreduce=allreduce)
             group.record_startup("cross-checked")
+            # After dead ranks are replaced, parallel_state is rebuilt everywhere: prove it again.
+            group.add_recovery_check(lambda: verify_group(checked, mesh, allreduce=True))
     except BaseException:
         group.shutdown()
         raise

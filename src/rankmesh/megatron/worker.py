@@ -6,11 +6,18 @@ variables; this class turns them into ``torch.distributed`` (gloo on CPU, nccl w
 It then reads its coordinates back from parallel_state's own getters, never from the mesh, so
 that :meth:`megatron_report` is an independent witness the controller can check the mesh
 against (:mod:`rankmesh.megatron.check`).
+
+When the Ray backend replaces a dead rank (:mod:`rankmesh.backends.ray.recovery`), a surviving
+MegatronWorker tears parallel_state down and rebuilds it from the same mesh, re-pointing every
+process group its modules captured at construction (megatron-core's tensor-parallel layers keep
+``self.tp_group``); the new rank receives its modules' parameters and buffers, its optimizers'
+state and the torch RNG state from its live dp peer (:meth:`MegatronWorker.restore_from_peer`).
 """
 
 from __future__ import annotations
 
 import datetime
+import io
 import logging
 import os
 import socket
@@ -43,6 +50,29 @@ def _group_getters() -> dict[str, Any]:
         "etp": ps.get_expert_tensor_parallel_group,
         "edp": ps.get_expert_data_parallel_group,
     }
+
+
+def captured_groups(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str, str]]:
+    """(module, attribute, group name) for every process group a module holds as an attribute.
+
+    Raises if a module holds a group parallel_state does not name: rankmesh could not re-point it
+    after a replacement (rebuild it in an override of ``rejoin_distributed``).
+    """
+    known = {id(getter()): name for name, getter in {**_group_getters(), "mp": ps.get_model_parallel_group}.items()}
+    found = []
+    for module in modules:
+        for sub_name, sub in module.named_modules():
+            for attr, value in vars(sub).items():
+                if not isinstance(value, dist.ProcessGroup):
+                    continue
+                if id(value) not in known:
+                    raise RuntimeError(
+                        f"module {type(module).__name__}.{sub_name or '<root>'} holds process group {attr!r}, which is "
+                        "none of parallel_state's: it cannot be re-pointed when ranks are replaced (override "
+                        "leave_distributed/rejoin_distributed to rebuild it)"
+                    )
+                found.append((sub, attr, known[id(value)]))
+    return found
 
 
 def parallel_state_coords() -> dict[str, int]:
@@ -149,6 +179,12 @@ def release_parallel_state() -> None:
     _PS_STATE["kwargs"] = None
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    # megatron-core 0.16's destroy_model_parallel leaves _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP
+    # set (the dp-cp group itself): a group still referenced keeps its gloo sockets open, and a
+    # peer blocked in a dp all-reduce with this rank stays blocked (see rankmesh.backends.ray.rejoin).
+    for name, value in list(vars(ps).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -176,6 +212,8 @@ class MegatronWorker(ReshardWorker):
         super().__init__()
         self._megatron_up = False
         self._force_order = force_order
+        self._timeout_s = timeout_s
+        self._captured: list[tuple[torch.nn.Module, str, str]] = []
         self._backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if not torch.cuda.is_available() and cpu_threads:
             # Many ranks share few cores: one intra-op thread each avoids oversubscription.
@@ -188,6 +226,10 @@ class MegatronWorker(ReshardWorker):
             raise RuntimeError(f"torch.distributed has {dist.get_world_size()} ranks but {mesh!r} has {mesh.world_size}")
         acquire_parallel_state(self.parallel_state_kwargs(mesh))
         self._megatron_up = True
+        self._read_parallel_state()
+
+    def _read_parallel_state(self) -> None:
+        """Take this rank's coordinates and sizes from parallel_state's getters (never from the mesh)."""
         self._ps_rank_info = DistRankInfo(
             tp_rank=ps.get_tensor_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(),
@@ -262,3 +304,78 @@ class MegatronWorker(ReshardWorker):
             self._megatron_up = False
             release_parallel_state()
         return True
+
+    # ----- replacing dead ranks (rankmesh.backends.ray.recovery) -------------------------------
+
+    def recovery_modules(self) -> list[torch.nn.Module]:
+        """The modules whose parameters and buffers a replaced rank restores (default: every
+        ``torch.nn.Module`` attribute of the worker, in attribute order)."""
+        return [v for v in vars(self).values() if isinstance(v, torch.nn.Module)]
+
+    def recovery_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose state a replaced rank restores (default: every optimizer attribute)."""
+        return [v for v in vars(self).values() if isinstance(v, torch.optim.Optimizer)]
+
+    def leave_distributed(self) -> None:
+        """A survivor: forget the groups the modules captured, then tear parallel_state down."""
+        self._captured = captured_groups(self.recovery_modules()) if self._megatron_up else []
+        for module, attr, _ in self._captured:
+            setattr(module, attr, None)  # the old group's connections close only when nothing holds it
+        if self._megatron_up:
+            self._megatron_up = False
+            release_parallel_state()
+
+    def rejoin_distributed(self) -> None:
+        """A survivor: rebuild parallel_state from the same mesh, re-point the captured groups."""
+        init_distributed(self._backend, self._timeout_s)
+        acquire_parallel_state(self.parallel_state_kwargs(self.megatron_mesh()))
+        self._megatron_up = True
+        self._read_parallel_state()
+        getters = {**_group_getters(), "mp": ps.get_model_parallel_group}
+        for module, attr, name in self._captured:
+            setattr(module, attr, getters[name]())
+        self._captured = []
+
+    def _comm_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def restore_from_peer(self, peer_rank: int, sending: bool) -> None:
+        """Parameters and buffers (tensor by tensor), optimizer state and the torch RNG state, over torch.distributed.
+
+        The live peer holds the same shard (same tp, pp, cp, ep coordinates), so both ends walk
+        identical ``state_dict`` keys; tensors travel as they are (bit-exact).  Optimizer state
+        (moments and step counts) and the RNG state travel as one ``torch.save`` payload, loaded
+        with ``weights_only=True``.  Other Python state of a subclass is not restored: extend this
+        method (call ``super()`` first) if it has any.
+        """
+        device = self._comm_device()
+        for module in self.recovery_modules():
+            for tensor in module.state_dict(keep_vars=True).values():
+                if not torch.is_tensor(tensor):  # megatron layers' ``_extra_state`` is None
+                    continue
+                if sending:
+                    dist.send(tensor.detach().to(device).contiguous(), dst=peer_rank)
+                else:
+                    buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                    dist.recv(buf, src=peer_rank)
+                    with torch.no_grad():
+                        tensor.copy_(buf)
+        optimizers = self.recovery_optimizers()
+        if sending:
+            out = io.BytesIO()
+            torch.save({"optimizers": [o.state_dict() for o in optimizers], "rng": torch.get_rng_state()}, out)
+            payload = torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
+            dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst=peer_rank)
+            dist.send(payload.to(device), dst=peer_rank)
+            return
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        dist.recv(size, src=peer_rank)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.recv(payload, src=peer_rank)
+        state = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=True)
+        if len(state["optimizers"]) != len(optimizers):
+            raise RuntimeError(f"rank {self.rank}: peer {peer_rank} sent {len(state['optimizers'])} optimizer states, "
+                               f"this rank has {len(optimizers)} optimizers")
+        for optimizer, sd in zip(optimizers, state["optimizers"]):
+            optimizer.load_state_dict(sd)
+        torch.set_rng_state(state["rng"])

@@ -7,9 +7,11 @@
   outside the collect set run with ``return_output=False`` and send back ``None``.
 * ``fetch`` waits fail-fast (:func:`.waiting.fetch_outputs`).  A dead process fails the whole
   group: :meth:`RayExecutor.fail` kills the other ranks (so their blocked collectives end) and
-  later calls raise at once.  A call past its timeout asks its unfinished ranks where they are
-  (:meth:`RayExecutor.inspect`, :mod:`.hangs`) and raises :class:`~rankmesh.errors.HangError`;
-  past ``stall_warn_s`` it logs the same report once and goes on.
+  later calls raise at once.  With ``on_rank_death="keep"`` or ``"replace"`` the survivors are
+  kept instead, for :mod:`.recovery` to replace the dead ranks.  A call past its timeout asks
+  its unfinished ranks where they are (:meth:`RayExecutor.inspect`, :mod:`.hangs`) and raises
+  :class:`~rankmesh.errors.HangError`; past ``stall_warn_s`` it logs the same report once and
+  goes on.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Sequence
 import ray
 
 from rankmesh.backend import RankCall, Shared
-from rankmesh.errors import BackendError, WorkerDiedError
+from rankmesh.errors import BackendError, RankMeshError, WorkerDiedError
 from rankmesh.validate import optional_seconds
 
 from rankmesh.sharedmem import register_store_processes
@@ -55,6 +57,10 @@ class CallStats:
 #: Executors of this process by token, so that a fetcher (which travels inside futures) can
 #: fail its group when it finds a dead rank in the controller.
 _EXECUTORS: "weakref.WeakValueDictionary[str, RayExecutor]" = weakref.WeakValueDictionary()
+
+#: What a group does when a rank's process dies: ``fail`` (stop the others, refuse later calls),
+#: ``keep`` (keep the survivors for ``replace_dead_ranks()``), ``replace`` (replace and retry once).
+ON_RANK_DEATH: tuple[str, ...] = ("fail", "keep", "replace")
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,8 @@ class RayExecutor:
     ``call_timeout_s`` bounds every fetch that gives no timeout of its own (``None``: wait as long
     as the ranks run); ``stall_warn_s`` logs where the unfinished ranks are, once per call, when
     a call runs that long (``None``: never).  Role groups spawned from one group share its
-    executor: one closed flag, one failure, one set of stats.
+    executor: one closed flag, one failure, one set of stats.  ``on_rank_death`` is one of
+    :data:`ON_RANK_DEATH`.
     """
 
     def __init__(
@@ -98,17 +105,22 @@ class RayExecutor:
         coords: Sequence[dict[str, int]] | None = None,
         call_timeout_s: float | None = None,
         stall_warn_s: float | None = None,
+        on_rank_death: str = "fail",
     ) -> None:
+        if on_rank_death not in ON_RANK_DEATH:
+            raise BackendError(f"on_rank_death must be one of {list(ON_RANK_DEATH)}, got {on_rank_death!r}")
         self.hosts = hosts
         self.world_size = len(hosts.actors)
         self.nodes = hosts.nodes
         self.coords = list(coords) if coords is not None else [None] * self.world_size
         self.call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
+        self.on_rank_death = on_rank_death
         self.stall_warn_s = optional_seconds(stall_warn_s, "stall_warn_s", BackendError)
         self.stats = CallStats()
         #: Encoded slot-only call headers of this group's bound methods (and its role groups').
         self.headers = HeaderCache()
-        self._failed: WorkerDiedError | None = None
+        self._failed: RankMeshError | None = None
+        self.dead: set[int] = set()  # ranks seen dead since the last replacement
         self.token = uuid.uuid4().hex
         _EXECUTORS[self.token] = self
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
@@ -119,7 +131,7 @@ class RayExecutor:
         return self.hosts.closed
 
     @property
-    def failed(self) -> WorkerDiedError | None:
+    def failed(self) -> RankMeshError | None:
         return self._failed
 
     def close(self) -> None:
@@ -132,24 +144,47 @@ class RayExecutor:
         Killing is what ends peers blocked in a collective the dead rank will never join; a
         group with a dead rank cannot run another collective call anyway.
         """
+        self.dead.update(err.ranks)
+        if self.on_rank_death != "fail":  # the survivors stay up, for replace_dead_ranks()
+            if self._failed is None:
+                self._failed = err
+            logger.warning("worker group: %s; survivors kept for replace_dead_ranks()", err)
+            return
         if self._failed is not None:
             return
         self._failed = err
         logger.error("worker group failed: %s; stopping its %d processes", err, self.world_size)
         self.hosts.kill()
 
+    def abandon(self, err: RankMeshError) -> None:
+        """Fail the group for good (dead ranks could not be replaced): stop every process."""
+        self._failed = err
+        logger.error("worker group failed: %s; stopping its %d processes", err, self.world_size)
+        self.hosts.kill()
+
+    def recovered(self) -> None:
+        """The dead ranks were replaced: accept calls again, with the new processes' nodes."""
+        self.nodes = self.hosts.nodes
+        self.dead.clear()
+        self._failed = None
+
     def _check_usable(self, method: str) -> None:
         if self.closed:
             raise BackendError(f"cannot call {method}: the worker group has been shut down")
         if self._failed is not None:
             f = self._failed
+            if not isinstance(f, WorkerDiedError):
+                raise BackendError(f"cannot run {method}: the group failed earlier ({f}); shut it down and start a new group")
+            if self.on_rank_death == "fail":
+                advice = "and its processes were stopped; shut it down and start a new group"
+            else:
+                advice = "and the survivors are kept: call replace_dead_ranks() first"
             raise WorkerDiedError(
                 f.rank,
                 f.method,
-                f"cannot run {method}: the group failed earlier ({f.detail}) and its processes were stopped; "
-                "shut it down and start a new group",
+                f"cannot run {method}: the group failed earlier ({f.detail}) {advice}",
                 f.node,
-                ranks=f.ranks,
+                ranks=sorted(self.dead | set(f.ranks)),
                 coords=f.coords,
             )
 

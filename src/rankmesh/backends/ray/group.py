@@ -14,11 +14,12 @@ workers in running ones, and :meth:`~RayWorkerGroup.spawn` shares a group's host
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any, Mapping, Sequence
 
 from rankmesh.dispatch.modes import DispatchRegistry
-from rankmesh.errors import BackendError
+from rankmesh.errors import BackendError, WorkerDiedError, WorkerError
 from rankmesh.group import ROLES_ATTR, MethodTable, WorkerGroup
 from rankmesh.mesh import RankMesh
 from rankmesh.placement import Placement, RankPlace
@@ -29,6 +30,7 @@ from .classes import RayClassWithInitArgs, fused_worker_class, unwrap_actor_clas
 from .executor import RayExecutor
 from .hosts import HostSet, attach_hosts, build_workers, check_worker_env, start_hosts
 from .pool import RayResourcePool
+from .recovery import Recovery, ReplacementReport, probe_dead, replace_dead_ranks
 from .runtime import ensure_ray
 from .startup import StartupProgress, StartupReport
 
@@ -58,6 +60,11 @@ class RayWorkerGroup(WorkerGroup):
     (docs/ray_backend.md, "When a call hangs").  ``progress`` shows the
     start-up stages as a bar (``None``: only when stderr is a terminal); ``wg.startup_report()``
     gives each stage's time per rank (:mod:`.startup`).
+
+    ``on_rank_death`` says what a dead rank process does to the group: ``"fail"`` (default) stops
+    the other ranks and refuses later calls; ``"keep"`` keeps the survivors until
+    :meth:`replace_dead_ranks`; ``"replace"`` replaces the dead ranks and retries the failed
+    blocking call once (see :mod:`.recovery` and the recovery model in docs/ray_backend.md).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class RayWorkerGroup(WorkerGroup):
         call_timeout_s: float | None = None,
         progress: bool | None = None,
         stall_warn_s: float | None = None,
+        on_rank_death: str = "fail",
     ) -> None:
         call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
         stall_warn_s = optional_seconds(stall_warn_s, "stall_warn_s", BackendError)
@@ -114,7 +122,7 @@ class RayWorkerGroup(WorkerGroup):
         if TRACING.recorder is not None:
             TRACING.recorder.startup(prefix, startup.report.to_json())
         try:
-            self._attach(hosts, table, None, call_timeout_s, stall_warn_s)
+            self._attach(hosts, table, None, call_timeout_s, stall_warn_s, on_rank_death)
         except BaseException:
             hosts.shutdown()
             raise
@@ -135,6 +143,7 @@ class RayWorkerGroup(WorkerGroup):
         executor: RayExecutor | None,
         call_timeout_s: float | None = None,
         stall_warn_s: float | None = None,
+        on_rank_death: str = "fail",
     ) -> None:
         """The core of every constructor: drive ``hosts`` with ``table``'s methods.
 
@@ -143,7 +152,8 @@ class RayWorkerGroup(WorkerGroup):
         """
         if executor is None:
             coords = [rank_coords(table.mesh, r) for r in range(len(hosts.actors))]
-            executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s)
+            executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s, on_rank_death)
+            self._recovery = Recovery(on_rank_death)
         self._hosts = hosts
         self._install(executor, table)
 
@@ -301,6 +311,7 @@ class RayWorkerGroup(WorkerGroup):
             )
             groups[role] = type(self)._over(self._hosts, table, self.executor)
             groups[role]._startup = getattr(self, "_startup", None)  # one start-up for all roles
+            groups[role]._recovery = self._recovery  # one recovery policy, one set of checks
         return groups
 
     def fuse(self, prefix_set: Sequence[str]) -> dict[str, "RayWorkerGroup"]:
@@ -311,6 +322,67 @@ class RayWorkerGroup(WorkerGroup):
                 raise BackendError(f"cannot fuse role {role!r}: it clashes with an attribute of the group")
             setattr(self, role, group)
         return groups
+
+    # ----- recovery ---------------------------------------------------------------------------------
+
+    def replace_dead_ranks(self, timeout_s: float = DEFAULT_START_TIMEOUT) -> ReplacementReport | None:
+        """Replace the group's dead ranks in place; ``None`` when no rank is dead.
+
+        Survivors keep their processes and state; each dead rank gets a new process in its own
+        bundle with the same rank, coordinates, environment and workers, every rank re-forms
+        torch.distributed, and the new ranks restore their state from a live dp peer
+        (:mod:`.recovery`).  Needs ``on_rank_death="keep"`` or ``"replace"``.  Raises
+        ``ShardLostError`` when a dead rank's shard has no live copy (restart from a checkpoint)
+        and ``RecoveryError`` when a survivor stays busy past ``timeout_s``; both stop the group.
+        """
+        timeout_s = positive_seconds(timeout_s, "replace_dead_ranks(timeout_s)", BackendError)
+        return replace_dead_ranks(self._hosts, self.executor, self.mesh, self._recovery, timeout_s)
+
+    def add_recovery_check(self, check: Any) -> None:
+        """Run ``check()`` after every replacement (e.g. megatron's cross-check); it raises on a mismatch."""
+        self._recovery.checks.append(check)
+
+    @property
+    def on_rank_death(self) -> str:
+        return self._recovery.policy
+
+    @property
+    def replacements(self) -> list[ReplacementReport]:
+        """Every replacement done so far, with its timings (shared by the role groups)."""
+        return list(self._recovery.reports)
+
+    def _call(self, binding: Any, args: Any, kwargs: Any, timeout: float | None = None) -> Any:
+        """The base call, plus the ``on_rank_death="replace"`` policy: replace, then retry once.
+
+        Only a blocking call is retried (a non-blocking one raises from its future; the next
+        call replaces first).  The retry re-sends the caller's unchanged arguments.  A
+        ``WorkerError`` is retried only if a rank is found dead (:func:`.recovery.probe_dead`):
+        survivors may see the death as a gloo error before Ray reports it.
+        """
+        rec = self._recovery
+        if rec.policy != "replace" or rec.replacing:
+            return super()._call(binding, args, kwargs, timeout)
+        if self.executor.failed is not None:
+            self.replace_dead_ranks()
+        start = time.monotonic()
+        try:
+            return super()._call(binding, args, kwargs, timeout)
+        except (WorkerDiedError, WorkerError) as err:
+            if not binding.method.blocking:
+                raise
+            if not isinstance(err, WorkerDiedError):
+                # A peer's death can reach the survivors as a gloo error before Ray reports the
+                # process dead (a removed node takes its health checks to be declared dead).
+                dead = probe_dead(self._hosts)
+                if not dead:
+                    raise
+                self.executor.fail(WorkerDiedError(min(dead), binding.name, f"found dead after: {err.detail}", ranks=sorted(dead)))
+            detected = time.monotonic() - start
+            logger.warning("%s: %s; replacing the dead ranks and retrying once", binding.name, err)
+            report = self.replace_dead_ranks()
+            if report is not None:
+                report.detected_s = detected
+        return super()._call(binding, args, kwargs, timeout)
 
     # ----- lifetime --------------------------------------------------------------------------------
 

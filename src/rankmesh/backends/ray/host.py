@@ -34,6 +34,7 @@ from rankmesh.devices import unify_visible_devices
 from rankmesh.tracing.recorder import timed_call
 from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 
+from .rejoin import exit_on_call, leave, rejoin, restore
 from .rendezvous import reserve_port
 from .runtime import node_ip_address
 from .wire import decode_call
@@ -85,6 +86,7 @@ class WorkerHost:
         self._master: tuple[str, int] | None = None
         self._env_before: dict[str, str | None] = {}
         self._call_thread: int | None = None  # the thread running a call now, for stacks()
+        self._left_backend: str | None = None  # the default group's backend, between leave and rejoin
 
     # ----- creation ----------------------------------------------------------------------------
 
@@ -107,9 +109,11 @@ class WorkerHost:
             "started_ns": self._started_ns,
         }
 
-    def reserve_master_port(self) -> tuple[str, int]:
-        """Rank 0 only: keep a socket bound on this node and publish (MASTER_ADDR, MASTER_PORT)."""
-        if self._master is None:
+    def reserve_master_port(self, fresh: bool = False) -> tuple[str, int]:
+        """Rank 0 only: keep a socket bound on this node and publish (MASTER_ADDR, MASTER_PORT).
+
+        ``fresh=True`` reserves a new port (re-forming the group after a replacement)."""
+        if self._master is None or fresh:
             addr = node_ip_address()
             self._master = (addr, reserve_port(addr))
         return self._master
@@ -249,3 +253,23 @@ class WorkerHost:
     def clock(self) -> int:
         """This process's clock (``time.time_ns``), for measuring its offset from the controller's."""
         return time.time_ns()
+
+    # ----- recovery (driven by .recovery when dead ranks are replaced; see .rejoin) ------------
+
+    def leave_distributed(self) -> None:
+        """A survivor: every role drops its process groups, then the default group is destroyed."""
+        self._left_backend = leave(self._workers)
+
+    def rejoin_distributed(self, env: Mapping[str, str]) -> None:
+        """A survivor: take the new rendezvous variables, re-form the default group, rebuild the roles' groups."""
+        os.environ.update(env)
+        rejoin(self._workers, self._left_backend)
+
+    def restore_from_peer(self, peer_rank: int, sending: bool) -> None:
+        """Every role's ``restore_from_peer`` (the new rank receives, its live dp peer sends)."""
+        restore(self._workers, peer_rank, sending)
+
+    def exit_on_next_call(self, role: str | None, method: str) -> int:
+        """Fault injection for drills and the demo: die on entering the next ``method`` call; returns the pid."""
+        exit_on_call(self._worker(role), method)
+        return os.getpid()

@@ -11,6 +11,7 @@ processes and releases (or removes) their placement groups.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ class HostSet:
     closed: bool = False
     places: list[RankPlace] = field(default_factory=list)
     master: tuple[str, int] | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # the actors' Ray options, to start replacements
+    setups: list[HostSetup] = field(default_factory=list)  # what each rank was built with, to rebuild it
 
     @property
     def nodes(self) -> list[str | None]:
@@ -121,6 +124,28 @@ def check_worker_env(worker_env: Mapping[str, Any] | None) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
+def start_host(pool: Any, slot: Any, rank: int, name_prefix: str, detached: bool, options: Mapping[str, Any]) -> Any:
+    """Start the (empty) host process of ``rank`` in its bundle ``slot`` of ``pool`` (also a replacement's)."""
+    opts: dict[str, Any] = {
+        **pool.actor_resources,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=slot.pg, placement_group_bundle_index=slot.bundle_index
+        ),
+        **dict(options),
+    }
+    if detached:
+        opts.update(name=actor_name(name_prefix, rank), namespace=DETACHED_NAMESPACE, lifetime="detached")
+    return remote_host_class().options(**opts).remote(rank, name_prefix)
+
+
+@functools.lru_cache(maxsize=None)
+def remote_host_class() -> Any:
+    """``ray.remote(WorkerHost)`` with its control thread (:data:`.host.HOST_ACTOR_OPTIONS`), made once
+    per process: every group's options differ per actor, and concurrency groups cannot be set
+    through ``.options()``."""
+    return ray.remote(**HOST_ACTOR_OPTIONS)(WorkerHost)
+
+
 def launch_hosts(
     pool: Any, name_prefix: str, detached: bool, options: Mapping[str, Any], timeout: float, progress: StartupProgress | None = None
 ) -> HostSet:
@@ -128,21 +153,9 @@ def launch_hosts(
     slots = pool.slots()  # waits until every placement group is placed
     if progress is not None:
         progress.controller_stage("placed")
-    remote = ray.remote(**HOST_ACTOR_OPTIONS)(WorkerHost)
-    actors, names = [], []
-    for rank, slot in enumerate(slots):
-        opts: dict[str, Any] = {
-            **pool.actor_resources,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=slot.pg, placement_group_bundle_index=slot.bundle_index
-            ),
-            **dict(options),
-        }
-        names.append(actor_name(name_prefix, rank))
-        if detached:
-            opts.update(name=names[-1], namespace=DETACHED_NAMESPACE, lifetime="detached")
-        actors.append(remote.options(**opts).remote(rank, name_prefix))
-    hosts = HostSet(actors=actors, names=names, info=[], name_prefix=name_prefix, detached=detached)
+    actors = [start_host(pool, slot, rank, name_prefix, detached, options) for rank, slot in enumerate(slots)]
+    names = [actor_name(name_prefix, rank) for rank in range(len(slots))]
+    hosts = HostSet(actors=actors, names=names, info=[], name_prefix=name_prefix, detached=detached, options=dict(options))
     hosts.places = pool.places()
     try:
         pend = [Pending(a.node_info.remote(), r, "start") for r, a in enumerate(actors)]
@@ -176,7 +189,7 @@ def build_workers(
     """Set every rank's environment and build its role objects (all ranks in parallel)."""
     world = len(hosts.actors)
     addr, port = hosts.master
-    setups = []
+    setups, sent = [], []
     for rank, place in enumerate(hosts.places):
         env = {
             "RANK": str(rank),
@@ -201,8 +214,10 @@ def build_workers(
             env=env,
             group_name=hosts.name_prefix,
         )
+        sent.append(setup)
         setups.append(Pending(hosts.actors[rank].setup.remote(setup), rank, "setup", hosts.nodes[rank]))
     done = fetch_outputs(setups, timeout=timeout)
+    hosts.setups = sent
     if progress is not None:
         progress.rank_stage("imported", [d[0] for d in done])
         progress.rank_stage("initialized", [d[1] for d in done])

@@ -1,0 +1,338 @@
+"""Replacing dead ranks in place: survivors keep their processes, new ones take the dead ranks' places.
+
+A group created with ``on_rank_death="keep"`` (or ``"replace"``) keeps its surviving processes
+when a rank dies; :func:`replace_dead_ranks` then rebuilds the group around them, in steps that
+:class:`ReplacementReport` times:
+
+1. **find the lost shards first**: each dead rank needs a live rank with the same
+   (tp, pp, cp, ep) coordinates (a dp peer) to copy its state from; if one has none (dp = 1, or
+   its whole dp group died) nothing is started and :class:`~rankmesh.errors.ShardLostError`
+   names the shard, so the user falls back to a checkpoint;
+2. **drain**: every survivor leaves torch.distributed once its own call has ended (the call
+   that failed with the death, queued before it).  Leaving closes its gloo connections, which
+   ends the calls of peers that wait on it (see :mod:`.rejoin`); a survivor still busy after
+   ``timeout_s`` is named in a :class:`~rankmesh.errors.RecoveryError` instead of waited for;
+3. **start**: one new host process per dead rank in the rank's own placement-group bundle: on
+   its old node, whose bundle is free again since the process died, or, when the node itself
+   is gone, wherever Ray re-placed the bundle (a node with room);
+4. **re-form**: rank 0 (old or new) reserves a fresh MASTER_PORT (race-free, as at start-up);
+   the new processes build their workers from the dead ranks' own setup (same rank, coordinates,
+   environment, classes and constructor arguments; colocated roles together) while the
+   survivors re-form torch.distributed and rebuild their groups in place;
+5. **restore**: each new rank and its live dp peer run ``restore_from_peer`` together
+   (:meth:`rankmesh.worker.Worker.restore_from_peer`);
+6. **check**: the checks registered on the group run (megatron groups re-check
+   parallel_state against the controller's mesh).
+
+On any failure after step 1 the group is failed for good (every process stopped), as after a
+death with ``on_rank_death="fail"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import ray
+import ray.exceptions as rex
+
+from rankmesh.errors import RecoveryError, ShardLostError, WorkerDiedError
+from rankmesh.mesh import RankMesh
+
+from .executor import RayExecutor
+from .hosts import HostSet, start_host
+from .waiting import PROCESS_DIED, Pending, fetch_outputs
+
+logger = logging.getLogger(__name__)
+
+#: A survivor still busy this long after the last other survivor left is blocked for good (seconds).
+STUCK_GRACE_S = 5.0
+#: How long a liveness probe waits for an idle rank's answer when no death was recorded (seconds).
+PROBE_TIMEOUT = 5.0
+
+
+@dataclass
+class ReplacementReport:
+    """What one replacement did and how long each step took (seconds, controller clock)."""
+
+    ranks: list[int]
+    peers: dict[int, int] = field(default_factory=dict)  # new rank -> live peer its state came from
+    old_nodes: dict[int, str | None] = field(default_factory=dict)  # node address, before and after
+    new_nodes: dict[int, str | None] = field(default_factory=dict)
+    moved: dict[int, bool] = field(default_factory=dict)  # the new process runs on another Ray node
+    stuck: list[int] = field(default_factory=list)  # survivors blocked for good, replaced with the dead
+    new_pids: dict[int, int] = field(default_factory=dict)
+    detected_s: float | None = None  # failed call submitted -> WorkerDiedError (set by the retry policy)
+    drain_s: float = 0.0  # survivors' calls ended and they left torch.distributed
+    start_s: float = 0.0  # new processes up (Python, Ray and rankmesh imported)
+    import_s: float = 0.0  # the worker classes imported in the new processes (setup unpickled)
+    init_s: float = 0.0  # workers built on the new ranks, survivors rejoined: the world re-formed
+    restore_s: float = 0.0
+    check_s: float = 0.0
+    total_s: float = 0.0
+
+    def format(self) -> str:
+        where = ", ".join(
+            f"rank {r}: {self.old_nodes.get(r)} -> {self.new_nodes.get(r)}{' (another node)' if self.moved.get(r) else ''} "
+            f"(pid {self.new_pids.get(r)}, "
+            f"restored from rank {self.peers[r]})" if r in self.peers else f"rank {r}"
+            for r in self.ranks
+        )
+        detected = "" if self.detected_s is None else f"detected in {self.detected_s:.2f}s; "
+        if self.stuck:
+            detected += f"survivors {self.stuck} stayed blocked and were replaced too; "
+        return (
+            f"replaced ranks {self.ranks} ({where}): {detected}replaced in {self.total_s:.2f}s = "
+            f"drain {self.drain_s:.2f} + process start {self.start_s:.2f} + import {self.import_s:.2f} + "
+            f"init {self.init_s:.2f} + restore {self.restore_s:.2f} + check {self.check_s:.2f}"
+        )
+
+
+@dataclass
+class Recovery:
+    """The recovery state of one group's processes, shared by the role groups spawned from it.
+
+    ``checks`` run after every replacement (zero-argument callables that raise on a mismatch);
+    ``reports`` lists every replacement done.
+    """
+
+    policy: str = "fail"
+    checks: list[Callable[[], Any]] = field(default_factory=list)
+    reports: list[ReplacementReport] = field(default_factory=list)
+    replacing: bool = False
+
+
+def shard_coords(mesh: RankMesh, rank: int) -> dict[str, int]:
+    """The coordinates that say which shard ``rank`` holds: tp, pp, cp and ep (dp says which copy)."""
+    info = mesh.coords(rank)
+    return {"tp": info.tp_rank, "pp": info.pp_rank, "cp": info.cp_rank, "ep": info.ep_rank}
+
+
+def restore_peers(mesh: RankMesh, dead: Sequence[int]) -> dict[int, int]:
+    """Dead rank -> the live rank it restores from: the lowest live one with identical shard coordinates.
+
+    Raises :class:`ShardLostError` naming every shard with no live copy.
+    """
+    dead_set = set(dead)
+    peers, lost = {}, {}
+    for rank in sorted(dead_set):
+        want = shard_coords(mesh, rank)
+        live = [p for p in range(mesh.world_size) if p not in dead_set and shard_coords(mesh, p) == want]
+        if live:
+            peers[rank] = live[0]
+        else:
+            lost[rank] = want
+    if lost:
+        shards = "; ".join(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in c.items()) for r, c in lost.items())
+        why = "dp = 1" if mesh.size("dp") == 1 else "every dp copy of it died"
+        raise ShardLostError(
+            f"cannot replace ranks {sorted(lost)}: no live rank holds their shard ({shards}; {why}), so its "
+            "parameters and optimizer state are lost; restart the group from a checkpoint",
+            ranks=sorted(lost),
+            shards=lost,
+        )
+    return peers
+
+
+def restore_rounds(peers: Mapping[int, int]) -> list[dict[int, int]]:
+    """Split the (new rank -> peer) pairs into rounds in which each live peer serves one new rank."""
+    rounds: list[dict[int, int]] = []
+    for rank, peer in sorted(peers.items()):
+        for rnd in rounds:
+            if peer not in rnd.values():
+                rnd[rank] = peer
+                break
+        else:
+            rounds.append({rank: peer})
+    return rounds
+
+
+def probe_dead(hosts: HostSet, timeout: float = PROBE_TIMEOUT) -> set[int]:
+    """Ranks whose process is gone, found by pinging every rank (a busy rank counts as alive)."""
+    refs = {a.ping.remote(): r for r, a in enumerate(hosts.actors)}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout, fetch_local=False)
+    dead = set()
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except PROCESS_DIED:
+            dead.add(refs[ref])
+    return dead
+
+
+def drain(hosts: HostSet, survivors: Sequence[int], dead: set[int], mesh: RankMesh, timeout: float) -> tuple[set[int], set[int]]:
+    """Every survivor leaves torch.distributed once its main thread is free.
+
+    Returns (ranks found dead meanwhile, survivors that stayed blocked and are to be replaced
+    too).  A survivor counts as blocked when no other survivor has finished for
+    :data:`STUCK_GRACE_S` while it is still busy (it waits on nothing that will come); it is
+    replaced only if a free survivor holds its shard.  Otherwise the drain waits up to
+    ``timeout`` and raises :class:`RecoveryError` naming the survivors still busy.
+    """
+    refs = {hosts.actors[r].leave_distributed.remote(): r for r in survivors}
+    pending = list(refs)
+    died, failed, free = set(), [], set()
+    start = last = time.monotonic()
+    stuck: set[int] = set()
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2, fetch_local=False)
+        for ref in ready:
+            last = time.monotonic()
+            try:
+                ray.get(ref)
+                free.add(refs[ref])
+            except PROCESS_DIED:
+                died.add(refs[ref])
+            except rex.RayTaskError as exc:
+                failed.append(f"rank {refs[ref]}: {str(exc).strip().splitlines()[-1]}")
+        now = time.monotonic()
+        busy = {refs[r] for r in pending}
+        if busy and now - last >= STUCK_GRACE_S:
+            want = {r: shard_coords(mesh, r) for r in busy}
+            if all(any(shard_coords(mesh, p) == c for p in free) for c in want.values()):
+                stuck = busy
+                break
+        if busy and now - start >= timeout:
+            raise RecoveryError(
+                f"cannot replace dead ranks: survivor ranks {sorted(busy)} are still busy {timeout:g}s after the "
+                "death (blocked in user code, or in a collective that never errors) and no free rank holds their "
+                "shard; their main thread must be free to re-form torch.distributed. The group is stopped",
+                ranks=sorted(busy),
+            )
+    if failed:
+        raise RecoveryError("cannot replace dead ranks: survivors failed to leave torch.distributed: " + "; ".join(failed))
+    if stuck:
+        logger.warning("survivor ranks %s stayed blocked %.0fs after their peers left: replacing them too",
+                       sorted(stuck), STUCK_GRACE_S)
+    return died, stuck
+
+
+def start_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
+    """Start one host per rank in the rank's bundle (old node, or where Ray re-placed it); their node info."""
+    if hosts.pool is None:
+        raise RecoveryError("cannot replace ranks of a group attached with from_detached (it has no pool)", list(ranks))
+    slots = hosts.pool.slots()
+    for rank in ranks:
+        ray.kill(hosts.actors[rank], no_restart=True)  # make sure: a half-dead process holds its bundle
+    deadline = time.monotonic() + timeout
+    for pg in {id(slots[r].pg): slots[r].pg for r in ranks}.values():
+        # A bundle whose node died is rescheduled by Ray onto a node with room.
+        left = max(0.1, deadline - time.monotonic())
+        if not pg.wait(timeout_seconds=left):
+            raise RecoveryError(f"the placement group of ranks {list(ranks)} is not placed again within {timeout:g}s "
+                                "(no node has room for the lost bundles)", list(ranks))
+    actors = {r: start_host(hosts.pool, slots[r], r, hosts.name_prefix, hosts.detached, hosts.options) for r in ranks}
+    pend = [Pending(a.node_info.remote(), r, "start") for r, a in actors.items()]
+    info = fetch_outputs(pend, timeout=max(0.1, deadline - time.monotonic()))
+    for (rank, actor), got in zip(actors.items(), info):
+        hosts.actors[rank] = actor
+        hosts.info[rank] = got
+    return dict(zip(actors, info))
+
+
+def reform(hosts: HostSet, new: Sequence[int], survivors: Sequence[int], timeout: float) -> list[tuple[int, int]]:
+    """A fresh rendezvous for the whole world: new ranks build their workers, survivors rejoin.
+
+    Returns each new rank's (classes imported, workers built) times on its own clock (ns).
+    """
+    addr, port = fetch_outputs([Pending(hosts.actors[0].reserve_master_port.remote(True), 0, "reserve_master_port")], timeout)[0]
+    hosts.master = (addr, port)
+    env = {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+    for rank, setup in enumerate(hosts.setups):
+        hosts.setups[rank] = dataclasses.replace(setup, env={**setup.env, **env})
+    pend = [Pending(hosts.actors[r].setup.remote(hosts.setups[r]), r, "setup (replacement)", hosts.nodes[r]) for r in new]
+    pend += [Pending(hosts.actors[r].rejoin_distributed.remote(env), r, "rejoin_distributed", hosts.nodes[r]) for r in survivors]
+    done = fetch_outputs(pend, timeout=timeout)
+    return [tuple(d) for d in done[: len(new)]]
+
+
+def restore(hosts: HostSet, peers: Mapping[int, int], timeout: float) -> None:
+    """Each new rank receives its state from its live peer (both ends called at once), round by round."""
+    for rnd in restore_rounds(peers):
+        pend = []
+        for rank, peer in rnd.items():
+            pend.append(Pending(hosts.actors[rank].restore_from_peer.remote(peer, False), rank, "restore_from_peer"))
+            pend.append(Pending(hosts.actors[peer].restore_from_peer.remote(rank, True), peer, "restore_from_peer"))
+        fetch_outputs(pend, timeout=timeout)
+
+
+def replace_dead_ranks(
+    hosts: HostSet, executor: RayExecutor, mesh: RankMesh, recovery: Recovery, timeout: float
+) -> ReplacementReport | None:
+    """Replace every dead rank of the group in place (see the module docstring); ``None`` if none is dead."""
+    if hosts.closed:
+        raise RecoveryError("cannot replace dead ranks: the group has been shut down")
+    failed = executor.failed
+    if failed is not None and not isinstance(failed, WorkerDiedError):
+        raise RecoveryError(f"cannot replace dead ranks: the group failed for good earlier ({failed})")
+    if executor.on_rank_death == "fail" and failed is not None:
+        raise RecoveryError(
+            "cannot replace dead ranks: the group was created with on_rank_death='fail', so its survivors were "
+            "stopped; create it with on_rank_death='keep' or 'replace'",
+            sorted(executor.dead),
+        )
+    t0 = time.monotonic()
+    dead = set(executor.dead) or probe_dead(hosts, min(PROBE_TIMEOUT, timeout))
+    if not dead:
+        return None
+    recovery.replacing = True
+    try:
+        try:
+            peers = restore_peers(mesh, sorted(dead))
+            survivors = [r for r in range(len(hosts.actors)) if r not in dead]
+            more, stuck = drain(hosts, survivors, dead, mesh, timeout)
+            if more or stuck:  # died while the others drained, or blocked for good: replace them too
+                dead |= more | stuck
+                peers = restore_peers(mesh, sorted(dead))
+                survivors = [r for r in survivors if r not in dead]
+            report = ReplacementReport(sorted(dead), peers, old_nodes={r: hosts.nodes[r] for r in dead})
+            report.stuck = sorted(stuck)
+            old_ids = {r: hosts.info[r].get("node_id") for r in dead}
+            t1 = time.monotonic()
+            report.drain_s = t1 - t0
+            info = start_replacements(hosts, report.ranks, timeout)
+            t2 = time.monotonic()
+            report.start_s = t2 - t1
+            report.new_nodes = {r: i.get("node_ip") for r, i in info.items()}
+            report.new_pids = {r: i["pid"] for r, i in info.items()}
+            report.moved = {r: i.get("node_id") != old_ids[r] for r, i in info.items()}
+            sent_ns = time.time_ns()
+            built = reform(hosts, report.ranks, survivors, timeout)
+            t3 = time.monotonic()
+            report.import_s = max(0.0, max((imp - sent_ns) / 1e9 for imp, _ in built))
+            report.init_s = (t3 - t2) - report.import_s
+            restore(hosts, peers, timeout)
+            t4 = time.monotonic()
+            report.restore_s = t4 - t3
+        except Exception as exc:
+            err = exc if isinstance(exc, RecoveryError) else RecoveryError(f"replacing dead ranks {sorted(dead)} failed: {exc}", sorted(dead))
+            executor.abandon(err)
+            if err is exc:
+                raise
+            raise err from exc
+        executor.recovered()
+        for check in recovery.checks:
+            try:
+                check()
+            except BaseException as exc:
+                executor.abandon(RecoveryError(f"the re-formed group failed its check: {exc}", report.ranks))
+                raise
+        report.check_s = time.monotonic() - t4
+        report.total_s = time.monotonic() - t0
+    finally:
+        recovery.replacing = False
+    recovery.reports.append(report)
+    logger.warning("%s", report.format())
+    return report
+
+
+def exit_on_next_call(group: Any, rank: int, method: str) -> int:
+    """Fault injection (drills, the demo): ``rank`` of ``group`` SIGKILLs itself on entering its next ``method`` call.
+
+    Nothing of that call runs on the rank.  Returns the pid of the process that will die.
+    """
+    host = group.workers[rank]
+    return fetch_outputs([Pending(host.exit_on_next_call.remote(group.role, method), rank, "exit_on_next_call")], 60.0)[0]

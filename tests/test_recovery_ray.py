@@ -1,0 +1,120 @@
+"""Replacing dead ranks in place on real Ray with a real gloo world (4 ranks).
+
+Expected values are written by hand from the mesh definition (order tp-cp-ep-dp-pp: rank =
+tp + 2 * dp for tp2·dp2) and from arithmetic, never read back from the code under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rankmesh.errors import RecoveryError, ShardLostError, WorkerDiedError
+from rankmesh.mesh import RankMesh
+
+pytest.importorskip("ray")
+
+from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
+from rankmesh.backends.ray.recovery import exit_on_next_call  # noqa: E402
+from tests.recovery_workers import StateWorker  # noqa: E402
+
+#: tp2·dp2 by hand: rank -> (tp, dp).
+COORDS = {0: (0, 0), 1: (1, 0), 2: (0, 1), 3: (1, 1)}
+
+
+def start(mesh: RankMesh, policy: str, scale: int = 3) -> RayWorkerGroup:
+    return RayWorkerGroup(
+        RayResourcePool([mesh.world_size], use_gpu=False),
+        RayClassWithInitArgs(StateWorker, scale=scale),
+        mesh=mesh,
+        worker_env={"EXTRA": "kept"},
+        on_rank_death=policy,
+        call_timeout_s=120,
+    )
+
+
+def test_replace_keeps_survivors_and_rebuilds_the_dead_rank(ray_session):
+    wg = start(RankMesh(tp=2, dp=2), "keep")
+    try:
+        wg.bump()
+        wg.bump()
+        # State depends on tp only, so both dp replicas of a shard hold the same values.
+        wg.set_state([[10.0 * COORDS[r][0] + k for k in (1, 2, 3)] for r in range(4)])
+        before = wg.whoami()
+        exit_on_next_call(wg, 1, "world_sum")
+        with pytest.raises(WorkerDiedError) as info:
+            wg.world_sum([1.0, 2.0, 3.0, 4.0])
+        assert info.value.ranks == [1]
+        with pytest.raises(WorkerDiedError, match="replace_dead_ranks"):
+            wg.whoami()  # survivors are kept, but calls wait for the replacement
+
+        report = wg.replace_dead_ranks(timeout_s=120)
+
+        assert report.ranks == [1] and report.peers == {1: 3}
+        after = wg.whoami()
+        for r in (0, 2, 3):  # the same processes and the same Python objects
+            assert (after[r]["pid"], after[r]["obj"], after[r]["counter"]) == (before[r]["pid"], before[r]["obj"], 2)
+        new = after[1]
+        assert new["pid"] != before[1]["pid"] and new["pid"] == report.new_pids[1] and new["counter"] == 0
+        assert new["scale"] == 3  # the same constructor arguments
+        assert new["coords"] == {"tp": 1, "cp": 0, "dp": 0, "pp": 0}
+        assert new["env"] == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                              "MASTER_ADDR": "127.0.0.1", "EXTRA": "kept"}
+        assert [a["dist_rank"] for a in after] == [0, 1, 2, 3] and {a["dist_world"] for a in after} == {4}
+        ports = {a["master_port"] for a in after}
+        assert len(ports) == 1 and ports != {before[0]["master_port"]}  # one fresh rendezvous
+        # restore_from_peer copied rank 3's tensor (tp 1) into the new rank 1.
+        assert wg.get_state()[1] == [11.0, 12.0, 13.0]
+        # torch.distributed works across old and new ranks: 3 * (1 + 2 + 3 + 4) = 30.
+        assert wg.world_sum([1.0, 2.0, 3.0, 4.0]) == [30.0] * 4
+        assert wg.replace_dead_ranks() is None  # nothing dead: nothing done
+    finally:
+        wg.shutdown()
+
+
+def test_replace_policy_retries_the_failed_call_several_times_in_a_row(ray_session):
+    wg = start(RankMesh(dp=4), "replace", scale=2)
+    try:
+        pids = [a["pid"] for a in wg.whoami()]
+        for victim, values, want in ((2, [1.0, 2.0, 3.0, 4.0], 20.0), (0, [0.5, 0.5, 1.0, 1.0], 6.0)):
+            exit_on_next_call(wg, victim, "world_sum")
+            # The undisturbed result: 2 * sum(values), on every rank.
+            assert wg.world_sum(values) == [want] * 4
+            report = wg.replacements[-1]
+            assert report.ranks == [victim] and report.detected_s is not None
+            now = [a["pid"] for a in wg.whoami()]
+            assert [p for r, p in enumerate(now) if r != victim] == [p for r, p in enumerate(pids) if r != victim]
+            assert now[victim] != pids[victim]
+            pids = now
+        assert len(wg.replacements) == 2
+    finally:
+        wg.shutdown()
+
+
+def test_dp1_names_the_lost_shard(ray_session):
+    wg = start(RankMesh(tp=2), "keep")
+    try:
+        exit_on_next_call(wg, 1, "world_sum")
+        with pytest.raises(WorkerDiedError):
+            wg.world_sum([1.0, 2.0])
+        with pytest.raises(ShardLostError, match="tp=1, pp=0, cp=0, ep=0.*checkpoint") as info:
+            wg.replace_dead_ranks(timeout_s=60)
+        assert info.value.shards == {1: {"tp": 1, "pp": 0, "cp": 0, "ep": 0}}
+        with pytest.raises(Exception, match="failed earlier"):
+            wg.whoami()
+    finally:
+        wg.shutdown()
+
+
+def test_default_policy_still_stops_the_group(ray_session):
+    wg = start(RankMesh(dp=2), "fail")
+    try:
+        assert wg.on_rank_death == "fail"
+        exit_on_next_call(wg, 0, "world_sum")
+        with pytest.raises(WorkerDiedError):
+            wg.world_sum([1.0, 2.0])
+        with pytest.raises(WorkerDiedError, match="processes were stopped"):
+            wg.whoami()
+        with pytest.raises(RecoveryError, match="on_rank_death='fail'"):
+            wg.replace_dead_ranks()
+    finally:
+        wg.shutdown()
