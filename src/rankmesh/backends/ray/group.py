@@ -351,7 +351,9 @@ class RayWorkerGroup(WorkerGroup):
         """Every replacement done so far, with its timings (shared by the role groups)."""
         return list(self._recovery.reports)
 
-    def _call(self, binding: Any, args: Any, kwargs: Any, timeout: float | None = None) -> Any:
+    def _call(
+        self, binding: Any, args: Any, kwargs: Any, timeout: float | None = None, stall_warn_s: float | None = None
+    ) -> Any:
         """The base call, plus the ``on_rank_death="replace"`` policy: replace, then retry once.
 
         Only a blocking call is retried (a non-blocking one raises from its future; the next
@@ -361,12 +363,12 @@ class RayWorkerGroup(WorkerGroup):
         """
         rec = self._recovery
         if rec.policy != "replace" or rec.replacing:
-            return super()._call(binding, args, kwargs, timeout)
+            return super()._call(binding, args, kwargs, timeout, stall_warn_s)
         if self.executor.failed is not None:
             self.replace_dead_ranks()
         start = time.monotonic()
         try:
-            return super()._call(binding, args, kwargs, timeout)
+            return super()._call(binding, args, kwargs, timeout, stall_warn_s)
         except (WorkerDiedError, WorkerError) as err:
             if not binding.method.blocking:
                 raise
@@ -382,7 +384,7 @@ class RayWorkerGroup(WorkerGroup):
             report = self.replace_dead_ranks()
             if report is not None:
                 report.detected_s = detected
-        return super()._call(binding, args, kwargs, timeout)
+        return super()._call(binding, args, kwargs, timeout, stall_warn_s)
 
     # ----- lifetime --------------------------------------------------------------------------------
 
