@@ -15,9 +15,10 @@ The floor is the same call in plain Ray: as many plain actors (one CPU each, on 
 one ``ray.put`` per distinct piece as a numpy view, replicas sharing the reference, only the
 collect ranks returning data, the controller fetching only those and concatenating them (the
 caller gets one batch, as from rankmesh).  Floor workers read their piece zero-copy and
-read-only; rankmesh workers get a private writable copy (the isolation rule), so the table also
-prints ``copy ms``: that one receive-side copy of every rank's piece, done serially here
-(on N cores the workers do it in parallel).
+read-only; rankmesh workers get a private writable view (the isolation rule: copy-on-write by
+default, a private copy on the fallback path or with ``receive="copy"``).  ``copy ms`` is what
+the copying receive would cost: one copy of every rank's piece, done serially here (on N cores
+the workers do it in parallel); the copy-on-write path does not pay it.
 
 ``--workers-write``: every worker writes its whole input once (floor workers copy their read-only
 input first, then write).  Each data workload then prints two rows: ``mesh`` as written (the
@@ -208,7 +209,7 @@ class Floor:
 
 
 def isolation_copy_ms(workload: str, arr, plans) -> float:
-    """Serial time of the receive-side copies rankmesh's ranks make (one per rank and piece)."""
+    """Serial time of the copies a copying receive makes (one per rank and piece; the fallback path)."""
     import numpy as np
 
     if workload == "noop" or arr.nbytes == 0:
@@ -394,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# rankmesh dispatch vs plain Ray, {WORLD} ranks, {os.cpu_count()} CPUs, receive={receive}{write}", flush=True)
     print(header(), flush=True)
     results = run_dispatch(args)
-    print("# ratio = rankmesh / floor; copy ms = serial cost of rankmesh's receive-side isolation copies")
+    print("# ratio = rankmesh / floor; copy ms = serial cost of a copying receive (not paid by copy-on-write)")
     if "traced" in args.workloads:
         print("# traced: 'rankmesh ms' is the noop call traced, 'floor ms' the same call untraced")
     figures = micro(args.micro_mib) if args.micro_mib else None

@@ -493,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     # Ray prints worker-death notices on stdout; keep stdout for the table / JSON alone.
     real_stdout, sys.stdout = sys.stdout, sys.stderr
-    ensure_ray(num_cpus=12, object_store_memory=512 << 20, logging_level="ERROR", log_to_driver=False)
+    # Scheduling slots, not cores: the 4-rank drill and hang groups stay up while the 8-rank
+    # recovery group (and its replacements) start, so 12 would leave the recovery group unplaced.
+    ensure_ray(num_cpus=24, object_store_memory=512 << 20, logging_level="ERROR", log_to_driver=False)
     outcomes: list[Outcome] = []
     drill: Drill | None = None
     hangs: list[HangDrill] = []
