@@ -295,3 +295,26 @@ def test_console_script_and_python_m(tmp_path):
 def test_demo_kill_options_are_checked_before_anything_starts(capsys, argv, message):
     code, out, err = run(capsys, "demo", *argv)
     assert code == 2 and message in err and out == ""
+
+
+def test_validate_pools_with_conflicting_labels_on_one_node_exits_1(capsys, tmp_path):
+    path = tmp_path / "labels.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            name: labels
+            cluster: {nodes: 1, devices_per_node: 8}
+            pools:
+              train: {process_on_nodes: [4], node_labels: {gpu: a100}}
+              gen: {process_on_nodes: [4], node_labels: {gpu: h100}}
+            roles:
+              actor: {pool: train, mesh: {tp: 4}}
+              rollout: {pool: gen, mesh: {tp: 4}}
+            """
+        )
+    )
+    code, out, _ = run(capsys, "layout", "validate", str(path))
+    assert code == 1
+    errors = [line for line in out.splitlines() if ": error: " in line]
+    assert len(errors) == 1, out
+    assert "pool 'train' requires gpu=a100 and pool 'gen' requires gpu=h100 on node 0" in errors[0]

@@ -10,6 +10,7 @@ import pytest
 
 from rankmesh import LayoutError, Placement, RankMesh, RankMeshError
 from rankmesh.layout import (
+    check_layout,
     LAYOUTS_ENV,
     Layout,
     LayoutNotFoundError,
@@ -402,3 +403,36 @@ def test_parse_layout_accepts_a_dict_and_errors_are_rankmesh_errors():
     assert layout.role("a").mesh().groups("dp") == [[0, 2], [1, 3]]
     with pytest.raises(RankMeshError, match="<dict>: field 'roles'"):
         parse_layout({"name": "d", "cluster": {"process_on_nodes": [2]}, "roles": {}}, "<dict>")
+
+
+CLASHING_LABELS = """
+name: clashing
+cluster: {nodes: 2, devices_per_node: 8}
+pools:
+  train: {process_on_nodes: [4], nodes: [0], node_labels: {gpu: a100, zone: a}}
+  gen: {process_on_nodes: [4], nodes: [0], node_labels: {gpu: h100, zone: a}}
+  spare: {process_on_nodes: [4], nodes: [1], node_labels: {gpu: h100}}
+roles:
+  actor: {pool: train, mesh: {tp: 4}}
+  rollout: {pool: gen, mesh: {tp: 4}}
+  ref: {pool: spare, mesh: {tp: 4}}
+"""
+
+
+def test_validate_reports_pools_that_want_different_labels_on_one_node(tmp_path):
+    layout = load_layout(write(tmp_path, CLASHING_LABELS), check=False)
+    errors = [p for p in validate_layout(layout) if p.severity == "error"]
+    # Node 0: train wants gpu=a100, gen gpu=h100 (zone agrees); node 1 has one pool: no conflict.
+    assert [p.message for p in errors] == [
+        "pool 'train' requires gpu=a100 and pool 'gen' requires gpu=h100 on node 0: no node can carry both labels; "
+        "give the pools one value or different nodes"
+    ]
+    assert errors[0].field == "pools.gen.node_labels"
+    for check in (lambda: check_layout(layout), lambda: load_layout(layout.source)):
+        with pytest.raises(LayoutError, match="pool 'train' requires gpu=a100 and pool 'gen' requires gpu=h100 on node 0"):
+            check()
+    # Agreeing labels on a shared node, or different labels on different nodes, are fine.
+    agreeing = load_layout(write(tmp_path, CLASHING_LABELS.replace("gpu: h100, zone: a", "gpu: a100, zone: a")), check=False)
+    assert [p for p in validate_layout(agreeing) if p.severity == "error"] == []
+    apart = load_layout(write(tmp_path, CLASHING_LABELS.replace("[4], nodes: [0], node_labels: {gpu: h100", "[4], nodes: [1], node_labels: {gpu: h100")), check=False)
+    assert [p for p in validate_layout(apart) if p.severity == "error"] == []

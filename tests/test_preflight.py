@@ -103,9 +103,9 @@ def test_preflight_checks_node_labels(tmp_path):
         "{zone: a} are taken by other layout nodes"]
     # Two pools on one layout node that want different values of one label.
     clash = load_layout(write(tmp_path, LABELLED_LAYOUT.replace("[4], nodes: [1]}", "[4], nodes: [0], node_labels: {zone: b}}")
-                              .replace("nodes: 2, devices_per_node: 4", "nodes: 1, devices_per_node: 8")))
+                              .replace("nodes: 2, devices_per_node: 4", "nodes: 1, devices_per_node: 8")), check=False)
     report = preflight(clash, [LiveNode("big", {"GPU": 8}, {"zone": "a"})])
-    assert not report.ok and "its pools require zone=a and zone=b on one node" in report.unplaced[0]
+    assert not report.ok and "its pools require zone=a (pool 'train') and zone=b (pool 'gen') on one node" in report.unplaced[0]
     # Label values are strings: an unquoted number names the field and how to fix it.
     with pytest.raises(LayoutError, match=r"pools\.train\.node_labels.*label values are strings, got 1; quote it"):
         load_layout(write(tmp_path, LABELLED_LAYOUT.replace("{zone: a}", "{zone: 1}")))

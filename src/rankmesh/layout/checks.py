@@ -92,6 +92,9 @@ def _check_pools_fit(layout: Layout, add) -> None:
         if total > devices:
             parts = ", ".join(f"{name} ({count})" for name, count in usage[node])
             add("error", f"node {node} has {devices} devices but pools place {total} processes on it: {parts}", field_="pools")
+    for conflict in layout.label_conflicts():
+        add("error", f"{conflict.describe()}: no node can carry both labels; give the pools one value or "
+            "different nodes", field_=f"pools.{conflict.other_pool}.node_labels")
 
 
 def _check_role_mesh(role: LayoutRole, add) -> RankMesh | None:

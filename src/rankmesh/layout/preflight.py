@@ -78,8 +78,11 @@ def preflight(layout: Layout, nodes: Sequence[LiveNode], resource: str = "GPU") 
             entries.setdefault(node, []).append(f"pool {pool.name!r} ({count} process{'es' if count > 1 else ''})")
             wanted_labels = labels.setdefault(node, {})
             for key, value in pool.node_labels.items():
-                if wanted_labels.setdefault(key, value) != value:
-                    clashes.setdefault(node, []).append(f"{key}={wanted_labels[key]} and {key}={value}")
+                wanted_labels.setdefault(key, value)
+    for conflict in layout.label_conflicts():
+        clashes.setdefault(conflict.node, []).append(
+            f"{conflict.key}={conflict.value} (pool {conflict.pool!r}) and {conflict.key}={conflict.other_value} "
+            f"(pool {conflict.other_pool!r})")
     live = sorted((n for n in nodes if n.units(resource) > 0), key=lambda n: -n.units(resource))
     wanted = sorted(demand, key=lambda k: (-demand[k], k))
     if not live:

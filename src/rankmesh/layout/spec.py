@@ -78,6 +78,22 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True)
+class LabelConflict:
+    """Two pools that put layout node ``node`` under different values of label ``key`` (:meth:`Layout.label_conflicts`)."""
+
+    node: int
+    key: str
+    pool: str
+    value: str
+    other_pool: str
+    other_value: str
+
+    def describe(self) -> str:
+        return (f"pool {self.pool!r} requires {self.key}={self.value} and pool {self.other_pool!r} requires "
+                f"{self.key}={self.other_value} on node {self.node}")
+
+
+@dataclass(frozen=True)
 class PoolSpec:
     """A resource pool: the processes one worker group (or several colocated ones) runs in.
 
@@ -207,6 +223,25 @@ class Layout:
     def label(self) -> str:
         """How messages name this layout: its file, else its name."""
         return self.source or f"<{self.name}>"
+
+    def label_conflicts(self) -> list["LabelConflict"]:
+        """Layout nodes on which two used pools require different values of one ``node_labels`` key.
+
+        No live node can carry both, so such a layout cannot be placed anywhere: the one rule that
+        both the static check (:func:`~rankmesh.layout.validate_layout`) and the live-cluster
+        pre-flight (:func:`~rankmesh.layout.preflight.preflight`) report.  Pools no role uses are
+        not placed, so they are left out.
+        """
+        used = {role.pool.name: role.pool for role in self.roles.values()}
+        first: dict[tuple[int, str], tuple[str, str]] = {}  # (node, key) -> (pool, value) first seen
+        conflicts = []
+        for pool in used.values():
+            for node in pool.nodes:
+                for key, value in pool.node_labels.items():
+                    seen = first.setdefault((node, key), (pool.name, value))
+                    if seen[1] != value:
+                        conflicts.append(LabelConflict(node, key, seen[0], seen[1], pool.name, value))
+        return conflicts
 
     def colocation_groups(self) -> list[tuple[str, ...]]:
         """Roles that share processes, as groups (the symmetric, transitive closure of colocate_with)."""
