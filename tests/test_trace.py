@@ -226,6 +226,55 @@ def test_ray_trace_is_valid_aligned_and_names_the_slowed_rank(ray_groups, tmp_pa
     assert m.straggler == SLOW_RANK and m.slowest == [SLOW_RANK] * 3
 
 
+def phases_of(spans: list[dict], call: dict) -> dict[str, dict]:
+    """The controller phase slices inside ``call``, by name."""
+    return {
+        s["name"]: s for s in spans
+        if s.get("cat") == "phase" and (s["pid"], s["tid"]) == (call["pid"], call["tid"]) and call["ts"] <= s["ts"] <= call["end"]
+    }
+
+
+def test_ray_fetch_phase_starts_when_the_last_rank_is_done(ray_groups, tmp_path):
+    """``wait`` lasts until the slowed rank is done, ``fetch`` follows it, with the bytes fetched.
+
+    Rank 0 (whose output carries the fetch mark) answers at once and rank 5 sleeps: if the
+    mark were read when rank 0's output arrived, ``wait`` would be shorter than rank 5's sleep.
+    Checked with a short sleep (one ``ray.get``) and one past the polling slice (sliced wait).
+    """
+    from rankmesh.backends.ray.waiting import POLL_INTERVAL
+
+    trainer, _ = ray_groups
+    path = tmp_path / "fetch.json"
+    data = batch(16)
+    naps = (SLOW_S, POLL_INTERVAL + 0.3)
+    with trace(path):
+        out = trainer.compute(data)
+        for seconds in naps:
+            assert trainer.nap(seconds) == list(range(8))
+    assert torch.equal(out.batch["x"], data.batch["x"])
+    doc = json.loads(path.read_text())
+    check_trace_event_format(doc)
+    spans = spans_of(doc)
+    calls = sorted((s for s in spans if s.get("cat") == "call"), key=lambda s: s["ts"])
+    assert [c["name"] for c in calls] == ["compute", "nap", "nap"]
+    for call, slept in zip(calls, (SLOW_S, *naps)):
+        phases = phases_of(spans, call)
+        assert list(phases) == ["split", "put", "submit", "wait", "fetch", "concat"], phases
+        wait, fetch = phases["wait"], phases["fetch"]
+        # The slowed rank started its sleep after submit began, so wait covers the rest of it.
+        submit_us = phases["submit"]["end"] - phases["submit"]["ts"]
+        assert wait["end"] - wait["ts"] >= slept * 1e6 - submit_us, (call["name"], wait, submit_us)
+        assert wait["end"] == fetch["ts"] <= fetch["end"] <= phases["concat"]["ts"]
+    # compute collects tp0 of the last stage in each dp replica: the whole batch comes back once.
+    compute = phases_of(spans, calls[0])
+    assert compute["fetch"]["args"]["bytes"] == data.batch["x"].nbytes
+    assert compute["put"]["args"]["bytes"] == data.batch["x"].nbytes
+    m = next(m for m in summarize(path).methods if m.method == "compute")
+    assert list(m.phase_ms) == ["split", "put", "submit", "wait", "fetch", "concat"]
+    assert m.phase_bytes == {"put": data.batch["x"].nbytes, "fetch": data.batch["x"].nbytes}
+    assert "fetch" in summarize(path).format()
+
+
 def calls_by_ts(spans: list[dict], event: dict) -> dict:
     """The call slice on ``event``'s track that contains it."""
     (call,) = [

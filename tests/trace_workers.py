@@ -36,3 +36,10 @@ class TracedWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def noop(self) -> None:
         return None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def nap(self, seconds: float) -> int:
+        """Rank ``slow_rank`` sleeps ``seconds``; every rank returns its rank."""
+        if self.rank == self.slow_rank:
+            time.sleep(seconds)
+        return self.rank

@@ -454,8 +454,7 @@ class WorkerGroup:
 
     @staticmethod
     def _finish_traced(ct: CallTrace, finish: Callable[[list[Any]], Any], outputs: list[Any], ranks: Sequence[int]) -> Any:
-        """A traced blocking call's last phases: the ranks' timings stripped, then the join."""
-        ct.mark("wait")
+        """A traced blocking call's last phases: the ranks' timings stripped (wait, fetch), then the join."""
         result = finish(ct.unwrap(outputs, ranks))
         ct.mark("concat")
         return ct.finish(result)

@@ -5,7 +5,8 @@ events as matched ``B``/``E`` pairs, metadata (``M``) naming the tracks, flow ev
 for futures handed between groups:
 
 * process 1, ``controller``: one thread per worker group; each call is a slice named after the
-  method, with one child slice per controller phase (split, put, submit, wait, concat);
+  method, with one child slice per controller phase (split, put, submit, wait, fetch, concat;
+  ``put`` and ``fetch`` carry the array bytes the controller shipped and got back);
 * one process per worker group (``name · tp2 pp2 dp2``), one thread per rank named with its
   coordinates and node (``rank 5 · tp1 pp1 dp0 · node 0``): per call, ``receive`` (submitted
   until the worker method starts), the worker method, ``return`` (until the controller has
@@ -55,7 +56,12 @@ def _call_events(rec: Recorder, call: CallTrace) -> list[dict[str, Any]]:
                        "name": "future", "cat": "future", "ts": us(call.start_ns)})
     last = call.start_ns
     for phase, at in call.marks:
-        extra = {"bytes": call.put_bytes} if phase == "put" else None
+        if phase == "put":
+            extra: dict[str, Any] | None = {"bytes": call.put_bytes}
+        elif phase == "fetch":
+            extra = {"bytes": sum(r.timing.bytes_out for r in call.ranks)}
+        else:
+            extra = None
         events += _span(CONTROLLER_PID, call.thread, phase, "phase", us(last), us(at), extra)
         last = at
     if call.flow_out is not None:

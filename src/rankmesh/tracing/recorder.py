@@ -6,12 +6,21 @@ attribute read for it: a group call reads ``TRACING.recorder`` once and, when it
 does nothing else different.
 
 With a recorder installed, a blocking call records on the controller the end of each phase
-(split, put, submit, wait, concat) with :class:`CallTrace`, and asks every rank to time itself
+(split, put, submit, wait, fetch, concat) with :class:`CallTrace`, and asks every rank to time itself
 (``RankCall.trace``): the rank's host wraps its output in a :data:`TracedOutput` carrying a
 :class:`RankTiming` (worker clock), which :meth:`CallTrace.unwrap` strips before the outputs are
 joined.  A non-blocking call records its controller phases only (its outputs travel inside a
 future, untouched), and the future it returns becomes the tail of a flow arrow to every later
 call that takes it as an argument.
+
+``wait`` ends when every rank's output is ready and ``fetch`` when the controller has them all
+deserialized, without a Ray round between the two: on Ray the first rank's traced output starts
+with a :class:`FetchMark`, which Ray's ``ray.get`` unpickles only after every object of the call is
+available (checked with a slow rank: a fast rank's mark is unpickled when the slow one's output
+arrives), so its unpickling (:func:`fetch_started`) is the end of the wait.  A call long enough to
+be waited for in slices (:mod:`rankmesh.backends.ray.waiting`) sets :attr:`FetchClock.ready_ns`
+when the last output is ready instead; outputs of ranks that finished early in such a call are
+fetched while the others run, inside ``wait``.
 
 Worker clocks are not assumed to equal the controller's.  Each traced call bounds the offset
 ``theta = worker_clock - controller_clock`` of every rank from both sides: the rank cannot start
@@ -37,7 +46,7 @@ logger = logging.getLogger(__name__)
 TRACE_ENV = "RANKMESH_TRACE"
 
 #: Controller phases of a call, in order (a call has the ones it went through).
-PHASES = ("split", "put", "submit", "wait", "concat")
+PHASES = ("split", "put", "submit", "wait", "fetch", "concat")
 #: Phases of one rank's share of a call.
 RANK_PHASES = ("receive", "method", "return")
 #: Mesh axes a trace names ranks by (the expert view's etp/edp repeat them).
@@ -90,6 +99,36 @@ TracedOutput = list  # [output, *RankTiming's fields]
 A flat list, because the wrapper crosses the process boundary on every traced call: Ray
 serializes a list of ints with msgpack (~3 µs, like a bare ``None``), where a tuple or a class
 goes through pickle (~12 µs); the output inside is serialized as it would be alone."""
+
+
+class FetchClock(threading.local):
+    """When this thread's outputs became ready (per thread: each thread fetches its own calls)."""
+
+    marked_ns = 0  # a FetchMark was unpickled (ray.get had every object of the call)
+    ready_ns = 0  # a sliced wait saw the last output ready
+
+
+#: The process's fetch clock (see the module docstring).
+FETCH = FetchClock()
+
+
+def fetch_started() -> "FetchMark":
+    """Unpickling a :class:`FetchMark`: note the time in :data:`FETCH`; returns :data:`FETCH_MARK`."""
+    FETCH.marked_ns = time.time_ns()
+    return FETCH_MARK
+
+
+class FetchMark:
+    """Put first in the first rank's traced output; unpickled on the controller by :func:`fetch_started`."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (fetch_started, ())
+
+
+#: The one mark (what the worker sends, and what unpickling gives back on the controller).
+FETCH_MARK = FetchMark()
 
 
 def timed_call(
@@ -180,9 +219,19 @@ class CallTrace:
                 self.flows_in.append(flow)
 
     def unwrap(self, outputs: list[Any], ranks: Sequence[int]) -> list[Any]:
-        """The outputs without their :data:`TracedOutput` wrappers; their timings kept."""
-        self.fetched_ns = time.time_ns()
-        self._ranks, self._timings = ranks, [traced[1:] for traced in outputs]
+        """The outputs without their :data:`TracedOutput` wrappers; their timings kept.
+
+        Marks the ``wait`` and ``fetch`` phases: ``wait`` ends when every output was ready
+        (:data:`FETCH`, set during this call), ``fetch`` now.
+        """
+        now = self.fetched_ns = time.time_ns()
+        first = outputs[0] if outputs else None
+        if first and first[0] is FETCH_MARK:  # Ray: the first rank's output starts with the mark
+            outputs = [first[1:], *outputs[1:]]
+        submitted = self.marks[-1][1] if self.marks else self.start_ns
+        ready = FETCH.ready_ns if FETCH.ready_ns > submitted else FETCH.marked_ns if FETCH.marked_ns > submitted else now
+        self.marks += (("wait", ready), ("fetch", now))
+        self._ranks, self._timings = ranks, [traced[1:7] for traced in outputs]
         return [traced[0] for traced in outputs]
 
     def finish(self, output: Any = None) -> Any:

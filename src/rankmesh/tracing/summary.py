@@ -28,6 +28,7 @@ class CallRecord:
     start_us: float
     dur_us: float
     phases: dict[str, float] = field(default_factory=dict)
+    phase_bytes: dict[str, int] = field(default_factory=dict)  # array bytes of the phases that move data
     method_us: dict[int, float] = field(default_factory=dict)  # rank -> worker method time
     bytes_moved: int = 0
 
@@ -47,6 +48,7 @@ class MethodSummary:
     skew_ms: float | None  # median spread between dp replicas
     bytes_per_s: float | None
     rank_ms: dict[int, float]  # median worker-method time per rank
+    phase_bytes: dict[str, float] = field(default_factory=dict)  # median array bytes per phase that moves data (put, fetch)
 
     @property
     def straggler(self) -> int | None:
@@ -70,7 +72,9 @@ class TraceSummary:
         for m in self.methods:
             lines.append(f"\n{m.group}.{m.method}: {m.calls} call(s), median {m.median_ms:.2f} ms, p95 {m.p95_ms:.2f} ms")
             if m.phase_ms:
-                lines.append("  phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in m.phase_ms.items()))
+                parts = [f"{k} {v:.2f}" + (f" [{_size(m.phase_bytes[k])}]" if m.phase_bytes.get(k) else "")
+                         for k, v in m.phase_ms.items()]
+                lines.append("  phases (median ms, [bytes]): " + ", ".join(parts))
             if m.rank_ms:
                 fast = min(m.rank_ms.values())
                 worst = max(m.rank_ms, key=m.rank_ms.__getitem__)
@@ -89,6 +93,13 @@ class TraceSummary:
                 text = f"{rate / 1e6:.1f} MB/s" if rate >= 1e6 else f"{rate / 1e3:.1f} kB/s"
                 lines.append(f"  data moved: {text} of call time")
         return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -138,6 +149,8 @@ def calls_of(doc: dict[str, Any]) -> list[CallRecord]:
             owner = calls.get(by_track_call.get((s["pid"], s["tid"]), -1))
             if owner is not None:
                 owner.phases[s["name"]] = owner.phases.get(s["name"], 0.0) + s["dur"]
+                if "bytes" in a:
+                    owner.phase_bytes[s["name"]] = owner.phase_bytes.get(s["name"], 0) + a["bytes"]
         elif cat in ("method", "rank") and a.get("call") in calls:
             call = calls[a["call"]]
             if cat == "method":
@@ -165,6 +178,8 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         durs = [c.dur_us / 1000 for c in calls]
         phase_names = [p for c in calls for p in c.phases]
         phases = {p: statistics.median(c.phases.get(p, 0.0) for c in calls) / 1000 for p in dict.fromkeys(phase_names)}
+        moving = dict.fromkeys(p for c in calls for p in c.phase_bytes)
+        phase_bytes = {p: statistics.median(c.phase_bytes.get(p, 0) for c in calls) for p in moving}
         timed = [c for c in calls if c.method_us]
         slowest = [max(c.method_us, key=c.method_us.__getitem__) for c in timed]
         per_rank: dict[int, list[float]] = defaultdict(list)
@@ -192,6 +207,7 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
                 statistics.median(skews) if skews else None,
                 moved / total_s if moved and total_s > 0 else None,
                 {r: statistics.median(v) for r, v in sorted(per_rank.items())},
+                phase_bytes,
             )
         )
     return TraceSummary(os.fspath(path), methods, groups)

@@ -197,12 +197,17 @@ class RayExecutor:
     def submit(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[Pending]:
         self._check_usable(method)
         pending = []
+        marked = False  # a traced call's first rank sends the fetch mark (rankmesh.tracing.recorder)
         for call in calls:
             if not 0 <= call.rank < self.world_size:
                 raise BackendError(f"{method}: rank {call.rank} is out of range for world size {self.world_size}")
             header, refs = encode_call(role, method, call, self.headers)
             actor = self.hosts.actors[call.rank]
-            ref = (actor.execute_traced if call.trace else actor.execute).remote(header, *refs)
+            if not call.trace:
+                ref = actor.execute.remote(header, *refs)
+            else:
+                ref = (actor.execute_traced if marked else actor.execute_marked).remote(header, *refs)
+                marked = True
             pending.append(Pending(ref, call.rank, method, self.nodes[call.rank], self.coords[call.rank]))
         self.stats.add(calls=len(pending))
         return pending

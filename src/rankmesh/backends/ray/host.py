@@ -31,7 +31,7 @@ from rankmesh.errors import BackendError
 from rankmesh.hangs import ProcessStacks, capture_process
 from rankmesh.mesh import RankMesh
 from rankmesh.devices import unify_visible_devices
-from rankmesh.tracing.recorder import timed_call
+from rankmesh.tracing.recorder import FETCH_MARK, timed_call
 from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 
 from .rejoin import exit_on_call, leave, rejoin, restore
@@ -226,6 +226,16 @@ class WorkerHost:
     def execute_traced(self, header: bytes, *shared: Any) -> Any:
         """:meth:`execute` of a traced call: the clock is read on arrival, before the call is decoded."""
         return self.execute(header, *shared, enter_ns=time.time_ns())
+
+    def execute_marked(self, header: bytes, *shared: Any) -> Any:
+        """:meth:`execute_traced` of a call's first rank: its output starts with the fetch mark.
+
+        The controller unpickles the mark once every rank's output is there, which ends the
+        call's ``wait`` phase (:mod:`rankmesh.tracing.recorder`): no extra Ray round for it.
+        """
+        traced = self.execute(header, *shared, enter_ns=time.time_ns())
+        traced.insert(0, FETCH_MARK)
+        return traced
 
     # ----- introspection (attaching to detached groups, tests) ---------------------------------
 

@@ -25,6 +25,7 @@ import ray.exceptions as rex
 
 from rankmesh.errors import FetchTimeoutError, HangError, RemoteTraceback, WorkerDiedError, WorkerError
 from rankmesh.serialization import borrowed_buffers
+from rankmesh.tracing.recorder import FETCH
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,8 @@ def _wait(
             if limit is not None:
                 wait_for = max(0.0, min(wait_for, limit - time.monotonic()))
         ready, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=wait_for, fetch_local=False)
+        if not remaining:  # every output is ready: what follows is fetching (a trace's fetch phase)
+            FETCH.ready_ns = time.time_ns()
         failures = _collect([by_ref[r] for r in ready], results) if ready else []
         if failures:
             if remaining:  # ranks failing together are reported together
