@@ -209,12 +209,13 @@ def test_ray_trace_is_valid_aligned_and_names_the_slowed_rank(ray_groups, tmp_pa
     spans = spans_of(doc)
     calls = {s["args"]["call"]: s for s in spans if s.get("cat") == "call"}
     methods = [s for s in spans if s.get("cat") == "method"]
-    assert len(methods) == 3 * 8 + 8
+    assert len(methods) == 3 * 8 + 2 + 8  # compute x3, produce (gen's 2 ranks), consume
     for s in methods:
         call = calls[s["args"]["call"]]
-        assert call["ts"] <= s["ts"] <= s["end"] <= call["end"], (s, call)
-    # Offsets were measured (bounded from both sides), one per traced rank.
-    assert len(doc["otherData"]["rankmesh"]["clock_offsets_us"]) == 8
+        if s["name"] != "produce":  # non-blocking: its ranks run after it returned the future
+            assert call["ts"] <= s["ts"] <= s["end"] <= call["end"], (s, call)
+    # Offsets were measured (bounded from both sides), one per traced rank: trainer's 8, gen's 2.
+    assert len(doc["otherData"]["rankmesh"]["clock_offsets_us"]) == 8 + 2
     # One flow arrow: from gen.produce to trainer.consume.
     flows = [e for e in doc["traceEvents"] if e["ph"] in ("s", "f")]
     assert sorted(e["ph"] for e in flows) == ["f", "s"]
@@ -224,6 +225,54 @@ def test_ray_trace_is_valid_aligned_and_names_the_slowed_rank(ray_groups, tmp_pa
     assert {s["args"]["bytes"] for s in received} == {data.batch["x"].nbytes // 2}  # one dp half each
     m = next(m for m in summarize(path).methods if m.method == "compute")
     assert m.straggler == SLOW_RANK and m.slowest == [SLOW_RANK] * 3
+
+
+def test_ray_non_blocking_chain_has_rank_spans_of_both_groups(ray_groups, tmp_path):
+    """``gen.produce(blocking=False)`` -> ``trainer.consume(future)``: both calls' ranks are timed.
+
+    The producer's ranks run after its controller slice ended (it returned the future); on the
+    controller's clock each lies after the call was submitted and before the consumer, which
+    needed its output, returned.  Then a blocking call on gen hands over a second non-blocking
+    call's timings with its own output (no drain round).
+    """
+    trainer, gen = ray_groups
+    path = tmp_path / "chain.json"
+    data = batch(16)
+    with trace(path) as rec:
+        future = gen.produce(data)
+        assert isinstance(future, DataProtoFuture)
+        out = trainer.consume(future)
+        gen.produce(data).get()
+        assert gen.nap(0.0) == [0, 1]
+        kept = [c for c in rec.calls if c.method == "produce"]
+        # Both produce calls' timings came back with nap's outputs, before the trace is written.
+        assert [sorted(r.rank for r in c.ranks) for c in kept] == [[0, 1], [0, 1]]
+    assert torch.equal(out.batch["x"], data.batch["x"])
+    doc = json.loads(path.read_text())
+    check_trace_event_format(doc)
+    spans = spans_of(doc)
+    calls = sorted((s for s in spans if s.get("cat") == "call"), key=lambda s: s["ts"])
+    assert [c["name"] for c in calls] == ["produce", "consume", "produce", "nap"]
+    produce, consume = calls[0], calls[1]
+    submitted = phases_of(spans, produce)["submit"]["ts"]
+    gen_pid = rec.groups[id(gen)].pid
+    made = [s for s in spans if s.get("cat") == "method" and s["args"]["call"] == produce["args"]["call"]]
+    assert sorted((s["pid"], s["args"]["rank"]) for s in made) == [(gen_pid, 0), (gen_pid, 1)]
+    for s in made:
+        assert produce["end"] <= consume["end"] and submitted <= s["ts"] <= s["end"] <= consume["end"], (s, produce, consume)
+    used = [s for s in spans if s.get("cat") == "method" and s["args"]["call"] == consume["args"]["call"]]
+    assert len(used) == 8
+    for s in used:
+        assert consume["ts"] <= s["ts"] <= s["end"] <= consume["end"], (s, consume)
+    # Each rank's receive holds its share's bytes: gen's dp halves; the trainer's ranks receive a future.
+    gen_bytes = [s["args"]["bytes"] for s in spans if s["name"] == "receive" and s["args"]["call"] == produce["args"]["call"]]
+    assert gen_bytes == [data.batch["x"].nbytes // 2] * 2
+    # The flow arrow still links produce to consume.
+    (end,) = [e for e in doc["traceEvents"] if e["ph"] == "f"]
+    (start,) = [e for e in doc["traceEvents"] if e["ph"] == "s" and e["id"] == end["id"]]
+    assert calls_by_ts(spans, start) == produce and calls_by_ts(spans, end) == consume
+    m = next(m for m in summarize(path).methods if m.method == "produce")
+    assert m.calls == 2 and sorted(m.rank_ms) == [0, 1]
 
 
 def phases_of(spans: list[dict], call: dict) -> dict[str, dict]:

@@ -31,7 +31,7 @@ from rankmesh.errors import DispatchError
 from rankmesh.mesh import RankMesh
 from rankmesh.sharedmem import check_receive
 from rankmesh.tracing import TRACING, install_from_env, write_trace
-from rankmesh.tracing.recorder import CallTrace, Recorder
+from rankmesh.tracing.recorder import KEPT, CallTrace, Recorder, drain_kept
 from rankmesh.validate import positive_seconds
 
 logger = logging.getLogger(__name__)
@@ -413,7 +413,14 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Stop the ranks (on Ray: kill the processes, every role spawned from them too)."""
+        if KEPT:  # a trace recording: collect what the ranks keep of non-blocking calls first
+            drain_kept(self)
         self._executor.close()
+
+    def drain_rank_timings(self) -> list[tuple[int, list[Any], int, int, int]]:
+        """Per rank, the timings it keeps of traced non-blocking calls (``rankmesh.tracing.recorder.drain_kept``)."""
+        drain = getattr(self._executor, "drain_timings", None)
+        return [] if drain is None else drain()
 
     # ----- calling -----------------------------------------------------------------------------
 
@@ -506,8 +513,9 @@ class WorkerGroup:
     ) -> list[Any]:
         """Ship every distinct non-trivial object once, then submit one RankCall per rank.
 
-        Traced (``ct``), a blocking call asks each rank to time itself; a non-blocking one does
-        not, because its outputs travel on inside a future.
+        Traced (``ct``), every rank times itself: in a blocking call it sends its timing back with
+        its output; in a non-blocking one, whose outputs travel on inside a future, it keeps it
+        for the controller to collect later (``RankCall.keep``).
         """
         shared: dict[int, Shared] = {}
 
@@ -521,10 +529,11 @@ class WorkerGroup:
                     ct.shipped(value)
             return handle
 
-        timed = ct is not None and ct.blocking
+        timed = ct is not None
+        keep = ct.keep(len(ranks)) if timed and not ct.blocking else 0
         receive = self._receive or binding.method.receive
         calls = [
-            RankCall(rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect, timed, receive)
+            RankCall(rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect, timed, receive, keep)
             for rank, (args, kwargs) in zip(ranks, per_rank)
         ]
         if ct is None:

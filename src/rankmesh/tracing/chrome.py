@@ -10,7 +10,9 @@ for futures handed between groups:
 * one process per worker group (``name · tp2 pp2 dp2``), one thread per rank named with its
   coordinates and node (``rank 5 · tp1 pp1 dp0 · node 0``): per call, ``receive`` (submitted
   until the worker method starts), the worker method, ``return`` (until the controller has
-  the output), with array bytes in the arguments.
+  the output), with array bytes in the arguments.  A non-blocking call's outputs go into a
+  future, not to the controller: its ``return`` is an instant (bytes only), and its rank spans
+  lie after its controller slice, between its submit and the time its timings were drained.
 
 Times are microseconds since the recorder started, on the controller's clock (worker times
 shifted by the measured offset, see :mod:`.recorder`).  ``otherData.rankmesh`` keeps what the
@@ -44,7 +46,9 @@ def _span(pid: int, tid: int, name: str, cat: str, start_us: float, end_us: floa
     return [begin, {"ph": "E", "pid": pid, "tid": tid, "name": name, "cat": cat, "ts": max(end_us, start_us)}]
 
 
-def _call_events(rec: Recorder, call: CallTrace) -> list[dict[str, Any]]:
+def _call_events(rec: Recorder, call: CallTrace, busy: dict[tuple[int, int], float]) -> list[dict[str, Any]]:
+    """The call's events; ``busy[(pid, rank)]``: when the rank's previous call ended on its track
+    (a rank runs its calls in order, so one submitted while it is busy is received after)."""
     us = lambda ns: round((ns - rec.origin_ns) / 1000, 3)  # noqa: E731 - one conversion, used everywhere
     track, events = call.group, []
     end = call.end_ns if call.end_ns is not None else (call.marks[-1][1] if call.marks else call.start_ns)
@@ -69,14 +73,18 @@ def _call_events(rec: Recorder, call: CallTrace) -> list[dict[str, Any]]:
                        "name": "future", "cat": "future", "ts": us(max(call.start_ns, end - 1000))})
     events.append({"ph": "E", "pid": CONTROLLER_PID, "tid": call.thread, "name": call.method, "cat": "call", "ts": us(end)})
     fetched = dict(call.marks).get("wait", end)
-    for r in call.ranks:
+    for r, seen in zip(call.ranks, call.seen_ns):
         t, offset = r.timing, rec.clock_offset_ns(track.pid, r.rank)
-        start = max(t.start_ns - offset, call.submit_start_ns)
-        stop = min(max(t.end_ns - offset, start), fetched)
+        limit = us(fetched if call.blocking else seen)
+        begin = min(max(us(call.submit_start_ns), busy.get((track.pid, r.rank), 0.0)), limit)
+        start = min(max(us(t.start_ns - offset), begin), limit)
+        stop = min(max(us(t.end_ns - offset), start), limit)
+        returned = limit if call.blocking else stop
         info = {"call": call.id, "method": call.method, "rank": r.rank}
-        events += _span(track.pid, r.rank, "receive", "rank", us(call.submit_start_ns), us(start), {**info, "bytes": t.bytes_in})
-        events += _span(track.pid, r.rank, call.method, "method", us(start), us(stop), info)
-        events += _span(track.pid, r.rank, "return", "rank", us(stop), us(fetched), {**info, "bytes": t.bytes_out})
+        events += _span(track.pid, r.rank, "receive", "rank", begin, start, {**info, "bytes": t.bytes_in})
+        events += _span(track.pid, r.rank, call.method, "method", start, stop, info)
+        events += _span(track.pid, r.rank, "return", "rank", stop, returned, {**info, "bytes": t.bytes_out})
+        busy[(track.pid, r.rank)] = returned
     return events
 
 
@@ -93,8 +101,9 @@ def trace_document(rec: Recorder) -> dict[str, Any]:
             events.append(_meta(g.pid, info["rank"], "thread_name", g.rank_label(info["rank"])))
             events.append(_meta(g.pid, info["rank"], "thread_sort_index", info["rank"]))
     timed: list[dict[str, Any]] = []
+    busy: dict[tuple[int, int], float] = {}
     for call in sorted(rec.calls, key=lambda c: c.start_ns):
-        timed += _call_events(rec, call)
+        timed += _call_events(rec, call, busy)
     # Stable sort: events of one track were made in time order, ties keep nesting order.
     timed.sort(key=lambda e: e["ts"])
     offsets = {f"{g.name}/{r}": rec.clock_offset_ns(pid, r) / 1000 for (pid, r) in rec.clock_bounds for g in groups if g.pid == pid}
@@ -110,6 +119,7 @@ def trace_document(rec: Recorder) -> dict[str, Any]:
 def write_trace(rec: Recorder, path: str | os.PathLike[str]) -> str:
     """Write ``rec`` as Chrome trace-event JSON to ``path``; returns the path."""
     path = os.fspath(path)
+    rec.settle()
     folder = os.path.dirname(path)
     if folder:
         os.makedirs(folder, exist_ok=True)

@@ -9,8 +9,12 @@ With a recorder installed, a blocking call records on the controller the end of 
 (split, put, submit, wait, fetch, concat) with :class:`CallTrace`, and asks every rank to time itself
 (``RankCall.trace``): the rank's host wraps its output in a :data:`TracedOutput` carrying a
 :class:`RankTiming` (worker clock), which :meth:`CallTrace.unwrap` strips before the outputs are
-joined.  A non-blocking call records its controller phases only (its outputs travel inside a
-future, untouched), and the future it returns becomes the tail of a flow arrow to every later
+joined.  A non-blocking call's outputs travel inside a future, untouched, so its ranks keep their
+timings instead (``RankCall.keep``, a key from :data:`KEPT`): a Ray host holds them in a small
+buffer (:data:`KEEP_MAX` per process, oldest dropped) that the controller drains for free with
+the next traced blocking call on that host (appended to its :data:`TracedOutput`), or with one
+``drain_timings`` round per group when the trace is written or the group shut down
+(:func:`drain_kept`).  The future it returns becomes the tail of a flow arrow to every later
 call that takes it as an argument.
 
 ``wait`` ends when every rank's output is ready and ``fetch`` when the controller has them all
@@ -25,7 +29,9 @@ fetched while the others run, inside ``wait``.
 Worker clocks are not assumed to equal the controller's.  Each traced call bounds the offset
 ``theta = worker_clock - controller_clock`` of every rank from both sides: the rank cannot start
 before the controller submitted (``theta <= t_enter - t_submit``) nor finish after the
-controller fetched (``theta >= t_end - t_fetched``).  The recorder keeps the tightest bounds
+controller fetched (``theta >= t_end - t_fetched``; for a non-blocking call, whose outputs the
+controller may never fetch, the time its timing reached the controller).  A drain round bounds
+it from both sides too: the host's clock read between sending and receiving it.  The recorder keeps the tightest bounds
 over all calls and uses their midpoint (NTP's estimate), so every rank span lands inside its
 call's window on the controller's clock.
 """
@@ -101,6 +107,10 @@ serializes a list of ints with msgpack (~3 µs, like a bare ``None``), where a t
 goes through pickle (~12 µs); the output inside is serialized as it would be alone."""
 
 
+#: Timings a host keeps of traced non-blocking calls until the controller drains them.
+KEEP_MAX = 4096
+
+
 class FetchClock(threading.local):
     """When this thread's outputs became ready (per thread: each thread fetches its own calls)."""
 
@@ -171,7 +181,7 @@ class CallTrace:
     """
 
     __slots__ = ("recorder", "id", "group", "method", "thread", "start_ns", "blocking", "marks", "put_bytes",
-                 "flows_in", "flow_out", "end_ns", "fetched_ns", "_ranks", "_timings")
+                 "flows_in", "flow_out", "end_ns", "fetched_ns", "_ranks", "_timings", "_seen", "_expect")
 
     def __init__(self, recorder: "Recorder", id: int, group: GroupTrack, method: str, thread: int, start_ns: int,
                  blocking: bool) -> None:
@@ -185,6 +195,27 @@ class CallTrace:
         self.fetched_ns = 0  # when the ranks' outputs (and timings) were in the controller's hands
         self._ranks: Sequence[int] = ()
         self._timings: Sequence[tuple[int, ...]] = ()
+        self._seen: list[int] | None = None  # a kept call: when each rank's timing reached the controller
+        self._expect = 0
+
+    def keep(self, ranks: int) -> int:
+        """A non-blocking call whose ``ranks`` ranks keep their timings: the key they keep them under."""
+        key = next(_KEEP_KEYS)
+        self._ranks, self._timings, self._seen, self._expect = [], [], [], ranks
+        KEPT[key] = self
+        return key
+
+    def arrived(self, rank: int, timing: Sequence[int], seen_ns: int) -> None:
+        """A kept rank timing reached the controller at ``seen_ns`` (its clock bounds folded in now)."""
+        self._ranks.append(rank)  # type: ignore[attr-defined]
+        self._timings.append(tuple(timing))  # type: ignore[attr-defined]
+        self._seen.append(seen_ns)  # type: ignore[union-attr]
+        self.recorder.bound_clocks(self.group.pid, [rank], self.submit_start_ns, seen_ns, [RankTiming(*timing)])
+
+    @property
+    def seen_ns(self) -> list[int]:
+        """Per timed rank, when its timing was in the controller's hands."""
+        return list(self._seen) if self._seen is not None else [self.fetched_ns] * len(self._ranks)
 
     @property
     def submit_start_ns(self) -> int:
@@ -232,6 +263,10 @@ class CallTrace:
         ready = FETCH.ready_ns if FETCH.ready_ns > submitted else FETCH.marked_ns if FETCH.marked_ns > submitted else now
         self.marks += (("wait", ready), ("fetch", now))
         self._ranks, self._timings = ranks, [traced[1:7] for traced in outputs]
+        if KEPT:  # hosts hand over the timings of traced non-blocking calls with this output
+            for rank, traced in zip(ranks, outputs):
+                if len(traced) > 7:
+                    deliver(rank, traced[7], now)
         return [traced[0] for traced in outputs]
 
     def finish(self, output: Any = None) -> Any:
@@ -310,7 +345,7 @@ class Recorder:
             calls, start = self.calls, self._folded
             self._folded = len(calls)
             for call in calls[start:]:
-                if call._timings:
+                if call._timings and call._seen is None:  # kept calls are folded as their timings arrive
                     self.bound_clocks(call.group.pid, call._ranks, call.submit_start_ns, call.fetched_ns,
                                       [RankTiming(*t) for t in call._timings])
             return self._bounds
@@ -319,13 +354,15 @@ class Recorder:
         self, pid: int, ranks: Sequence[int], submitted_ns: int, fetched_ns: int, timings: Sequence[RankTiming]
     ) -> None:
         """Tighten the bounds on each rank's clock offset with one call (module docstring)."""
-        bounds = self._bounds
         for rank, t in zip(ranks, timings):
-            upper, lower = t.enter_ns - submitted_ns, t.end_ns - fetched_ns
-            old = bounds.get((pid, rank))
-            if old is not None:
-                lower, upper = max(lower, old[0]), min(upper, old[1])
-            bounds[(pid, rank)] = (lower, upper)
+            self.bound_clock(pid, rank, t.end_ns - fetched_ns, t.enter_ns - submitted_ns)
+
+    def bound_clock(self, pid: int, rank: int, lower: int, upper: int) -> None:
+        """Tighten one rank's offset bounds to ``lower <= worker clock - controller clock <= upper``."""
+        old = self._bounds.get((pid, rank))
+        if old is not None:
+            lower, upper = max(lower, old[0]), min(upper, old[1])
+        self._bounds[(pid, rank)] = (lower, upper)
 
     def clock_offset_ns(self, pid: int, rank: int) -> int:
         """Estimated ``worker clock - controller clock`` of a rank (0 before any traced call)."""
@@ -336,6 +373,55 @@ class Recorder:
         """Record a group's start-up report (stage times per rank) in the trace."""
         with self._lock:
             self.startups.append({"group": group, **report})
+
+
+    def settle(self) -> None:
+        """Drain the ranks still holding timings of this recorder's non-blocking calls (before writing)."""
+        owners = {id(ct.group): ct.group for ct in list(KEPT.values()) if ct.recorder is self}
+        for track in owners.values():
+            drain_kept(track._owner)  # type: ignore[attr-defined]
+
+
+#: Traced non-blocking calls whose ranks still hold timings, by key (process-wide: a host's buffer
+#: may hold calls of several groups and recorders).
+KEPT: dict[int, CallTrace] = {}
+_KEEP_KEYS = itertools.count(1)
+
+
+def deliver(rank: int, entries: Sequence[Sequence[int]], seen_ns: int) -> None:
+    """Kept timings of rank ``rank``'s host (``[key, *RankTiming]`` each) reached the controller at ``seen_ns``."""
+    for key, *timing in entries:
+        ct = KEPT.get(key)
+        if ct is None:  # its trace was written already, or the host dropped older entries
+            continue
+        ct.arrived(rank, timing, seen_ns)
+        if len(ct._ranks) >= ct._expect:
+            KEPT.pop(key, None)
+
+
+def drain_kept(group: Any) -> None:
+    """Collect the timings ``group``'s ranks keep of traced non-blocking calls (one round, if any are kept).
+
+    ``group.drain_rank_timings()`` answers, per rank, ``(rank, entries, sent_ns, host_ns,
+    received_ns)``; the host clock read between sending and receiving bounds the rank's clock
+    offset.  Best effort: a group already shut down keeps its timings to itself.
+    """
+    if not any(ct.group._owner is group for ct in list(KEPT.values())):  # type: ignore[attr-defined]
+        return
+    try:
+        answers = group.drain_rank_timings()
+    except Exception:  # noqa: BLE001 - a trace is a bonus: never fail the program over it
+        logger.warning("could not collect the rank timings of %s's non-blocking calls", getattr(group, "trace_name", group), exc_info=True)
+        return
+    for rank, entries, sent_ns, host_ns, received_ns in answers:
+        for key, *_ in entries:
+            ct = KEPT.get(key)
+            if ct is not None:
+                ct.recorder.bound_clock(ct.group.pid, rank, host_ns - received_ns, host_ns - sent_ns)
+        deliver(rank, entries, received_ns)
+    for key, ct in list(KEPT.items()):  # what was not handed over now never will be
+        if ct.group._owner is group:  # type: ignore[attr-defined]
+            KEPT.pop(key, None)
 
 
 class TraceSlot:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -205,6 +206,8 @@ class RayExecutor:
             actor = self.hosts.actors[call.rank]
             if not call.trace:
                 ref = actor.execute.remote(header, *refs)
+            elif call.keep:  # traced non-blocking: the host keeps the timing (drain_timings)
+                ref = actor.execute_kept.remote(call.keep, header, *refs)
             else:
                 ref = (actor.execute_traced if marked else actor.execute_marked).remote(header, *refs)
                 marked = True
@@ -231,6 +234,16 @@ class RayExecutor:
             self.call_timeout_s if timeout is None else timeout,
             self.stall_warn_s if stall_warn_s is None else stall_warn_s,
         )
+
+    def drain_timings(self, timeout_s: float = 10.0) -> list[tuple[int, list[Any], int, int, int]]:
+        """Per rank ``(rank, kept timings, sent_ns, host_ns, received_ns)``: what each host keeps of
+        traced non-blocking calls, with its clock read between sending and receiving (one round)."""
+        if self.closed or self._failed is not None:
+            return []
+        sent = time.time_ns()
+        answers = ray.get([actor.drain_timings.remote() for actor in self.hosts.actors], timeout=timeout_s)
+        received = time.time_ns()
+        return [(rank, entries, sent, host_ns, received) for rank, (host_ns, entries) in enumerate(answers)]
 
     def inspect(self, unfinished: Sequence[Pending], finished: Sequence[Pending], after_s: float) -> tuple[Any, dict]:
         """Where each unfinished rank is (:func:`.hangs.gather_hangs` over this group's hosts)."""

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -31,7 +32,7 @@ from rankmesh.errors import BackendError
 from rankmesh.hangs import ProcessStacks, capture_process
 from rankmesh.mesh import RankMesh
 from rankmesh.devices import unify_visible_devices
-from rankmesh.tracing.recorder import FETCH_MARK, timed_call
+from rankmesh.tracing.recorder import FETCH_MARK, KEEP_MAX, timed_call
 from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 
 from .rejoin import exit_on_call, leave, rejoin, restore
@@ -86,6 +87,8 @@ class WorkerHost:
         self._master: tuple[str, int] | None = None
         self._env_before: dict[str, str | None] = {}
         self._call_thread: int | None = None  # the thread running a call now, for stacks()
+        # Timings of traced non-blocking calls ([key, *RankTiming]), until the controller drains them.
+        self._kept: deque[list[int]] = deque(maxlen=KEEP_MAX)
         self._left_backend: str | None = None  # the default group's backend, between leave and rejoin
 
     # ----- creation ----------------------------------------------------------------------------
@@ -192,7 +195,7 @@ class WorkerHost:
             f"a call for role {role!r} names none of them (call a role's group from wg.spawn(...))"
         )
 
-    def execute(self, header: bytes, *shared: Any, enter_ns: int = 0) -> Any:
+    def execute(self, header: bytes, *shared: Any, enter_ns: int = 0, keep: int = 0) -> Any:
         """Run one call (see :mod:`.wire` for ``header`` and ``shared``) through :func:`rankmesh.worker.invoke`.
 
         ``shared`` are the values of the call's shared objects, fetched by Ray before the call
@@ -204,10 +207,16 @@ class WorkerHost:
             call = decode_call(header, shared)
             worker = self._worker(call.role)
             if call.trace:  # a traced call: the output travels back with this rank's timing
-                return timed_call(
+                traced = timed_call(
                     invoke, worker, call.method, call.args, call.kwargs,
                     enter_ns=enter_ns, inputs=shared, return_output=call.return_output, receive=call.receive,
                 )
+                if keep:  # non-blocking: the output goes into a future, the timing waits here
+                    self._kept.append([keep, *traced[1:]])
+                    return traced[0]
+                if self._kept:  # hand over what was kept, with this output (no extra round)
+                    traced.append(self._take_kept())
+                return traced
             return invoke(
                 worker, call.method, call.args, call.kwargs, return_output=call.return_output, receive=call.receive
             )
@@ -226,6 +235,23 @@ class WorkerHost:
     def execute_traced(self, header: bytes, *shared: Any) -> Any:
         """:meth:`execute` of a traced call: the clock is read on arrival, before the call is decoded."""
         return self.execute(header, *shared, enter_ns=time.time_ns())
+
+    def execute_kept(self, key: int, header: bytes, *shared: Any) -> Any:
+        """:meth:`execute_traced` of a non-blocking call: the output alone goes back, the timing is kept under ``key``."""
+        return self.execute(header, *shared, enter_ns=time.time_ns(), keep=key)
+
+    def _take_kept(self) -> list[list[int]]:
+        taken = []
+        try:
+            while True:  # popleft is atomic: drain_timings may run on the control thread meanwhile
+                taken.append(self._kept.popleft())
+        except IndexError:
+            return taken
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def drain_timings(self) -> tuple[int, list[list[int]]]:
+        """``(this process's clock, the kept timings)``; runs beside a running call (control thread)."""
+        return time.time_ns(), self._take_kept()
 
     def execute_marked(self, header: bytes, *shared: Any) -> Any:
         """:meth:`execute_traced` of a call's first rank: its output starts with the fetch mark.
