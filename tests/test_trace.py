@@ -322,6 +322,10 @@ def test_ray_fetch_phase_starts_when_the_last_rank_is_done(ray_groups, tmp_path)
     assert list(m.phase_ms) == ["split", "put", "submit", "wait", "fetch", "concat"]
     assert m.phase_bytes == {"put": data.batch["x"].nbytes, "fetch": data.batch["x"].nbytes}
     assert "fetch" in summarize(path).format()
+    # The picture draws every phase (each has its colour), fetch included.
+    png = tmp_path / "fetch.png"
+    assert cli_main(["trace", "plot", str(path), "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def calls_by_ts(spans: list[dict], event: dict) -> dict:

@@ -14,8 +14,8 @@ timings instead (``RankCall.keep``, a key from :data:`KEPT`): a Ray host holds t
 buffer (:data:`KEEP_MAX` per process, oldest dropped) that the controller drains for free with
 the next traced blocking call on that host (appended to its :data:`TracedOutput`), or with one
 ``drain_timings`` round per group when the trace is written or the group shut down
-(:func:`drain_kept`).  The future it returns becomes the tail of a flow arrow to every later
-call that takes it as an argument.
+(:func:`drain_kept`; a call still running then is left out).  The future it returns becomes
+the tail of a flow arrow to every later call that takes it as an argument.
 
 ``wait`` ends when every rank's output is ready and ``fetch`` when the controller has them all
 deserialized, without a Ray round between the two: on Ray the first rank's traced output starts
@@ -406,7 +406,7 @@ def drain_kept(group: Any) -> None:
     received_ns)``; the host clock read between sending and receiving bounds the rank's clock
     offset.  Best effort: a group already shut down keeps its timings to itself.
     """
-    if not any(ct.group._owner is group for ct in list(KEPT.values())):  # type: ignore[attr-defined]
+    if not any(_same_ranks(ct.group._owner, group) for ct in list(KEPT.values())):  # type: ignore[attr-defined]
         return
     try:
         answers = group.drain_rank_timings()
@@ -420,8 +420,13 @@ def drain_kept(group: Any) -> None:
                 ct.recorder.bound_clock(ct.group.pid, rank, host_ns - received_ns, host_ns - sent_ns)
         deliver(rank, entries, received_ns)
     for key, ct in list(KEPT.items()):  # what was not handed over now never will be
-        if ct.group._owner is group:  # type: ignore[attr-defined]
+        if _same_ranks(ct.group._owner, group):  # type: ignore[attr-defined]
             KEPT.pop(key, None)
+
+
+def _same_ranks(a: Any, b: Any) -> bool:
+    """Whether groups ``a`` and ``b`` run on the same ranks (one group, or roles spawned from one executor)."""
+    return a is b or getattr(a, "executor", a) is getattr(b, "executor", b)
 
 
 class TraceSlot:
