@@ -93,6 +93,26 @@ def test_failed_colocated_refit_leaves_nothing_behind(groups) -> None:
     assert train.reshard_pending() == [0, 0, 0, 0]
 
 
+def test_a_failing_source_fails_the_refit_naming_it(groups) -> None:
+    from dataclasses import replace
+
+    from rankmesh.errors import WorkerError
+    from rankmesh.reshard import ReshardPlan
+
+    _, gen, pipe = groups
+    good = plan_between(pipe, gen, dst_mesh=GEN)
+    # Source rank 0 (stage 0) is asked for "ln", which only stage 1 holds: its send fails while the
+    # receives, submitted with the sends, already wait for it.
+    bad = next(i for i, t in enumerate(good.transfers) if t.src_rank == 0 and t.name == "embed")
+    transfers = list(good.transfers)
+    transfers[bad] = replace(transfers[bad], name="ln", src_slices=(slice(0, 4),), dst_slices=(slice(0, 4),), nbytes=16)
+    broken = ReshardPlan(good.src, good.dst, good.params, good.dst_params, transfers)
+    with pytest.raises(WorkerError, match=r"(?s)rank 0.*reshard_send.*'ln'"):
+        reshard(pipe, gen, broken)
+    reshard(pipe, gen, good)  # nothing is left waiting: the next refit works
+    assert_shards(gen.shards(), expected(LAYOUTS, GEN, seed=2))
+
+
 def test_pipelined_source_to_generator_and_back(groups) -> None:
     train, gen, pipe = groups
     plan = plan_between(pipe, gen, dst_mesh=GEN)
