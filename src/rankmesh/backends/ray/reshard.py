@@ -46,6 +46,23 @@ logger = logging.getLogger(__name__)
 #: (reshard token, rank).  Entries live from ``reshard_send`` to the matching ``reshard_recv``.
 _OUTBOX: dict[tuple[str, int], list[torch.Tensor]] = {}
 
+#: Largest piece a region is put as.  Ray copies a buffer above 1 MiB into the object store with
+#: six threads it starts for that one copy (``parallel_memcopy``); on a machine whose cores are all
+#: busy (every rank of both groups copying at once) waiting for the last of those threads cost
+#: 5-10x the copy itself, while pieces of at most 1 MiB are copied by the putting thread alone.
+PIECE_BYTES = 1 << 20
+
+
+def row_blocks(shape: tuple[int, ...], itemsize: int, limit: int = PIECE_BYTES) -> list[tuple[int, int]]:
+    """``[lo, hi)`` runs of the first dimension of a region of ``shape``, each at most ``limit`` bytes
+    (or one row, when a row alone is larger).  Sender and receiver cut a region the same way."""
+    if not shape:
+        return [(0, 1)]
+    row = math.prod(shape[1:]) * itemsize
+    step = max(1, limit // max(1, row))
+    return [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
+
+
 def _copy_into(dst: torch.Tensor, src: np.ndarray) -> None:
     """``dst[...] = src`` in place, one copy (``src`` may be a read-only object-store view)."""
     if dst.device.type == "cpu":
@@ -161,8 +178,15 @@ class ReshardWorker(Worker):
         refs = []
         put_s = 0.0
         for regions in job["objects"]:
-            # A region that is already contiguous (a whole shard, whole rows) is not copied before the put.
-            arrays = [np.ascontiguousarray(numpy_view(tensors[name][sl].detach().cpu())) for name, sl in regions]
+            arrays = []
+            for name, sl in regions:
+                region = tensors[name][sl].detach().cpu()
+                if region.dim() == 0:
+                    arrays.append(np.ascontiguousarray(numpy_view(region)))
+                    continue
+                for lo, hi in row_blocks(tuple(region.shape), region.element_size()):
+                    # A piece that is already contiguous (whole rows) is not copied before the put.
+                    arrays.append(np.ascontiguousarray(numpy_view(region[lo:hi])))
             t = time.perf_counter()
             refs.append(ray.put(arrays))
             put_s += time.perf_counter() - t
@@ -195,9 +219,17 @@ class ReshardWorker(Worker):
             objects = ray.get([ref for ref, _ in wanted])
             t = time.perf_counter()
             for arrays, (_, regions) in zip(objects, wanted):
-                for array, (name, sl) in zip(arrays, regions):
-                    _copy_into(tensors[name][sl], array)
-                    received += array.nbytes
+                pieces = iter(arrays)
+                for name, sl in regions:
+                    view = tensors[name][sl]
+                    if view.dim() == 0:
+                        blocks = [view]
+                    else:
+                        blocks = [view[lo:hi] for lo, hi in row_blocks(tuple(view.shape), view.element_size())]
+                    for block in blocks:
+                        array = next(pieces)
+                        _copy_into(block, array)
+                        received += array.nbytes
             copy_s += time.perf_counter() - t
             del objects
         if job["local"]:
