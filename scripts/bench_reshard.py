@@ -11,7 +11,9 @@ and refit into each generator mesh (default tp1·dp8, then tp4·dp2), on local R
 
 Printed per destination mesh: bytes moved (plan, naive, and the minimum: the bytes destination
 ranks keep), the median time of both over ``--repeat`` runs (the two ways alternate run by run),
-their ratio, and the max bytes one source rank sends.  Both ways must leave identical weights on every destination rank (checked by checksum).
+their ratio, the reshard's stages (until the last source has put; the rest of the receive; the
+slowest destination's copying into place, which overlaps both), and the max bytes one source rank
+sends.  The plan is timed (median of 3) before any worker starts.  Both ways must leave identical weights on every destination rank (checked by checksum).
 
     python scripts/bench_reshard.py                        # 8 + 8 ranks, ~200 MB model
     python scripts/bench_reshard.py --src tp=2,pp=2 --dst tp=1,dp=4 --dst tp=4   # 4 + 4 ranks
