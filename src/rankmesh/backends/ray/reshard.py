@@ -4,17 +4,21 @@ Why through the object store and not through the controller: the naive refit gat
 tensor on the controller and sends each destination its slice, so every byte crosses the driver
 twice and the driver's memory must hold the model.  Here each source rank ``ray.put``s each of its
 outgoing regions once (regions read by the same destinations share one object; a region several
-destination replicas read is put once for all of them); the controller gets back object
-references only and hands each destination rank the references (and the plan) meant for it; the
-destination ``ray.get``s them and copies each region into its parameter in place.  Objects are
-owned by the source rank and freed when the controller drops the references.
+destination replicas read is put once for all of them), as whole-row pieces of at most 1 MiB.
+The controller submits the sends and the receives together and moves only the plan and object
+references: each destination waits for the send calls it reads from and, as each source finishes,
+``ray.get``s that source's objects and copies each piece into its parameter in place, while the
+other sources are still putting.  Objects are owned by the source rank and freed when the last
+reference goes.
 
 Colocated plans (both roles in the same processes) keep local regions out of the object store:
 the source role leaves views of its tensors in a per-process outbox, and the destination role of
 that process copies from them.
 
 What this relies on from the worker-group API: registered methods may return ``ObjectRef`` values
-and receive them inside their arguments (Ray keeps them alive while referenced).
+and receive them inside their arguments (Ray keeps them alive while referenced), and a group's
+executor submits rank calls without waiting (:meth:`RayExecutor.submit`), so that a call can be
+given the references of another group's pending call.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ _OUTBOX: dict[tuple[str, int], list[torch.Tensor]] = {}
 #: Largest piece a region is put as.  Ray copies a buffer above 1 MiB into the object store with
 #: six threads it starts for that one copy (``parallel_memcopy``); on a machine whose cores are all
 #: busy (every rank of both groups copying at once) waiting for the last of those threads cost
-#: 5-10x the copy itself, while pieces of at most 1 MiB are copied by the putting thread alone.
+#: several times the copy itself; pieces of at most 1 MiB are copied by the putting thread alone.
 PIECE_BYTES = 1 << 20
 
 
@@ -170,8 +174,8 @@ class ReshardWorker(Worker):
     def reshard_send(self, job: dict[str, Any]) -> dict[str, Any]:
         """Put each object of ``job["objects"]`` (a list of regions) into the object store.
 
-        Returns ``{"refs": [one ObjectRef per object], "start": ..., "end": ...}`` (wall-clock
-        times of this rank's work, for :class:`ReshardStats`).
+        Returns ``{"refs": [one ObjectRef per object], "start", "end", "put_s"}`` (wall-clock
+        times of this rank's work and its seconds in ``ray.put``, for :class:`ReshardStats`).
         """
         start = time.time()
         tensors = self.reshard_tensors()
@@ -267,8 +271,8 @@ class ReshardStats:
     #: Bytes the sources put into the object store: each region once, however many destinations read it.
     bytes_put: int = 0
     copy_s: float = 0.0
-    #: Per rank, seconds from the call's start: ``("send", rank, started, finished)`` and
-    #: ``("recv", rank, started, seconds copying, finished)`` (where the time goes, for benchmarks).
+    #: Per rank, seconds from the call's start: ``("send", rank, started, finished, seconds in
+    #: ray.put)`` and ``("recv", rank, started, seconds copying, finished)`` (for benchmarks).
     timeline: tuple[tuple[Any, ...], ...] = ()
 
     @property
@@ -324,9 +328,9 @@ def _drain(group: Any, pending: list[Any]) -> None:
 def reshard(src_group: Any, dst_group: Any, plan: ReshardPlan) -> ReshardStats:
     """Move the weights of ``src_group`` into ``dst_group`` as ``plan`` says; only references pass here.
 
-    The sends and the receives are submitted together: each receive names the send calls it
-    reads from as its arguments, so Ray starts it as soon as those sources have put their
-    objects, without a round trip through the controller between the two phases.
+    The sends and the receives are submitted together: each receive gets the references of the
+    send calls, waits for the ones it reads from and copies from each source as soon as that
+    source has put its objects, without a round trip through the controller between the phases.
     """
     _check_group(src_group, plan.src, "source")
     _check_group(dst_group, plan.dst, "destination")
