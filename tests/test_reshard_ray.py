@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rankmesh.mesh import RankMesh
-from rankmesh.backends.ray.reshard import global_parameter_names, layouts_from_module, plan_between, reshard
+from rankmesh.backends.ray.reshard import PIECE_BYTES, global_parameter_names, layouts_from_module, plan_between, reshard, row_blocks
 from rankmesh.reshard import ParamLayout, ReshardError, plan_reshard
 
 pytest.importorskip("ray")
@@ -26,6 +26,8 @@ LAYOUTS = [
     ParamLayout("qkv", (96, 32), tp_dim=0, tp_stride=3),
     ParamLayout("proj", (32, 32), tp_dim=1),
     ParamLayout("ln", (32,)),
+    # replicated, 1.3 MiB: travels as several pieces of at most PIECE_BYTES (whole rows each)
+    ParamLayout("big", (520, 640)),
 ]
 PIPE_LAYOUTS = [p.replace(pp_stage=i % 2) for i, p in enumerate(LAYOUTS)]
 
@@ -93,6 +95,26 @@ def test_failed_colocated_refit_leaves_nothing_behind(groups) -> None:
     assert train.reshard_pending() == [0, 0, 0, 0]
 
 
+def test_a_failing_source_fails_the_refit_naming_it(groups) -> None:
+    from dataclasses import replace
+
+    from rankmesh.errors import WorkerError
+    from rankmesh.reshard import ReshardPlan
+
+    _, gen, pipe = groups
+    good = plan_between(pipe, gen, dst_mesh=GEN)
+    # Source rank 0 (stage 0) is asked for "ln", which only stage 1 holds: its send fails while the
+    # receives, submitted with the sends, already wait for it.
+    bad = next(i for i, t in enumerate(good.transfers) if t.src_rank == 0 and t.name == "embed")
+    transfers = list(good.transfers)
+    transfers[bad] = replace(transfers[bad], name="ln", src_slices=(slice(0, 4),), dst_slices=(slice(0, 4),), nbytes=16)
+    broken = ReshardPlan(good.src, good.dst, good.params, good.dst_params, transfers)
+    with pytest.raises(WorkerError, match=r"(?s)rank 0.*reshard_send.*'ln'"):
+        reshard(pipe, gen, broken)
+    reshard(pipe, gen, good)  # nothing is left waiting: the next refit works
+    assert_shards(gen.shards(), expected(LAYOUTS, GEN, seed=2))
+
+
 def test_pipelined_source_to_generator_and_back(groups) -> None:
     train, gen, pipe = groups
     plan = plan_between(pipe, gen, dst_mesh=GEN)
@@ -150,3 +172,12 @@ def test_regions_travel_bit_exact_for_dtypes_numpy_lacks() -> None:
     region.setflags(write=False)  # as a destination gets it from the object store
     _copy_into(dst[:, 4:8], region)
     assert torch.equal(dst[:, 4:8], src[1:5, 2:6]) and not dst[:, :4].any()
+
+
+def test_row_blocks_cut_whole_rows_of_at_most_a_piece() -> None:
+    # 520 rows of 640 float32 (2560 bytes): 409 rows fit in 1 MiB
+    assert row_blocks((520, 640), 4) == [(0, 409), (409, 520)]
+    assert row_blocks((3, 600_000), 4) == [(0, 1), (1, 2), (2, 3)]  # a row above the limit goes alone
+    assert row_blocks((10,), 2, limit=8) == [(0, 4), (4, 8), (8, 10)]
+    assert row_blocks((), 4) == [(0, 1)]
+    assert PIECE_BYTES == 1 << 20

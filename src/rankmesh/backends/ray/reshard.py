@@ -4,17 +4,21 @@ Why through the object store and not through the controller: the naive refit gat
 tensor on the controller and sends each destination its slice, so every byte crosses the driver
 twice and the driver's memory must hold the model.  Here each source rank ``ray.put``s each of its
 outgoing regions once (regions read by the same destinations share one object; a region several
-destination replicas read is put once for all of them); the controller gets back object
-references only and hands each destination rank the references (and the plan) meant for it; the
-destination ``ray.get``s them and copies each region into its parameter in place.  Objects are
-owned by the source rank and freed when the controller drops the references.
+destination replicas read is put once for all of them), as whole-row pieces of at most 1 MiB.
+The controller submits the sends and the receives together and moves only the plan and object
+references: each destination waits for the send calls it reads from and, as each source finishes,
+``ray.get``s that source's objects and copies each piece into its parameter in place, while the
+other sources are still putting.  Objects are owned by the source rank and freed when the last
+reference goes.
 
 Colocated plans (both roles in the same processes) keep local regions out of the object store:
 the source role leaves views of its tensors in a per-process outbox, and the destination role of
 that process copies from them.
 
 What this relies on from the worker-group API: registered methods may return ``ObjectRef`` values
-and receive them inside their arguments (Ray keeps them alive while referenced).
+and receive them inside their arguments (Ray keeps them alive while referenced), and a group's
+executor submits rank calls without waiting (:meth:`RayExecutor.submit`), so that a call can be
+given the references of another group's pending call.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 import ray
 import torch
 
+from rankmesh.backend import RankCall
 from rankmesh.dispatch import Dispatch, register
 from rankmesh.errors import ReshardError
 from rankmesh.mesh import RankMesh
@@ -44,6 +49,23 @@ logger = logging.getLogger(__name__)
 #: Regions a colocated source role left for the destination role of the same process, by
 #: (reshard token, rank).  Entries live from ``reshard_send`` to the matching ``reshard_recv``.
 _OUTBOX: dict[tuple[str, int], list[torch.Tensor]] = {}
+
+#: Largest piece a region is put as.  Ray copies a buffer above 1 MiB into the object store with
+#: six threads it starts for that one copy (``parallel_memcopy``); on a machine whose cores are all
+#: busy (every rank of both groups copying at once) waiting for the last of those threads cost
+#: several times the copy itself; pieces of at most 1 MiB are copied by the putting thread alone.
+PIECE_BYTES = 1 << 20
+
+
+def row_blocks(shape: tuple[int, ...], itemsize: int, limit: int = PIECE_BYTES) -> list[tuple[int, int]]:
+    """``[lo, hi)`` runs of the first dimension of a region of ``shape``, each at most ``limit`` bytes
+    (or one row, when a row alone is larger).  Sender and receiver cut a region the same way."""
+    if not shape:
+        return [(0, 1)]
+    row = math.prod(shape[1:]) * itemsize
+    step = max(1, limit // max(1, row))
+    return [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
+
 
 def _copy_into(dst: torch.Tensor, src: np.ndarray) -> None:
     """``dst[...] = src`` in place, one copy (``src`` may be a read-only object-store view)."""
@@ -149,33 +171,76 @@ class ReshardWorker(Worker):
         return layouts_from_module(self.reshard_module(), self.reshard_mesh(), self.rank)
 
     @register(Dispatch.ALL_TO_ALL)
-    def reshard_send(self, job: dict[str, Any]) -> list[Any]:
-        """Put each object of ``job["objects"]`` (a list of regions) into the object store; return the refs."""
+    def reshard_send(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Put each object of ``job["objects"]`` (a list of regions) into the object store.
+
+        Returns ``{"refs": [one ObjectRef per object], "start", "end", "put_s"}`` (wall-clock
+        times of this rank's work and its seconds in ``ray.put``, for :class:`ReshardStats`).
+        """
+        start = time.time()
         tensors = self.reshard_tensors()
         refs = []
+        put_s = 0.0
         for regions in job["objects"]:
-            # A region that is already contiguous (a whole shard, whole rows) is not copied before the put.
-            refs.append(ray.put([np.ascontiguousarray(numpy_view(tensors[name][sl].detach().cpu())) for name, sl in regions]))
+            arrays = []
+            for name, sl in regions:
+                region = tensors[name][sl].detach().cpu()
+                if region.dim() == 0:
+                    arrays.append(np.ascontiguousarray(numpy_view(region)))
+                    continue
+                for lo, hi in row_blocks(tuple(region.shape), region.element_size()):
+                    # A piece that is already contiguous (whole rows) is not copied before the put.
+                    arrays.append(np.ascontiguousarray(numpy_view(region[lo:hi])))
+            t = time.perf_counter()
+            refs.append(ray.put(arrays))
+            put_s += time.perf_counter() - t
         if job["local"]:
             _OUTBOX[(job["token"], self.rank)] = [tensors[name][sl] for name, sl in job["local"]]
-        return refs
+        return {"refs": refs, "start": start, "end": time.time(), "put_s": put_s}
 
     @register(Dispatch.ALL_TO_ALL)
-    def reshard_recv(self, job: dict[str, Any]) -> int:
-        """Fetch this rank's objects and copy every region into place; return the bytes received."""
+    def reshard_recv(self, job: dict[str, Any], sends: list[Any]) -> dict[str, Any]:
+        """Fetch this rank's objects and copy every region into place, source by source as they finish.
+
+        ``sends`` are the references of the source ranks' :meth:`reshard_send` calls, nested (so
+        this call starts at once, not after every source); ``job["refs"]`` names (source rank,
+        object index, regions).  Returns ``{"bytes": received, "start", "end", "copy_s"}``
+        (wall-clock times, and the seconds spent copying into place).
+        """
+        start = time.time()
         tensors = self.reshard_tensors()
-        received = 0
-        if job["refs"]:
-            objects = ray.get([ref for ref, _ in job["refs"]])
-            for arrays, (_, regions) in zip(objects, job["refs"]):
-                for array, (name, sl) in zip(arrays, regions):
-                    _copy_into(tensors[name][sl], array)
-                    received += array.nbytes
+        received, copy_s = 0, 0.0
+        by_source: dict[int, list[tuple[int, list]]] = {}
+        for r, i, regions in job["refs"]:
+            by_source.setdefault(r, []).append((i, regions))
+        waiting = {sends[r]: r for r in by_source}
+        while waiting:
+            # Whichever sources have put their objects: copy theirs while the others still put.
+            first, _ = ray.wait(list(waiting), num_returns=1)
+            ready = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)[0] or first
+            outputs = ray.get(ready)
+            wanted = [(out["refs"][i], regions) for ref, out in zip(ready, outputs) for i, regions in by_source[waiting.pop(ref)]]
+            objects = ray.get([ref for ref, _ in wanted])
+            t = time.perf_counter()
+            for arrays, (_, regions) in zip(objects, wanted):
+                pieces = iter(arrays)
+                for name, sl in regions:
+                    view = tensors[name][sl]
+                    if view.dim() == 0:
+                        blocks = [view]
+                    else:
+                        blocks = [view[lo:hi] for lo, hi in row_blocks(tuple(view.shape), view.element_size())]
+                    for block in blocks:
+                        array = next(pieces)
+                        _copy_into(block, array)
+                        received += array.nbytes
+            copy_s += time.perf_counter() - t
+            del objects
         if job["local"]:
             views = _OUTBOX.pop((job["token"], self.rank))
             for view, (name, sl) in zip(views, job["local"]):
                 tensors[name][sl].copy_(view)
-        return received
+        return {"bytes": received, "start": start, "end": time.time(), "copy_s": copy_s}
 
     @register(Dispatch.ONE_TO_ALL)
     def reshard_drop(self, token: str) -> int:
@@ -190,7 +255,13 @@ class ReshardWorker(Worker):
 
 @dataclass(frozen=True)
 class ReshardStats:
-    """What one :func:`reshard` call moved, and how long its two phases took."""
+    """What one :func:`reshard` call moved, and how long its phases took.
+
+    ``send_s``: from the call's start until the last source has put its objects; ``recv_s``: the
+    rest of the call (the receives were submitted with the sends and start as soon as their
+    sources' puts exist, so part of the receiving overlaps ``send_s``).  ``copy_s``: the longest
+    time one destination spent copying its regions into place after its ``ray.get``.
+    """
 
     bytes_moved: int
     bytes_local: int
@@ -199,6 +270,10 @@ class ReshardStats:
     recv_s: float
     #: Bytes the sources put into the object store: each region once, however many destinations read it.
     bytes_put: int = 0
+    copy_s: float = 0.0
+    #: Per rank, seconds from the call's start: ``("send", rank, started, finished, seconds in
+    #: ray.put)`` and ``("recv", rank, started, seconds copying, finished)`` (for benchmarks).
+    timeline: tuple[tuple[Any, ...], ...] = ()
 
     @property
     def seconds(self) -> float:
@@ -236,33 +311,57 @@ def _objects_of(plan: ReshardPlan, src_rank: int) -> list[tuple[list[tuple[str, 
     return out
 
 
+def _submit(group: Any, method: str, calls: list[RankCall]) -> list[Any]:
+    """Submit one rank call per rank of ``group``'s ``method`` without waiting (the group's own routing)."""
+    binding = getattr(group, method).rankmesh_binding
+    return group.executor.submit(binding.role, binding.target, calls)
+
+
+def _drain(group: Any, pending: list[Any]) -> None:
+    """Wait for calls that may fail because a call they depend on failed; their errors are not the first."""
+    try:
+        group.executor.fetch(pending)
+    except Exception:  # noqa: BLE001 - the first error is the one to report
+        logger.debug("reshard: a receive failed after its source did", exc_info=True)
+
+
 def reshard(src_group: Any, dst_group: Any, plan: ReshardPlan) -> ReshardStats:
-    """Move the weights of ``src_group`` into ``dst_group`` as ``plan`` says; only references pass here."""
+    """Move the weights of ``src_group`` into ``dst_group`` as ``plan`` says; only references pass here.
+
+    The sends and the receives are submitted together: each receive gets the references of the
+    send calls, waits for the ones it reads from and copies from each source as soon as that
+    source has put its objects, without a round trip through the controller between the phases.
+    """
     _check_group(src_group, plan.src, "source")
     _check_group(dst_group, plan.dst, "destination")
     token = uuid.uuid4().hex
     send_jobs, recv_jobs = [], [{"token": token, "refs": [], "local": []} for _ in range(plan.dst.world_size)]
-    wanted: list[tuple[int, int, int, list]] = []  # (destination, source, object index, regions)
-    bytes_put = 0
+    bytes_put = n_objects = 0
     for r in range(plan.src.world_size):
         objects = _objects_of(plan, r)
+        n_objects += len(objects)
         bytes_put += sum(math.prod(s.stop - s.start for s in sl) * plan.params[name].itemsize
                          for regions, _ in objects for name, sl in regions)
         for i, (_, places) in enumerate(objects):
-            wanted += [(d, r, i, regions) for d, regions in places.items()]
+            for d, regions in places.items():
+                recv_jobs[d]["refs"].append((r, i, regions))
         send_jobs.append({"token": token, "objects": [regions for regions, _ in objects],
                           "local": [(t.name, t.src_slices) for t in plan.sends(r) if t.local]})
     for d in range(plan.dst.world_size):
         recv_jobs[d]["local"] = [(t.name, t.dst_slices) for t in plan.receives(d) if t.local]
+    start = time.time()
+    sends = _submit(src_group, "reshard_send", [RankCall(r, (job,)) for r, job in enumerate(send_jobs)])
     try:
-        start = time.perf_counter()
-        refs: list[list[Any]] = src_group.reshard_send(send_jobs)
-        send_s = time.perf_counter() - start
-        for d, r, i, regions in wanted:
-            recv_jobs[d]["refs"].append((refs[r][i], regions))
-        start = time.perf_counter()
-        received = sum(dst_group.reshard_recv(recv_jobs))
-        recv_s = time.perf_counter() - start
+        # The send calls' references travel inside one stored list, so Ray does not wait for them
+        # before starting a receive: each destination copies from each source as soon as it has put.
+        refs = dst_group.executor.share([p.ref for p in sends])
+        recvs = _submit(dst_group, "reshard_recv", [RankCall(d, (job, refs)) for d, job in enumerate(recv_jobs)])
+        try:
+            sent = src_group.executor.fetch(sends)
+        except BaseException:
+            _drain(dst_group, recvs)
+            raise
+        got = dst_group.executor.fetch(recvs)
     except BaseException:
         if any(job["local"] for job in send_jobs):  # views a colocated send left behind would pin the tensors
             try:
@@ -270,9 +369,16 @@ def reshard(src_group: Any, dst_group: Any, plan: ReshardPlan) -> ReshardStats:
             except Exception:  # noqa: BLE001 - the first error is the one to report
                 logger.warning("reshard %s failed and its colocated regions could not be dropped", token, exc_info=True)
         raise
+    end = time.time()
+    received = sum(g["bytes"] for g in got)
     if received != plan.bytes_moved:
         raise ReshardError(f"destinations received {received} bytes, the plan moves {plan.bytes_moved}")
-    return ReshardStats(plan.bytes_moved, plan.bytes_local, sum(len(r) for r in refs), send_s, recv_s, bytes_put)
+    sent_at = max((s["end"] for s in sent), default=start)
+    copy_s = max((g["copy_s"] for g in got), default=0.0)
+    timeline = tuple(("send", r, s["start"] - start, s["end"] - start, s["put_s"]) for r, s in enumerate(sent)) + tuple(
+        ("recv", d, g["start"] - start, g["copy_s"], g["end"] - start) for d, g in enumerate(got))
+    return ReshardStats(plan.bytes_moved, plan.bytes_local, n_objects, sent_at - start, end - sent_at, bytes_put, copy_s,
+                        timeline)
 
 
 def plan_between(
