@@ -37,7 +37,7 @@ from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 from .rejoin import exit_on_call, leave, rejoin, restore
 from .rendezvous import reserve_port
 from .runtime import node_ip_address
-from .wire import decode_call
+from .wire import SLOT_METHODS, decode_call
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class WorkerHost:
         self._env_before: dict[str, str | None] = {}
         self._call_thread: int | None = None  # the thread running a call now, for stacks()
         self._left_backend: str | None = None  # the default group's backend, between leave and rejoin
+        self._slots: dict[int, bytes] = {}  # call slot -> installed header (see wire.HeaderCache)
 
     # ----- creation ----------------------------------------------------------------------------
 
@@ -214,6 +215,21 @@ class WorkerHost:
         finally:
             self._call_thread = None
 
+    def execute_install(self, slot: int, header: bytes, *shared: Any) -> Any:
+        """:meth:`execute`, keeping ``header`` as call slot ``slot``: later calls come as ``call_<slot>(*shared)``."""
+        self._slots[slot] = header
+        return self.execute(header, *shared)
+
+    def _run_slot(self, slot: int, shared: tuple[Any, ...]) -> Any:
+        """The body of ``call_<slot>``: :meth:`execute` with the header installed as ``slot``."""
+        header = self._slots.get(slot)
+        if header is None:  # only if Ray reordered tasks or restarted the process: refuse, never guess
+            raise BackendError(
+                f"rank {self._rank} of {self._group_name}: call slot {slot} was never installed in this process "
+                "(was it restarted by Ray? rankmesh groups do not support max_restarts)"
+            )
+        return self.execute(header, *shared)
+
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stacks(self) -> ProcessStacks:
         """Every thread's stack now, the running call's first, with the collective it waits in.
@@ -273,3 +289,18 @@ class WorkerHost:
         """Fault injection for drills and the demo: die on entering the next ``method`` call; returns the pid."""
         exit_on_call(self._worker(role), method)
         return os.getpid()
+
+
+def _slot_method(slot: int) -> Any:
+    def call(self: WorkerHost, *shared: Any) -> Any:
+        return self._run_slot(slot, shared)
+
+    call.__name__ = call.__qualname__ = SLOT_METHODS[slot]
+    call.__doc__ = f"Run the call whose header is installed as slot {slot} (:meth:`WorkerHost.execute_install`)."
+    return call
+
+
+# call_0 ... call_{CALL_SLOTS-1}: a task without a header argument (see wire.HeaderCache).
+for _slot, _name in enumerate(SLOT_METHODS):
+    setattr(WorkerHost, _name, _slot_method(_slot))
+del _slot, _name
