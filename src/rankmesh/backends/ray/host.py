@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 from .rejoin import exit_on_call, leave, rejoin, restore
 from .rendezvous import reserve_port
 from .runtime import node_ip_address
-from .wire import SLOT_METHODS, decode_call
+from .wire import SLOT_METHODS, CallHeader, decode_call, fill_call
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class WorkerHost:
         self._call_thread: int | None = None  # the thread running a call now, for stacks()
         self._left_backend: str | None = None  # the default group's backend, between leave and rejoin
         self._slots: dict[int, bytes] = {}  # call slot -> installed header (see wire.HeaderCache)
+        self._decoded: dict[int, CallHeader] = {}  # call slot -> its header, decoded once
 
     # ----- creation ----------------------------------------------------------------------------
 
@@ -200,9 +202,11 @@ class WorkerHost:
         starts and already rebuilt by the data layer as this rank's private (copy-on-write) data.  A traced
         call comes through :meth:`execute_traced` (``enter_ns``), so an untraced one reads no clock.
         """
+        return self._run(decode_call(header, shared), shared, enter_ns)
+
+    def _run(self, call: CallHeader, shared: tuple[Any, ...], enter_ns: int = 0) -> Any:
         self._call_thread = threading.get_ident()
         try:
-            call = decode_call(header, shared)
             worker = self._worker(call.role)
             if call.trace:  # a traced call: the output travels back with this rank's timing
                 return timed_call(
@@ -218,17 +222,22 @@ class WorkerHost:
     def execute_install(self, slot: int, header: bytes, *shared: Any) -> Any:
         """:meth:`execute`, keeping ``header`` as call slot ``slot``: later calls come as ``call_<slot>(*shared)``."""
         self._slots[slot] = header
+        self._decoded.pop(slot, None)
         return self.execute(header, *shared)
 
     def _run_slot(self, slot: int, shared: tuple[Any, ...]) -> Any:
         """The body of ``call_<slot>``: :meth:`execute` with the header installed as ``slot``."""
+        call = self._decoded.get(slot)
+        if call is not None:
+            return self._run(fill_call(call, shared), shared)
         header = self._slots.get(slot)
         if header is None:  # only if Ray reordered tasks or restarted the process: refuse, never guess
             raise BackendError(
                 f"rank {self._rank} of {self._group_name}: call slot {slot} was never installed in this process "
                 "(was it restarted by Ray? rankmesh groups do not support max_restarts)"
             )
-        return self.execute(header, *shared)
+        call = self._decoded[slot] = pickle.loads(header)  # a failure here repeats on the next call
+        return self._run(fill_call(call, shared), shared)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stacks(self) -> ProcessStacks:

@@ -157,7 +157,11 @@ def encode_rank_call(
 
 def decode_call(header: bytes, values: tuple[Any, ...]) -> CallHeader:
     """The call ``header`` describes, with every :class:`SharedSlot` replaced by its value."""
-    call: CallHeader = pickle.loads(header)
+    return fill_call(pickle.loads(header), values)
+
+
+def fill_call(call: CallHeader, values: tuple[Any, ...]) -> CallHeader:
+    """``call`` (a decoded header) with every :class:`SharedSlot` replaced by its value."""
     if not values:
         return call
 
