@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from rankmesh import sharedmem
+from rankmesh import serialization, sharedmem
 
 MiB = 1 << 20
 
@@ -315,3 +315,37 @@ def test_future_with_several_parts_receives_without_a_copy(writer_group):
     assert after["cow_views"] - before["cow_views"] == 2, (before, after)  # ... two copy-on-write parts
     out.batch["x"][0, 0] = -1.0  # the result is the caller's own
     assert float(future.get().batch["x"][0, 0]) == float(batch.batch["x"][0, 0])
+
+
+def proto_of(arr: np.ndarray) -> DataProto:
+    """A one-column DataProto over ``arr``'s memory (no copy): tensors pickle out of band."""
+    return DataProto.from_dict({"x": torch.from_numpy(arr).view(-1, 1024)})
+
+
+def test_unwritten_view_is_serialized_from_the_shared_original(shm_file, mode):
+    """An output that is a received view nobody wrote goes out from the store's own mapping; once
+    a page is written, from the private mapping (the written bytes live only there)."""
+    mode("auto")
+    path, shared, expected = shm_file
+    view = sharedmem.private_bytes(shared[MiB:3 * MiB])
+    shared_addr = np.frombuffer(shared, dtype=np.uint8).ctypes.data + MiB
+    assert sharedmem.written_pages(view.ctypes.data, view.nbytes) == 0
+    before = sharedmem.receive_info()["sent_shared"]
+    data, buffers = serialization.dumps(proto_of(view))
+    assert np.frombuffer(buffers[0], dtype=np.uint8).ctypes.data == shared_addr  # the original, not the view
+    assert sharedmem.receive_info()["sent_shared"] == before + 1
+    assert np.array_equal(serialization.loads(data, buffers).batch["x"].numpy().reshape(-1), expected[MiB:3 * MiB])
+
+    view[MiB + 5] = 99  # one page of the second MiB written
+    assert sharedmem.written_pages(view.ctypes.data, view.nbytes) == 1
+    data, buffers = serialization.dumps(proto_of(view))
+    assert np.frombuffer(buffers[0], dtype=np.uint8).ctypes.data == view.ctypes.data  # the private mapping
+    got = serialization.loads(data, buffers).batch["x"].numpy().reshape(-1)
+    want = expected[MiB:3 * MiB].copy()
+    want[MiB + 5] = 99
+    assert np.array_equal(got, want)
+    assert shared[2 * MiB + 5] == expected[2 * MiB + 5]  # the write stayed private
+    # The unwritten first MiB alone still goes out from the original.
+    data, buffers = serialization.dumps(proto_of(view[:MiB]))
+    assert np.frombuffer(buffers[0], dtype=np.uint8).ctypes.data == shared_addr
+    assert np.array_equal(serialization.loads(data, buffers).batch["x"].numpy().reshape(-1), expected[MiB:2 * MiB])

@@ -182,6 +182,45 @@ def test_only_collect_ranks_send_outputs(holder_group):
     assert torch.equal(echoed.batch["x"], batch.batch["x"])
 
 
+class _Recorder:
+    """An actor handle that records which of its methods the executor submits to."""
+
+    def __init__(self, actor, log):
+        self._actor, self._log = actor, log
+
+    def __getattr__(self, name):
+        self._log.append(name)
+        return getattr(self._actor, name)
+
+
+def test_repeated_calls_run_without_a_header_argument(holder_group, monkeypatch):
+    ex = holder_group.executor
+    log: list[str] = []
+    # New handles are new processes to the header cache: each rank gets the header installed again.
+    monkeypatch.setattr(ex.hosts, "actors", [_Recorder(a, log) for a in ex.hosts.actors])
+    holder_group.keep(big_batch(1))
+    assert log == ["execute_install"] * 4  # the first call carries the header and installs it
+    log.clear()
+    assert holder_group.bump(3.0) == 3.0  # a plain argument: its header travels with every call
+    assert holder_group.first() == [3.0, 0.0, 0.0, 0.0]
+    assert log == ["execute"] + ["execute_install"] * 4
+    log.clear()
+    assert holder_group.bump(4.0) == 4.0
+    assert holder_group.first() == [4.0, 0.0, 0.0, 0.0]
+    out = holder_group.keep(big_batch(1))
+    assert len(out) == 4 and all(o["first"] == 0.0 for o in out)
+    assert log[0] == "execute" and len(log) == 9
+    assert all(name.startswith("call_") for name in log[1:])  # no header argument
+    slot = int(log[-1].split("_")[1])
+    assert ex.hosts.headers.installed(slot, 3, ex.hosts.actors[3])
+
+
+def test_a_slot_never_installed_is_refused(holder_group):
+    actor = holder_group.executor.hosts.actors[0]
+    with pytest.raises(Exception, match="call slot 127 was never installed"):
+        ray.get(actor.call_127.remote())
+
+
 def test_fetch_timeout_names_the_slow_ranks(ray_session):
     from rankmesh.backends.ray.waiting import Pending, fetch_outputs
     from rankmesh.errors import FetchTimeoutError

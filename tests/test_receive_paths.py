@@ -110,6 +110,10 @@ class Inplace(Worker):
         }
 
     @register(Dispatch.ONE_TO_ALL)
+    def give_kept(self) -> DataProto:
+        return self.kept
+
+    @register(Dispatch.ONE_TO_ALL)
     def sum_kept(self) -> float:
         return float(self.kept.batch["x"].double().sum())
 
@@ -191,6 +195,30 @@ def test_every_replica_writes_waits_and_reads_back(group, path, declared):
             assert all(views == 0 for views, _ in grew), grew
     else:
         assert all(views >= 1 and copies == 0 for views, copies in grew), grew
+
+
+def test_outputs_nobody_wrote_go_out_from_the_shared_original(group, path):
+    """A rank returning its received view unwritten serializes it from the object store's mapping
+    (counted by ``sent_shared``); after a write, from its private pages: the output shows the write."""
+    batch = batch_of(64, 16 * 1024)  # 2 MiB pieces: above the copy-on-write threshold
+    original = batch.batch["x"].clone()
+    before = group.info()
+    out = group.keep(batch)  # collect ranks (tp 0: ranks 0 and 2) return their pieces unwritten
+    assert torch.equal(out.batch["x"], original)
+    sent = [a["sent_shared"] - b["sent_shared"] for a, b in zip(group.info(), before)]
+    if isinstance(group, RayWorkerGroup):
+        if path == "copy":
+            assert sent == [0, 0, 0, 0]  # private copies: nothing shared to send from
+        else:
+            assert sent[0] >= 1 and sent[2] >= 1 and sent[1] == sent[3] == 0, sent
+    group.write("row", 50)
+    before = group.info()
+    for rank, got in enumerate(group.give_kept()):
+        expected = piece(original, rank).clone()
+        expected[0] = 50.0 + rank
+        assert torch.equal(got.batch["x"], expected), rank
+    if isinstance(group, RayWorkerGroup):
+        assert [a["sent_shared"] - b["sent_shared"] for a, b in zip(group.info(), before)] == [0, 0, 0, 0]
 
 
 def test_untouched_pages_are_not_copied(group, path):

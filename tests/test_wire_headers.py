@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("ray")
 
 from rankmesh.backend import RankCall, Shared  # noqa: E402
-from rankmesh.backends.ray.wire import CallHeader, HeaderCache, SharedSlot, decode_call, encode_call  # noqa: E402
+from rankmesh.backends.ray.wire import CallHeader, HeaderCache, SharedSlot, decode_call, encode_call, encode_rank_call  # noqa: E402
 
 
 def test_slot_only_headers_are_encoded_once_per_cache():
@@ -59,3 +59,22 @@ def test_cache_is_bounded():
     assert len(cache) == 2
     out, _ = encode_call(None, "c", RankCall(0, ()), cache)  # past the bound: still correct
     assert decode_call(out, ()).method == "c"
+
+
+def test_slot_only_headers_get_call_slots_until_they_run_out():
+    cache = HeaderCache(slots=2)
+    slots = [encode_rank_call(None, name, RankCall(0, (Shared(object()),)), cache)[2] for name in ("a", "b", "c")]
+    assert slots == [0, 1, None]  # the third header is sent with every call
+    assert encode_rank_call(None, "b", RankCall(5, (Shared(object()),)), cache)[2] == 1  # same key, same slot
+    assert encode_rank_call(None, "f", RankCall(0, (1,)), cache)[2] is None  # a plain argument: no slot
+    assert HeaderCache(slots=0).put(("k",), b"h") is None
+
+
+def test_installs_are_kept_per_rank_and_process():
+    cache = HeaderCache()
+    _, _, slot = encode_rank_call(None, "f", RankCall(0, ()), cache)
+    first, replacement = object(), object()  # two actor handles of rank 0: the old process and its replacement
+    assert not cache.installed(slot, 0, first)
+    cache.mark_installed(slot, 0, first)
+    assert cache.installed(slot, 0, first) and not cache.installed(slot, 1, first)
+    assert not cache.installed(slot, 0, replacement)  # a new process must be installed again

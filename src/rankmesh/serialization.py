@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from rankmesh.errors import DataProtoError
-from rankmesh.sharedmem import private_bytes
+from rankmesh.sharedmem import private_bytes, unwritten_original
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,10 @@ def _carrier(arr: np.ndarray, protocol: int) -> Any:
     """
     raw = arr.reshape(-1).view(np.uint8)
     if protocol >= 5 and raw.nbytes > INBAND_MAX_BYTES:
-        return pickle.PickleBuffer(raw)
+        # A received copy-on-write view nobody wrote: send the same bytes from the shared
+        # original (no read fault per 64 KiB of a fresh private mapping).
+        shared = unwritten_original(raw.ctypes.data, raw.nbytes)
+        return pickle.PickleBuffer(raw if shared is None else shared)
     # bytearray(...) copies; unpickling gives a fresh bytearray, which the rebuild may keep.
     return bytearray(raw.data)
 

@@ -98,6 +98,9 @@ class _State:
         self.copies = 0
         self.copied_bytes = 0
         self.fallback: str | None = None
+        self.sent_shared = 0  # outputs serialized from the shared original (unwritten views)
+        self.sent_shared_bytes = 0
+        self.pagemap: tuple[int, int] | None = None  # (pid, fd of /proc/self/pagemap)
 
 
 _STATE = _State()
@@ -150,7 +153,9 @@ def receive_info() -> dict[str, Any]:
     ``path``: ``"cow"`` once a copy-on-write view was made (and no fallback since), ``"copy"``
     when only copies were made, ``"mixed"`` for both, ``None`` before the first receive.
     ``fallback``: the first reason a copy had to be made instead.  ``fd_source``: how the
-    object store's file was opened (``map_files`` or ``proc_fd:<pid>``).
+    object store's file was opened (``map_files`` or ``proc_fd:<pid>``).  ``sent_shared`` /
+    ``sent_shared_bytes``: buffers serialized from the shared original because their
+    copy-on-write view was never written (:func:`unwritten_original`).
     """
     s = _STATE
     if s.cow_views and s.copies:
@@ -171,6 +176,8 @@ def receive_info() -> dict[str, Any]:
         "copied_bytes": s.copied_bytes,
         "fallback": s.fallback,
         "fd_source": sorted(set(s.how.values())),
+        "sent_shared": s.sent_shared,
+        "sent_shared_bytes": s.sent_shared_bytes,
     }
 
 
@@ -191,6 +198,10 @@ def _read_regions() -> list[Region]:
             parts = line.split(maxsplit=5)
             if len(parts) < 6 or parts[4] == "0":
                 continue  # anonymous mapping
+            if not parts[1].endswith("s"):
+                # A private file mapping (a copy-on-write view of ours, among others): its written
+                # pages live only in it, so mapping its file again would read stale bytes.
+                continue
             lo, hi = parts[0].split("-")
             major, minor = parts[3].split(":")
             out.append(
@@ -438,3 +449,64 @@ def original_bytes(addr: int, size: int) -> np.ndarray | None:
                 src = np.frombuffer(mm.pin, dtype=np.uint8)
                 return src[addr - start:addr - start + size]
     return None
+
+
+#: ``/proc/<pid>/pagemap`` entry bits (Documentation/admin-guide/mm/pagemap.rst): a page of a
+#: private file mapping that this process wrote is anonymous: present without the file bit, or
+#: swapped out.  An unwritten page is absent, or present as the file's own page.
+_PM_PRESENT = np.uint64(1 << 63)
+_PM_SWAPPED = np.uint64(1 << 62)
+_PM_FILE = np.uint64(1 << 61)
+_PAGE_SIZE = mmap.PAGESIZE
+
+
+def _pagemap_fd() -> int | None:
+    """This process's ``/proc/self/pagemap``, opened once per process (``None``: unreadable)."""
+    s = _STATE
+    pid = os.getpid()
+    if s.pagemap is not None and s.pagemap[0] == pid:
+        return s.pagemap[1]
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        s.pagemap = (pid, -1)
+        return None
+    s.pagemap = (pid, fd)
+    return fd
+
+
+def written_pages(addr: int, size: int) -> int | None:
+    """How many pages of ``[addr, addr + size)`` this process wrote since they were mapped
+    privately (``None``: pagemap unreadable).  Flags only, so no privilege is needed."""
+    fd = _pagemap_fd()
+    if fd is None or fd < 0 or size <= 0:
+        return None
+    first = addr // _PAGE_SIZE
+    last = (addr + size - 1) // _PAGE_SIZE
+    try:
+        raw = os.pread(fd, (last - first + 1) * 8, first * 8)
+    except OSError:
+        return None
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    anon = (entries & (_PM_PRESENT | _PM_FILE)) == _PM_PRESENT
+    return int(np.count_nonzero(anon | ((entries & _PM_SWAPPED) != 0)))
+
+
+def unwritten_original(addr: int, size: int) -> np.ndarray | None:
+    """The shared original of ``[addr, addr + size)`` when that range lies in a live
+    copy-on-write view and none of its pages was written here, else ``None``.
+
+    What an output should be serialized from: the same bytes, read through the object store's
+    mapping (already faulted in by this process's earlier calls) instead of the fresh private
+    mapping, where every 64 KiB costs a read fault (64 MiB: 10.2 ms against 16.4 ms here).
+    Checking costs one ``pread`` of 8 bytes per page (~0.4 ms per 64 MiB).  A range with any
+    written page is read from the private mapping, as before: the written bytes live only there.
+    """
+    if size < COW_MIN_BYTES or not _VIEWS:
+        return None
+    src = original_bytes(addr, size)
+    if src is None or written_pages(addr, size) != 0:
+        return None
+    _STATE.sent_shared += 1
+    _STATE.sent_shared_bytes += size
+    return src

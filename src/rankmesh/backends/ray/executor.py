@@ -36,7 +36,7 @@ from .hangs import gather_hangs
 from .hosts import HostSet
 from .runtime import raylet_pids
 from .waiting import Pending, fetch_outputs
-from .wire import HeaderCache, encode_call
+from .wire import SLOT_METHODS, encode_rank_call
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +118,8 @@ class RayExecutor:
         self.on_rank_death = on_rank_death
         self.stall_warn_s = optional_seconds(stall_warn_s, "stall_warn_s", BackendError)
         self.stats = CallStats()
-        #: Encoded slot-only call headers of this group's bound methods (and its role groups').
-        self.headers = HeaderCache()
+        #: Encoded slot-only call headers and call slots, one table per host set (:class:`.wire.HeaderCache`).
+        self.headers = hosts.headers
         self._failed: RankMeshError | None = None
         self.dead: set[int] = set()  # ranks seen dead since the last replacement
         self.token = uuid.uuid4().hex
@@ -199,19 +199,27 @@ class RayExecutor:
         self._check_usable(method)
         pending = []
         marked = False  # a traced call's first rank sends the fetch mark (rankmesh.tracing.recorder)
+        cache, actors, nodes, coords = self.headers, self.hosts.actors, self.nodes, self.coords
         for call in calls:
-            if not 0 <= call.rank < self.world_size:
-                raise BackendError(f"{method}: rank {call.rank} is out of range for world size {self.world_size}")
-            header, refs = encode_call(role, method, call, self.headers)
-            actor = self.hosts.actors[call.rank]
-            if not call.trace:
+            rank = call.rank
+            if not 0 <= rank < self.world_size:
+                raise BackendError(f"{method}: rank {rank} is out of range for world size {self.world_size}")
+            header, refs, slot = encode_rank_call(role, method, call, cache)
+            actor = actors[rank]
+            if call.trace:
+                if call.keep:  # traced non-blocking: the host keeps the timing (drain_timings)
+                    ref = actor.execute_kept.remote(call.keep, header, *refs)
+                else:
+                    ref = (actor.execute_traced if marked else actor.execute_marked).remote(header, *refs)
+                    marked = True
+            elif slot is None:
                 ref = actor.execute.remote(header, *refs)
-            elif call.keep:  # traced non-blocking: the host keeps the timing (drain_timings)
-                ref = actor.execute_kept.remote(call.keep, header, *refs)
+            elif cache.installed(slot, rank, actor):  # no header argument (see wire.HeaderCache)
+                ref = getattr(actor, SLOT_METHODS[slot]).remote(*refs)
             else:
-                ref = (actor.execute_traced if marked else actor.execute_marked).remote(header, *refs)
-                marked = True
-            pending.append(Pending(ref, call.rank, method, self.nodes[call.rank], self.coords[call.rank]))
+                ref = actor.execute_install.remote(slot, header, *refs)
+                cache.mark_installed(slot, rank, actor)
+            pending.append(Pending(ref, rank, method, nodes[rank], coords[rank]))
         self.stats.add(calls=len(pending))
         return pending
 

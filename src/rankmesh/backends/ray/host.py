@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import time
 from collections import deque
@@ -38,7 +39,7 @@ from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 from .rejoin import exit_on_call, leave, rejoin, restore
 from .rendezvous import reserve_port
 from .runtime import node_ip_address
-from .wire import decode_call
+from .wire import SLOT_METHODS, CallHeader, decode_call, fill_call
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class WorkerHost:
         # Timings of traced non-blocking calls ([key, *RankTiming]), until the controller drains them.
         self._kept: deque[list[int]] = deque(maxlen=KEEP_MAX)
         self._left_backend: str | None = None  # the default group's backend, between leave and rejoin
+        self._slots: dict[int, bytes] = {}  # call slot -> installed header (see wire.HeaderCache)
+        self._decoded: dict[int, CallHeader] = {}  # call slot -> its header, decoded once
 
     # ----- creation ----------------------------------------------------------------------------
 
@@ -202,9 +205,11 @@ class WorkerHost:
         starts and already rebuilt by the data layer as this rank's private (copy-on-write) data.  A traced
         call comes through :meth:`execute_traced` (``enter_ns``), so an untraced one reads no clock.
         """
+        return self._run(decode_call(header, shared), shared, enter_ns, keep)
+
+    def _run(self, call: CallHeader, shared: tuple[Any, ...], enter_ns: int = 0, keep: int = 0) -> Any:
         self._call_thread = threading.get_ident()
         try:
-            call = decode_call(header, shared)
             worker = self._worker(call.role)
             if call.trace:  # a traced call: the output travels back with this rank's timing
                 traced = timed_call(
@@ -222,6 +227,26 @@ class WorkerHost:
             )
         finally:
             self._call_thread = None
+
+    def execute_install(self, slot: int, header: bytes, *shared: Any) -> Any:
+        """:meth:`execute`, keeping ``header`` as call slot ``slot``: later calls come as ``call_<slot>(*shared)``."""
+        self._slots[slot] = header
+        self._decoded.pop(slot, None)
+        return self.execute(header, *shared)
+
+    def _run_slot(self, slot: int, shared: tuple[Any, ...]) -> Any:
+        """The body of ``call_<slot>``: :meth:`execute` with the header installed as ``slot``."""
+        call = self._decoded.get(slot)
+        if call is not None:
+            return self._run(fill_call(call, shared), shared)
+        header = self._slots.get(slot)
+        if header is None:  # only if Ray reordered tasks or restarted the process: refuse, never guess
+            raise BackendError(
+                f"rank {self._rank} of {self._group_name}: call slot {slot} was never installed in this process "
+                "(was it restarted by Ray? rankmesh groups do not support max_restarts)"
+            )
+        call = self._decoded[slot] = pickle.loads(header)  # a failure here repeats on the next call
+        return self._run(fill_call(call, shared), shared)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stacks(self) -> ProcessStacks:
@@ -309,3 +334,18 @@ class WorkerHost:
         """Fault injection for drills and the demo: die on entering the next ``method`` call; returns the pid."""
         exit_on_call(self._worker(role), method)
         return os.getpid()
+
+
+def _slot_method(slot: int) -> Any:
+    def call(self: WorkerHost, *shared: Any) -> Any:
+        return self._run_slot(slot, shared)
+
+    call.__name__ = call.__qualname__ = SLOT_METHODS[slot]
+    call.__doc__ = f"Run the call whose header is installed as slot {slot} (:meth:`WorkerHost.execute_install`)."
+    return call
+
+
+# call_0 ... call_{CALL_SLOTS-1}: a task without a header argument (see wire.HeaderCache).
+for _slot, _name in enumerate(SLOT_METHODS):
+    setattr(WorkerHost, _name, _slot_method(_slot))
+del _slot, _name

@@ -31,6 +31,7 @@ from .rendezvous import RESERVED_ENV
 from .runtime import DETACHED_NAMESPACE
 from .startup import StartupProgress
 from .waiting import Pending, fetch_outputs
+from .wire import CALL_SLOTS, HeaderCache
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class HostSet:
     master: tuple[str, int] | None = None
     options: dict[str, Any] = field(default_factory=dict)  # the actors' Ray options, to start replacements
     setups: list[HostSetup] = field(default_factory=list)  # what each rank was built with, to rebuild it
+    #: Call headers and call slots of every executor over these processes (:class:`.wire.HeaderCache`).
+    headers: HeaderCache = field(default_factory=HeaderCache)
 
     @property
     def nodes(self) -> list[str | None]:
@@ -138,6 +141,12 @@ def start_host(pool: Any, slot: Any, rank: int, name_prefix: str, detached: bool
     return remote_host_class().options(**opts).remote(rank, name_prefix)
 
 
+def ordered_calls(options: Mapping[str, Any]) -> bool:
+    """Whether hosts started with Ray ``options`` run this driver's calls one at a time, in order,
+    in one process life: what installing call slots needs (:class:`.wire.HeaderCache`)."""
+    return not options.get("max_restarts") and (options.get("max_concurrency") or 1) <= 1
+
+
 @functools.lru_cache(maxsize=None)
 def remote_host_class() -> Any:
     """``ray.remote(WorkerHost)`` with its control thread (:data:`.host.HOST_ACTOR_OPTIONS`), made once
@@ -155,7 +164,15 @@ def launch_hosts(
         progress.controller_stage("placed")
     actors = [start_host(pool, slot, rank, name_prefix, detached, options) for rank, slot in enumerate(slots)]
     names = [actor_name(name_prefix, rank) for rank in range(len(slots))]
-    hosts = HostSet(actors=actors, names=names, info=[], name_prefix=name_prefix, detached=detached, options=dict(options))
+    hosts = HostSet(
+        actors=actors,
+        names=names,
+        info=[],
+        name_prefix=name_prefix,
+        detached=detached,
+        options=dict(options),
+        headers=HeaderCache(slots=CALL_SLOTS if ordered_calls(options) else 0),
+    )
     hosts.places = pool.places()
     try:
         pend = [Pending(a.node_info.remote(), r, "start") for r, a in enumerate(actors)]
@@ -286,4 +303,5 @@ def attach_hosts(name_prefix: str, timeout: float) -> HostSet:
         name_prefix=name_prefix,
         detached=True,
         pg_ids=[i["placement_group_id"] for i in info if i.get("placement_group_id")],
+        headers=HeaderCache(slots=0),  # the driver that started them installs call slots in them
     )

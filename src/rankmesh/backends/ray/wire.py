@@ -1,6 +1,7 @@
 """The wire format of one rank call: encoded by the controller, decoded by the worker's host.
 
-A call travels as one Ray task ``execute(header, *shared_values)``:
+A call travels as one Ray task ``execute(header, *shared_values)`` (or, once its header is
+installed on the host, ``call_<slot>(*shared_values)``: see :class:`HeaderCache`):
 
 * ``header`` is the pickled :class:`CallHeader` (role, method, arguments, ``return_output``): one
   small bytes argument instead of five, because Ray serializes and checks every task argument
@@ -46,33 +47,64 @@ class CallHeader:
     receive: str | None = None
 
 
+#: Host methods ``call_0`` ... ``call_{CALL_SLOTS - 1}``: a slot-only header installed on a host
+#: as slot ``k`` is run by ``call_k(*shared)``, a task with no header argument at all.
+CALL_SLOTS = 128
+SLOT_METHODS: tuple[str, ...] = tuple(f"call_{k}" for k in range(CALL_SLOTS))
+
+
 class HeaderCache:
-    """Encoded headers of one executor's slot-only calls, bounded to ``max_entries``.
+    """Encoded headers of one host set's slot-only calls, bounded to ``max_entries``.
 
     A header of nothing but slots (no-argument calls, data calls whose batches travel shared) is
     the same bytes on every call of a bound method, so its owner (one
-    :class:`~rankmesh.backends.ray.executor.RayExecutor`, shared by the role groups spawned from
-    it) pickles it once.  Keys are ``(role, method, slots, return_output, trace, receive)``; once full,
-    new headers are encoded per call again (no eviction: a group binds a fixed set of methods).
+    :class:`~rankmesh.backends.ray.hosts.HostSet`, shared by every executor and role group over
+    those processes) pickles it once.  Keys are ``(role, method, slots, return_output, trace,
+    receive)``; once full, new headers are encoded per call again (no eviction: a group binds a
+    fixed set of methods).
+
+    The first ``slots`` headers also get a call slot: the first call of one on a host installs it
+    there (``execute_install(slot, header, *shared)``), and later calls run as
+    ``call_<slot>(*shared)``, without a header argument (Ray serializes every task argument on its
+    own: ~70 us per rank and call here, 16 % of an 8-rank no-op call).  Installs are kept per rank
+    with the actor handle they went to, so a replaced rank's new process is installed again.
+    Installing relies on Ray running one caller's tasks on an actor in submission order, so the
+    owner passes ``slots=0`` where that does not hold or other drivers may install too.
     """
 
-    def __init__(self, max_entries: int = 1024) -> None:
+    def __init__(self, max_entries: int = 1024, slots: int = CALL_SLOTS) -> None:
         self.max_entries = max_entries
-        self._encoded: dict[tuple[Any, ...], bytes] = {}
+        self.slots = min(slots, CALL_SLOTS)
+        self._encoded: dict[tuple[Any, ...], tuple[bytes, int | None]] = {}
+        self._installed: list[dict[int, Any]] = []  # per slot: rank -> actor handle installed on
         self.hits = 0
 
     def __len__(self) -> int:
         return len(self._encoded)
 
-    def get(self, key: tuple[Any, ...]) -> bytes | None:
-        encoded = self._encoded.get(key)
-        if encoded is not None:
+    def get(self, key: tuple[Any, ...]) -> tuple[bytes, int | None] | None:
+        entry = self._encoded.get(key)
+        if entry is not None:
             self.hits += 1
-        return encoded
+        return entry
 
-    def put(self, key: tuple[Any, ...], encoded: bytes) -> None:
-        if len(self._encoded) < self.max_entries:
-            self._encoded[key] = encoded
+    def put(self, key: tuple[Any, ...], encoded: bytes) -> int | None:
+        """Keep ``encoded`` under ``key``; its call slot, or ``None`` when the slots are used up."""
+        if len(self._encoded) >= self.max_entries:
+            return None
+        slot = len(self._installed) if len(self._installed) < self.slots else None
+        if slot is not None:
+            self._installed.append({})
+        self._encoded[key] = (encoded, slot)
+        return slot
+
+    def installed(self, slot: int, rank: int, actor: Any) -> bool:
+        """Whether ``slot`` is installed on ``actor`` (rank ``rank``'s current process)."""
+        return self._installed[slot].get(rank) is actor
+
+    def mark_installed(self, slot: int, rank: int, actor: Any) -> None:
+        """Record that an install of ``slot`` was submitted to ``actor`` (after submitting it)."""
+        self._installed[slot][rank] = actor
 
 
 def encode_call(
@@ -83,36 +115,53 @@ def encode_call(
     Each distinct Shared reference (by identity) gets one slot, however often the call uses it.
     With ``cache``, a slot-only header is encoded once and reused (see :class:`HeaderCache`).
     """
+    header, refs, _ = encode_rank_call(role, method, call, cache)
+    return header, refs
+
+
+def encode_rank_call(
+    role: str | None, method: str, call: RankCall, cache: HeaderCache | None = None
+) -> tuple[bytes, list[Any], int | None]:
+    """:func:`encode_call` plus the header's call slot in ``cache`` (``None``: send the header)."""
     refs: list[Any] = []
-    slot_of: dict[int, SharedSlot] = {}
+    args: tuple[Any, ...] = call.args
+    kwargs: dict[str, Any] = call.kwargs
+    plain = False  # any argument that is not a Shared reference
+    if args or kwargs:
+        slot_of: dict[int, SharedSlot] = {}
 
-    def swap(value: Any) -> Any:
-        if isinstance(value, Shared):
-            key = id(value.ref)
-            if key not in slot_of:
-                slot_of[key] = SharedSlot(len(refs))
-                refs.append(value.ref)
-            return slot_of[key]
-        return value
+        def swap(value: Any) -> Any:
+            nonlocal plain
+            if isinstance(value, Shared):
+                key = id(value.ref)
+                if key not in slot_of:
+                    slot_of[key] = SharedSlot(len(refs))
+                    refs.append(value.ref)
+                return slot_of[key]
+            plain = True
+            return value
 
-    args = tuple(swap(a) for a in call.args)
-    kwargs = {k: swap(v) for k, v in call.kwargs.items()}
+        args = tuple(swap(a) for a in args)
+        kwargs = {k: swap(v) for k, v in kwargs.items()}
     key = None
-    if cache is not None and all(type(v) is SharedSlot for v in (*args, *kwargs.values())):
+    if cache is not None and not plain:
         key = (role, method, args, tuple(kwargs.items()), call.return_output, call.trace, call.receive)
         cached = cache.get(key)
         if cached is not None:
-            return cached, refs
+            return cached[0], refs, cached[1]
     # cloudpickle: arguments may be lambdas or classes defined in the driver's __main__.
     encoded = cloudpickle.dumps(CallHeader(role, method, args, kwargs, call.return_output, call.trace, call.receive))
-    if key is not None:
-        cache.put(key, encoded)
-    return encoded, refs
+    slot = None if key is None else cache.put(key, encoded)
+    return encoded, refs, slot
 
 
 def decode_call(header: bytes, values: tuple[Any, ...]) -> CallHeader:
     """The call ``header`` describes, with every :class:`SharedSlot` replaced by its value."""
-    call: CallHeader = pickle.loads(header)
+    return fill_call(pickle.loads(header), values)
+
+
+def fill_call(call: CallHeader, values: tuple[Any, ...]) -> CallHeader:
+    """``call`` (a decoded header) with every :class:`SharedSlot` replaced by its value."""
     if not values:
         return call
 
