@@ -204,16 +204,14 @@ class RayExecutor:
             rank = call.rank
             if not 0 <= rank < self.world_size:
                 raise BackendError(f"{method}: rank {rank} is out of range for world size {self.world_size}")
-            header, refs, slot = encode_rank_call(role, method, call, cache)
+            fetch_mark = call.trace and not call.keep and not marked  # the first rank of a traced blocking call
+            marked = marked or fetch_mark
+            header, refs, slot = encode_rank_call(role, method, call, cache, fetch_mark)
             actor = actors[rank]
-            if call.trace:
-                if call.keep:  # traced non-blocking: the host keeps the timing (drain_timings)
-                    ref = actor.execute_kept.remote(call.keep, header, *refs)
-                else:
-                    ref = (actor.execute_traced if marked else actor.execute_marked).remote(header, *refs)
-                    marked = True
+            if call.keep:  # traced non-blocking: the host keeps the timing (drain_timings)
+                ref = actor.execute_kept.remote(call.keep, header, *refs)
             elif slot is None:
-                ref = actor.execute.remote(header, *refs)
+                ref = (actor.execute_traced if call.trace else actor.execute).remote(header, *refs)
             elif cache.installed(slot, rank, actor):  # no header argument (see wire.HeaderCache)
                 ref = getattr(actor, SLOT_METHODS[slot]).remote(*refs)
             else:

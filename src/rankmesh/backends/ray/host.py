@@ -216,6 +216,8 @@ class WorkerHost:
                     invoke, worker, call.method, call.args, call.kwargs,
                     enter_ns=enter_ns, inputs=shared, return_output=call.return_output, receive=call.receive,
                 )
+                if call.fetch_mark:  # the call's first rank: the controller notes when it unpickles this
+                    traced.insert(0, FETCH_MARK)
                 if keep:  # non-blocking: the output goes into a future, the timing waits here
                     self._kept.append([keep, *traced[1:]])
                     return traced[0]
@@ -230,23 +232,29 @@ class WorkerHost:
 
     def execute_install(self, slot: int, header: bytes, *shared: Any) -> Any:
         """:meth:`execute`, keeping ``header`` as call slot ``slot``: later calls come as ``call_<slot>(*shared)``."""
+        enter_ns = time.time_ns()  # used only if the header is a traced call's (once per slot and host)
         self._slots[slot] = header
         self._decoded.pop(slot, None)
-        return self.execute(header, *shared)
+        return self.execute(header, *shared, enter_ns=enter_ns)
 
     def _run_slot(self, slot: int, shared: tuple[Any, ...]) -> Any:
-        """The body of ``call_<slot>``: :meth:`execute` with the header installed as ``slot``."""
+        """The body of ``call_<slot>``: :meth:`execute` with the header installed as ``slot``.
+
+        A traced header (every rank of a traced blocking call but the first, which carries the
+        fetch mark) reads the clock on arrival, as :meth:`execute_traced` does.
+        """
         call = self._decoded.get(slot)
         if call is not None:
-            return self._run(fill_call(call, shared), shared)
+            return self._run(fill_call(call, shared), shared, time.time_ns() if call.trace else 0)
         header = self._slots.get(slot)
         if header is None:  # only if Ray reordered tasks or restarted the process: refuse, never guess
             raise BackendError(
                 f"rank {self._rank} of {self._group_name}: call slot {slot} was never installed in this process "
                 "(was it restarted by Ray? rankmesh groups do not support max_restarts)"
             )
+        enter_ns = time.time_ns()
         call = self._decoded[slot] = pickle.loads(header)  # a failure here repeats on the next call
-        return self._run(fill_call(call, shared), shared)
+        return self._run(fill_call(call, shared), shared, enter_ns if call.trace else 0)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stacks(self) -> ProcessStacks:
@@ -278,15 +286,6 @@ class WorkerHost:
         """``(this process's clock, the kept timings)``; runs beside a running call (control thread)."""
         return time.time_ns(), self._take_kept()
 
-    def execute_marked(self, header: bytes, *shared: Any) -> Any:
-        """:meth:`execute_traced` of a call's first rank: its output starts with the fetch mark.
-
-        The controller unpickles the mark once every rank's output is there, which ends the
-        call's ``wait`` phase (:mod:`rankmesh.tracing.recorder`): no extra Ray round for it.
-        """
-        traced = self.execute(header, *shared, enter_ns=time.time_ns())
-        traced.insert(0, FETCH_MARK)
-        return traced
 
     # ----- introspection (attaching to detached groups, tests) ---------------------------------
 

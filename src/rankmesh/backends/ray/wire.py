@@ -45,6 +45,8 @@ class CallHeader:
     return_output: bool = True
     trace: bool = False
     receive: str | None = None
+    #: A traced call's first rank: its output starts with :data:`rankmesh.tracing.recorder.FETCH_MARK`.
+    fetch_mark: bool = False
 
 
 #: Host methods ``call_0`` ... ``call_{CALL_SLOTS - 1}``: a slot-only header installed on a host
@@ -120,9 +122,12 @@ def encode_call(
 
 
 def encode_rank_call(
-    role: str | None, method: str, call: RankCall, cache: HeaderCache | None = None
+    role: str | None, method: str, call: RankCall, cache: HeaderCache | None = None, fetch_mark: bool = False
 ) -> tuple[bytes, list[Any], int | None]:
-    """:func:`encode_call` plus the header's call slot in ``cache`` (``None``: send the header)."""
+    """:func:`encode_call` plus the header's call slot in ``cache`` (``None``: send the header).
+
+    ``fetch_mark``: this rank's output starts with the trace's fetch mark (a traced call's first rank).
+    """
     refs: list[Any] = []
     args: tuple[Any, ...] = call.args
     kwargs: dict[str, Any] = call.kwargs
@@ -145,12 +150,14 @@ def encode_rank_call(
         kwargs = {k: swap(v) for k, v in kwargs.items()}
     key = None
     if cache is not None and not plain:
-        key = (role, method, args, tuple(kwargs.items()), call.return_output, call.trace, call.receive)
+        key = (role, method, args, tuple(kwargs.items()), call.return_output, call.trace, call.receive, fetch_mark)
         cached = cache.get(key)
         if cached is not None:
             return cached[0], refs, cached[1]
     # cloudpickle: arguments may be lambdas or classes defined in the driver's __main__.
-    encoded = cloudpickle.dumps(CallHeader(role, method, args, kwargs, call.return_output, call.trace, call.receive))
+    encoded = cloudpickle.dumps(
+        CallHeader(role, method, args, kwargs, call.return_output, call.trace, call.receive, fetch_mark)
+    )
     slot = None if key is None else cache.put(key, encoded)
     return encoded, refs, slot
 
