@@ -210,7 +210,9 @@ def test_repeated_calls_run_without_a_header_argument(holder_group, monkeypatch)
     out = holder_group.keep(big_batch(1))
     assert len(out) == 4 and all(o["first"] == 0.0 for o in out)
     assert log[0] == "execute" and len(log) == 9
-    assert all(name.startswith("call_") for name in log[1:])  # no header argument
+    # No header argument; a call without shared values runs a method without parameters
+    # (first(): bare_<k>), a call with a shared batch passes only its reference (keep: call_<k>).
+    assert [name.split("_")[0] for name in log[1:]] == ["bare"] * 4 + ["call"] * 4
     slot = int(log[-1].split("_")[1])
     assert ex.hosts.headers.installed(slot, 3, ex.hosts.actors[3])
 
@@ -219,6 +221,8 @@ def test_a_slot_never_installed_is_refused(holder_group):
     actor = holder_group.executor.hosts.actors[0]
     with pytest.raises(Exception, match="call slot 127 was never installed"):
         ray.get(actor.call_127.remote())
+    with pytest.raises(Exception, match="call slot 126 was never installed"):
+        ray.get(actor.bare_126.remote())
 
 
 def test_fetch_timeout_names_the_slow_ranks(ray_session):

@@ -36,7 +36,7 @@ from .hangs import gather_hangs
 from .hosts import HostSet
 from .runtime import raylet_pids
 from .waiting import Pending, fetch_outputs
-from .wire import SLOT_METHODS, encode_rank_call
+from .wire import encode_rank_call, slot_method
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class RayExecutor:
             elif slot is None:
                 ref = (actor.execute_traced if call.trace else actor.execute).remote(header, *refs)
             elif cache.installed(slot, rank, actor):  # no header argument (see wire.HeaderCache)
-                ref = getattr(actor, SLOT_METHODS[slot]).remote(*refs)
+                ref = getattr(actor, slot_method(slot, len(refs))).remote(*refs)
             else:
                 ref = actor.execute_install.remote(slot, header, *refs)
                 cache.mark_installed(slot, rank, actor)

@@ -39,7 +39,7 @@ from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 from .rejoin import exit_on_call, leave, rejoin, restore
 from .rendezvous import reserve_port
 from .runtime import node_ip_address
-from .wire import SLOT_METHODS, CallHeader, decode_call, fill_call
+from .wire import BARE_SLOT_METHODS, SLOT_METHODS, CallHeader, decode_call, fill_call
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +344,17 @@ def _slot_method(slot: int) -> Any:
     return call
 
 
-# call_0 ... call_{CALL_SLOTS-1}: a task without a header argument (see wire.HeaderCache).
-for _slot, _name in enumerate(SLOT_METHODS):
-    setattr(WorkerHost, _name, _slot_method(_slot))
-del _slot, _name
+def _bare_slot_method(slot: int) -> Any:
+    def bare(self: WorkerHost) -> Any:
+        return self._run_slot(slot, ())
+
+    bare.__name__ = bare.__qualname__ = BARE_SLOT_METHODS[slot]
+    bare.__doc__ = f"Run the call installed as slot {slot}, which has no shared values (a method without parameters)."
+    return bare
+
+
+# call_0 ... call_{CALL_SLOTS-1} and bare_0 ...: a task without a header argument (see wire.HeaderCache).
+for _slot in range(len(SLOT_METHODS)):
+    setattr(WorkerHost, SLOT_METHODS[_slot], _slot_method(_slot))
+    setattr(WorkerHost, BARE_SLOT_METHODS[_slot], _bare_slot_method(_slot))
+del _slot
