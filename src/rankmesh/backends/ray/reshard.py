@@ -1,4 +1,4 @@
-"""Run a ReshardPlan on Ray: sources put their regions into the object store, destinations fetch only theirs.
+"""Run a ReshardPlan on Ray: destinations read same-node regions from the source process, the rest via the object store.
 
 Why through the object store and not through the controller: the naive refit gathers every full
 tensor on the controller and sends each destination its slice, so every byte crosses the driver
@@ -10,6 +10,16 @@ references: each destination waits for the send calls it reads from and, as each
 ``ray.get``s that source's objects and copies each piece into its parameter in place, while the
 other sources are still putting.  Objects are owned by the source rank and freed when the last
 reference goes.
+
+Same node, one copy (``transport="auto"``, the default): when a source rank and a destination
+rank run on the same Ray node, the source does not put their regions at all.  Its send call
+returns its pid and, per tensor involved, ``(data_ptr, shape, strides, itemsize)``; the
+destination computes the byte runs of each region itself and reads them straight from the source
+process into its parameter view with ``process_vm_readv`` (:mod:`rankmesh.peermem`): every byte
+is copied once, and no object-store page is touched.  Pairs on different nodes keep the object
+store.  A pair whose read the kernel refuses (another user, Yama, seccomp, another pid namespace)
+is sent again through the store, with one warning per controller process, and later calls send it
+by the store directly.  ``transport="store"`` sends everything through the store, as before.
 
 Colocated plans (both roles in the same processes) keep local regions out of the object store:
 the source role leaves views of its tensors in a per-process outbox, and the destination role of
