@@ -235,4 +235,5 @@ def _error(err: int, pid: int) -> PeerReadError:
         errno.EFAULT: "an address is not mapped in one of the processes (the tensor was freed or resized)",
         errno.ENOMEM: "the kernel could not allocate the iovec copies",
     }.get(err, "")
-    return PeerReadError(err, f"process_vm_readv from pid {pid} failed: {os.strerror(err)}" + (f" ({why})" if why else ""))
+    name = errno.errorcode.get(err, str(err))
+    return PeerReadError(err, f"process_vm_readv from pid {pid} failed: {name} {os.strerror(err)}" + (f" ({why})" if why else ""))
