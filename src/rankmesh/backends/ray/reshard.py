@@ -279,17 +279,18 @@ class ReshardWorker(Worker):
         direct = job.get("direct", [])
         if direct:
             allow_peer_reads()
-            for i, (name, sl) in enumerate(direct):
-                tensor = tensors[name]
-                if tensor.device.type == "cpu":
-                    peer["tensors"][name] = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()),
-                                             tensor.element_size())
-                else:  # a device tensor has no address another process can read: this region goes by the store
-                    t = time.perf_counter()
-                    fallback[i] = _put_regions(tensors, [(name, sl)])
-                    put_s += time.perf_counter() - t
-            # Keep what was published alive (reshard_tensors() may build new tensors on every call).
-            self._reshard_published = {name: tensors[name] for name in peer["tensors"]}
+        for i, (name, sl) in enumerate(direct):
+            tensor = tensors[name]
+            if tensor.device.type == "cpu":
+                peer["tensors"][name] = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()),
+                                         tensor.element_size())
+            else:  # a device tensor has no address another process can read: this region goes by the store
+                t = time.perf_counter()
+                fallback[i] = _put_regions(tensors, [(name, sl)])
+                put_s += time.perf_counter() - t
+        # Keep what was published alive until this worker's next send (reshard_tensors() may build
+        # new tensors on every call): destinations read them after this call has returned.
+        self._reshard_published = {name: tensors[name] for name in peer["tensors"]}
         if job["local"]:
             _OUTBOX[(job["token"], self.rank)] = [tensors[name][sl] for name, sl in job["local"]]
         return {"refs": refs, "peer": peer, "fallback": fallback, "start": start, "end": time.time(), "put_s": put_s}
@@ -567,8 +568,8 @@ def reshard(src_group: Any, dst_group: Any, plan: ReshardPlan, transport: str = 
     refused = {(r, d): why for d, g in enumerate(run.got) for r, why in g["refused"].items()}
     if refused:
         _note_refused(src_group, dst_group, refused)
-        again = ReshardPlan(plan.src, plan.dst, plan.params, plan.dst_params,
-                            [t for t in plan.transfers if (t.src_rank, t.dst_rank) in refused], colocated=plan.colocated)
+        transfers = [t for t in plan.transfers if not t.local and (t.src_rank, t.dst_rank) in refused]
+        again = ReshardPlan(plan.src, plan.dst, plan.params, plan.dst_params, transfers, colocated=plan.colocated)
         runs.append(_run(src_group, dst_group, again, frozenset()))
     start, end = run.start, runs[-1].end
     received = sum(g["bytes"] for r in runs for g in r.got)
