@@ -346,6 +346,8 @@ class ReshardWorker(Worker):
                         by_source.setdefault(r, []).append((len(out["refs"]) - 1, [(name, dst_sl)]))
             copy_s += time.perf_counter() - t
             wanted = [(out["refs"][i], regions) for r, out in zip(sources, outputs) for i, regions in by_source.get(r, ())]
+            if not wanted:  # every region of these sources was read directly
+                continue
             objects = ray.get([ref for ref, _ in wanted])
             t = time.perf_counter()
             for arrays, (_, regions) in zip(objects, wanted):
