@@ -16,7 +16,16 @@ import pytest
 import torch
 
 from rankmesh.errors import PeerReadError
-from rankmesh.peermem import IOV_MAX, allow_peer_reads, namespace_id, read_process, segments, strided_segments
+from rankmesh.peermem import (
+    COALESCE_GAP,
+    IOV_MAX,
+    allow_peer_reads,
+    coalesce,
+    namespace_id,
+    read_process,
+    segments,
+    strided_segments,
+)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_vm_readv is Linux-only")
 
@@ -121,6 +130,38 @@ def test_runs_cut_differently_on_both_sides(child) -> None:
     local = [(base + lo, min(20, n - lo)) for lo in range(0, n, 20)]  # 4200 runs of 20 bytes
     assert read_process(pid, remote, local) == n
     np.testing.assert_array_equal(got.reshape(300, 70), want)
+
+
+def test_coalesced_reads_skip_the_gaps_into_scratch(child) -> None:
+    pid, addr, want = child
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        # a random strided box of the child's 300x70 array, read into a random strided local view
+        r0, c0 = int(rng.integers(0, 150)), int(rng.integers(0, 35))
+        rs, cs = int(rng.integers(1, 4)), int(rng.integers(1, 3))
+        rows, cols = int(rng.integers(1, (300 - r0) // rs + 1)), int(rng.integers(1, (70 - c0) // cs + 1))
+        remote = strided_segments(addr + (r0 * 70 + c0) * 4, (rows, cols), (70 * rs, cs), 4)
+        out = np.full((cols + 3, rows + 2), -1.0, dtype=np.float32)
+        local_view = out.T[1 : rows + 1, :cols]
+        spans, into = coalesce(remote, segments(local_view))
+        # every gap of this box is under COALESCE_GAP bytes, so the whole box is one remote span
+        assert len(spans) == 1 and int(spans[0, 1]) == int(remote[-1, 0] + remote[-1, 1] - remote[0, 0])
+        read_process(pid, spans, into)
+        np.testing.assert_array_equal(local_view, want[r0 : r0 + rows * rs : rs, c0 : c0 + cols * cs : cs])
+        outside = np.ones(out.shape, dtype=bool)
+        outside.T[1 : rows + 1, :cols] = False
+        assert (out[outside] == -1).all()
+
+
+def test_coalesce_keeps_gaps_above_its_limit() -> None:
+    remote = np.array([[1000, 8], [1016, 8], [1024 + 8 + COALESCE_GAP + 1, 8]], dtype=np.uint64)
+    local = np.array([[50, 24]], dtype=np.uint64)
+    spans, into = coalesce(remote, local)
+    assert spans.tolist() == [[1000, 24], [1024 + 8 + COALESCE_GAP + 1, 8]]
+    # 8 bytes, the 8-byte gap into scratch, then the last 16 local bytes (the far run's 8 included)
+    assert into[:, 1].tolist() == [8, 8, 16]
+    assert into[[0, 2], 0].tolist() == [50, 58] and into[1, 0] not in range(50, 74)
+    assert coalesce(remote, local, max_gap=0)[0].tolist() == remote.tolist()
 
 
 def test_a_read_cut_short_resumes_then_names_the_bad_address(child) -> None:

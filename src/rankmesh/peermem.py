@@ -14,6 +14,8 @@ The three pieces:
 * :func:`read_process`: fill local runs from a process's remote runs (scatter/gather on both
   sides, at most ``IOV_MAX`` = 1024 iovecs per side per call, partial reads resumed), or raise
   :class:`PeerReadError` with the errno and what to do.
+* :func:`coalesce`: fewer, longer remote runs for a view with small gaps between its rows (the
+  kernel's cost is per remote run, not per byte, below a few KiB).
 * :func:`allow_peer_reads`: ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``, so that under Yama's
   ``ptrace_scope=1`` (Ubuntu's default) processes of the same user may read this one.
 
@@ -177,6 +179,53 @@ def segments(view: Any) -> np.ndarray:
 def _as_runs(runs: Any) -> np.ndarray:
     arr = np.asarray(runs, dtype=np.uint64)
     return arr.reshape(-1, 2) if arr.size else np.empty((0, 2), dtype=np.uint64)
+
+
+#: Remote gaps up to this many bytes between the runs of one view are read too (into a scratch
+#: buffer): the kernel pins the source pages once per remote run, which costs as much as copying
+#: a few KiB (measured: 1 KiB runs at a 2 KiB stride 0.68 ns/B, one run 0.12 ns/B).
+COALESCE_GAP = 4096
+
+_scratch = np.empty(COALESCE_GAP, dtype=np.uint8)  # where skipped bytes land (contents never read)
+
+
+def coalesce(remote: Any, local: Any, max_gap: int = COALESCE_GAP) -> tuple[np.ndarray, np.ndarray]:
+    """The same read as ``(remote, local)`` with fewer remote runs: runs closer than ``max_gap``
+    bytes become one span, and the bytes between them land in a scratch buffer on the local side.
+
+    Only for the runs of **one** view (a tensor's storage is mapped between its runs; two separate
+    allocations may have an unmapped page between them).  ``max_gap`` is at most :data:`COALESCE_GAP`.
+    """
+    rem, loc = _as_runs(remote), _as_runs(local)
+    max_gap = min(int(max_gap), COALESCE_GAP)
+    if len(rem) < 2 or max_gap <= 0:
+        return rem, loc
+    a, n = rem[:, 0].astype(np.int64), rem[:, 1].astype(np.int64)
+    gaps = a[1:] - (a[:-1] + n[:-1])
+    merge = (gaps >= 0) & (gaps <= max_gap)
+    if not merge.any():
+        return rem, loc
+    first = np.flatnonzero(np.concatenate(([True], ~merge)))  # the first run of each span
+    last = np.concatenate((first[1:], [len(a)])) - 1
+    spans = np.empty((len(first), 2), dtype=np.uint64)
+    spans[:, 0] = a[first]
+    spans[:, 1] = a[last] + n[last] - a[first]
+    # Local side: after the byte where each skipped gap begins, a run into the scratch buffer.
+    skip = np.flatnonzero(merge & (gaps > 0))
+    at, glen = np.cumsum(n)[skip], gaps[skip]
+    lo, ln = loc[:, 0].astype(np.int64), loc[:, 1].astype(np.int64)
+    lend = np.cumsum(ln)
+    cuts = np.union1d(lend, at)  # every local run boundary and every gap, as stream offsets
+    prev = np.concatenate(([0], cuts[:-1]))
+    k = np.searchsorted(lend, prev, side="right")  # the local run holding each piece
+    where = np.searchsorted(cuts, at)  # the piece each gap follows
+    out = np.empty((len(cuts) + len(at), 2), dtype=np.uint64)
+    pieces = np.arange(len(cuts))
+    out[pieces + np.searchsorted(where, pieces, side="left"), 0] = lo[k] + prev - (lend[k] - ln[k])
+    out[pieces + np.searchsorted(where, pieces, side="left"), 1] = cuts - prev
+    out[where + np.arange(len(at)) + 1, 0] = _scratch.ctypes.data
+    out[where + np.arange(len(at)) + 1, 1] = glen
+    return spans, out
 
 
 def read_process(pid: int, remote: Any, local: Any) -> int:

@@ -52,7 +52,7 @@ from rankmesh.backend import RankCall
 from rankmesh.dispatch import Dispatch, register
 from rankmesh.errors import PeerReadError, ReshardError
 from rankmesh.mesh import RankMesh
-from rankmesh.peermem import allow_peer_reads, namespace_id, read_process, segments, strided_segments
+from rankmesh.peermem import allow_peer_reads, coalesce, namespace_id, read_process, segments, strided_segments
 from rankmesh.reshard.plan import ParamLayout, ReshardPlan, Transfer, merge_layouts, plan_reshard
 from rankmesh.serialization import numpy_view
 from rankmesh.worker import Worker
@@ -203,10 +203,11 @@ def _read_direct(tensors: dict[str, torch.Tensor], peer: dict[str, Any], entries
         raise PeerReadError(errno.ESRCH, f"source pid {peer['pid']} runs in another pid namespace "
                                          f"({peer['ns']} vs {namespace_id()}): its memory cannot be read by pid")
     remote, local, staged = [], [], []
+    wanted = 0  # bytes of the regions (the reads also fill scratch with the gaps they skip)
     for _, src_sl, name, dst_sl in entries:
         ptr, shape, strides, itemsize = peer["tensors"][name]
         offset = sum(sl.start * st for sl, st in zip(src_sl, strides)) * itemsize
-        remote.append(strided_segments(ptr + offset, [sl.stop - sl.start for sl in src_sl], strides, itemsize))
+        runs = strided_segments(ptr + offset, [sl.stop - sl.start for sl in src_sl], strides, itemsize)
         view = tensors[name][dst_sl]
         if view.device.type != "cpu":  # read into host memory, then copy to the device
             host = torch.empty(tuple(view.shape), dtype=view.dtype)
@@ -214,11 +215,15 @@ def _read_direct(tensors: dict[str, torch.Tensor], peer: dict[str, Any], entries
             view = host
         if view.element_size() != itemsize:
             raise ReshardError(f"parameter {name!r}: source elements are {itemsize} bytes, destination {view.element_size()}")
-        local.append(segments(view))
-    got = read_process(peer["pid"], np.concatenate(remote), np.concatenate(local))
+        # Columns of a tp split along dim 1 are short runs: read the rows whole, the gaps into scratch.
+        wanted += view.numel() * itemsize
+        runs, into = coalesce(runs, segments(view))
+        remote.append(runs)
+        local.append(into)
+    read_process(peer["pid"], np.concatenate(remote), np.concatenate(local))
     for view, host in staged:
         view.copy_(host)
-    return got
+    return wanted
 
 
 class ReshardWorker(Worker):
@@ -306,12 +311,12 @@ class ReshardWorker(Worker):
         process (:func:`rankmesh.peermem.read_process`).  A source whose memory the kernel will not
         let this process read is reported in ``refused`` (its direct regions left unwritten) for the
         controller to send through the store.  Returns ``{"bytes": received, "bytes_direct",
-        "refused": {source rank: reason}, "start", "end", "copy_s"}`` (wall-clock times, and the
-        seconds spent copying into place).
+        "refused": {source rank: reason}, "start", "end", "copy_s", "copy_cpu_s"}`` (wall-clock
+        times, and the seconds spent copying into place: wall-clock and this thread's CPU).
         """
         start = time.time()
         tensors = self.reshard_tensors()
-        received, direct_bytes, copy_s = 0, 0, 0.0
+        received, direct_bytes, copy_s, copy_cpu = 0, 0, 0.0, 0.0
         refused: dict[int, str] = {}
         by_source: dict[int, list[tuple[int, list]]] = {}
         for r, i, regions in job["refs"]:
@@ -326,7 +331,7 @@ class ReshardWorker(Worker):
             ready = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)[0] or first
             outputs = ray.get(ready)
             sources = [waiting.pop(ref) for ref in ready]
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             for r, out in zip(sources, outputs):
                 entries = direct_by_source.get(r)
                 if not entries:
@@ -345,21 +350,23 @@ class ReshardWorker(Worker):
                         out["refs"].append(out["fallback"][i])
                         by_source.setdefault(r, []).append((len(out["refs"]) - 1, [(name, dst_sl)]))
             copy_s += time.perf_counter() - t
+            copy_cpu += time.thread_time() - c
             wanted = [(out["refs"][i], regions) for r, out in zip(sources, outputs) for i, regions in by_source.get(r, ())]
             if not wanted:  # every region of these sources was read directly
                 continue
             objects = ray.get([ref for ref, _ in wanted])
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             for arrays, (_, regions) in zip(objects, wanted):
                 received += _copy_object(tensors, arrays, regions)
             copy_s += time.perf_counter() - t
+            copy_cpu += time.thread_time() - c
             del objects
         if job["local"]:
             views = _OUTBOX.pop((job["token"], self.rank))
             for view, (name, sl) in zip(views, job["local"]):
                 tensors[name][sl].copy_(view)
         return {"bytes": received + direct_bytes, "bytes_direct": direct_bytes, "refused": refused, "start": start,
-                "end": time.time(), "copy_s": copy_s}
+                "end": time.time(), "copy_s": copy_s, "copy_cpu_s": copy_cpu}
 
     @register(Dispatch.ONE_TO_ALL)
     def reshard_drop(self, token: str) -> int:
@@ -400,6 +407,9 @@ class ReshardStats:
     bytes_direct: int = 0
     #: (source, destination) pairs whose direct read the kernel refused (sent by the store instead).
     refused: int = 0
+    #: CPU seconds all destinations spent copying into place, summed (unlike ``copy_s``, not
+    #: stretched by other processes competing for the cores).
+    copy_cpu_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -583,7 +593,8 @@ def reshard(src_group: Any, dst_group: Any, plan: ReshardPlan, transport: str = 
         ("recv", d, g["start"] - start, g["copy_s"], g["end"] - start) for d, g in enumerate(run.got))
     return ReshardStats(plan.bytes_moved, plan.bytes_local, sum(r.n_objects for r in runs), sent_at - start, end - sent_at,
                         sum(r.bytes_put for r in runs), copy_s, timeline,
-                        bytes_direct=sum(g["bytes_direct"] for r in runs for g in r.got), refused=len(refused))
+                        bytes_direct=sum(g["bytes_direct"] for r in runs for g in r.got), refused=len(refused),
+                        copy_cpu_s=sum(g["copy_cpu_s"] for r in runs for g in r.got))
 
 
 _warned_refused = False
