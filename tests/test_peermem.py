@@ -229,3 +229,18 @@ def test_namespace_id_is_shared_with_a_child() -> None:
     out = subprocess.run([sys.executable, "-c", "from rankmesh.peermem import namespace_id; print(list(namespace_id()))"],
                          env=ENV, capture_output=True, text=True, timeout=60)
     assert json.loads(out.stdout) == list(ours)
+
+
+def test_bfloat16_and_transposed_views_through_coalesced_reads() -> None:
+    # torch views numpy cannot describe (bfloat16), a transposed source, a column block: read
+    # from this very process (a real process_vm_readv of our own pid), checked with torch.equal
+    src = torch.randn(40, 64).to(torch.bfloat16)
+    dst = torch.zeros(64, 40, dtype=torch.bfloat16)
+    for src_view, dst_view in [
+        (src[:, 16:48], dst[:32].T),  # column block (short runs with gaps) into a transposed local view
+        (src.T[8:24], dst[40:56]),  # a transposed source: runs of one element, out of address order
+    ]:
+        remote, local = coalesce(segments(src_view), segments(dst_view))
+        assert read_process(os.getpid(), remote, local) >= src_view.numel() * 2
+        assert torch.equal(dst_view, src_view)
+    assert not dst[56:].any()

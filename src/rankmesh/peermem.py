@@ -233,7 +233,7 @@ def read_process(pid: int, remote: Any, local: Any) -> int:
 
     Both are ``(address, nbytes)`` runs (arrays from :func:`segments`, or lists of pairs) of the
     same total size; bytes flow in order, whatever the run boundaries on either side.  Returns
-    the bytes read.  Raises :class:`PeerReadError` (errno, pid, and how to fix it) when the kernel
+    the bytes read (after :func:`coalesce`, the skipped gaps included).  Raises :class:`PeerReadError` (errno, pid, and how to fix it) when the kernel
     refuses or the addresses are bad; a read the kernel cuts short is resumed where it stopped.
     """
     lib = _c()
