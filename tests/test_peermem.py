@@ -151,6 +151,12 @@ def test_coalesced_reads_skip_the_gaps_into_scratch(child) -> None:
         outside = np.ones(out.shape, dtype=bool)
         outside.T[1 : rows + 1, :cols] = False
         assert (out[outside] == -1).all()
+        # and into a contiguous buffer (one local run: coalesce's short path)
+        dense = np.full((rows + 1, cols), -1.0, dtype=np.float32)
+        spans, into = coalesce(remote, segments(dense[:rows]))
+        read_process(pid, spans, into)
+        np.testing.assert_array_equal(dense[:rows], want[r0 : r0 + rows * rs : rs, c0 : c0 + cols * cs : cs])
+        assert (dense[rows] == -1).all()
 
 
 def test_coalesce_keeps_gaps_above_its_limit() -> None:
@@ -158,9 +164,12 @@ def test_coalesce_keeps_gaps_above_its_limit() -> None:
     local = np.array([[50, 24]], dtype=np.uint64)
     spans, into = coalesce(remote, local)
     assert spans.tolist() == [[1000, 24], [1024 + 8 + COALESCE_GAP + 1, 8]]
-    # 8 bytes, the 8-byte gap into scratch, then the last 16 local bytes (the far run's 8 included)
-    assert into[:, 1].tolist() == [8, 8, 16]
-    assert into[[0, 2], 0].tolist() == [50, 58] and into[1, 0] not in range(50, 74)
+    # the local stream: bytes 50..58, the 8-byte gap into scratch (outside the local buffer), then 58..74
+    stream = [(int(a), int(b)) for a, b in into]
+    assert stream[0] == (50, 8) and stream[1][1] == 8 and not 50 <= stream[1][0] < 74
+    rest = stream[2:]
+    assert rest[0][0] == 58 and sum(b for _, b in rest) == 16
+    assert all(a1 + b1 == a2 for (a1, b1), (a2, _) in zip(rest, rest[1:]))
     assert coalesce(remote, local, max_gap=0)[0].tolist() == remote.tolist()
 
 

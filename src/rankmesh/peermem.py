@@ -211,6 +211,15 @@ def coalesce(remote: Any, local: Any, max_gap: int = COALESCE_GAP) -> tuple[np.n
     spans[:, 0] = a[first]
     spans[:, 1] = a[last] + n[last] - a[first]
     # Local side: after the byte where each skipped gap begins, a run into the scratch buffer.
+    if len(loc) == 1:  # a contiguous destination (the common case): no local run to cut
+        after = np.concatenate((merge & (gaps > 0), [False]))  # a gap follows run i
+        pos = np.arange(len(n)) + np.concatenate(([0], np.cumsum(after)[:-1]))
+        out = np.empty((len(n) + int(after.sum()), 2), dtype=np.uint64)
+        out[pos, 0] = int(loc[0, 0]) + np.concatenate(([0], np.cumsum(n)[:-1]))
+        out[pos, 1] = n
+        out[pos[after] + 1, 0] = _scratch.ctypes.data
+        out[pos[after] + 1, 1] = gaps[after[:-1]]
+        return spans, out
     skip = np.flatnonzero(merge & (gaps > 0))
     at, glen = np.cumsum(n)[skip], gaps[skip]
     lo, ln = loc[:, 0].astype(np.int64), loc[:, 1].astype(np.int64)
