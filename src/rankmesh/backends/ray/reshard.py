@@ -215,8 +215,8 @@ def _read_direct(tensors: dict[str, torch.Tensor], peer: dict[str, Any], entries
             view = host
         if view.element_size() != itemsize:
             raise ReshardError(f"parameter {name!r}: source elements are {itemsize} bytes, destination {view.element_size()}")
-        # Columns of a tp split along dim 1 are short runs: read the rows whole, the gaps into scratch.
         wanted += view.numel() * itemsize
+        # Columns of a tp split along dim 1 are short runs: read the rows whole, the gaps into scratch.
         runs, into = coalesce(runs, segments(view))
         remote.append(runs)
         local.append(into)
