@@ -4,18 +4,23 @@ The model is a few transformer layers of a 300M-parameter GPT shape (hidden 1024
 QKV with partition stride 3), random weights, laid out over a trainer mesh (default tp2·pp2·dp2)
 and refit into each generator mesh (default tp1·dp8, then tp4·dp2), on local Ray CPU processes.
 
-* **reshard**: ``rankmesh.backends.ray.reshard.reshard`` with ``plan_reshard``'s plan: each source rank puts its
-  regions into the object store once; each destination fetches only its own.
+* **reshard, direct** (``transport="auto"``, the default): ``rankmesh.backends.ray.reshard.reshard`` with
+  ``plan_reshard``'s plan; every rank is on this one node, so each destination reads its regions
+  straight out of the source processes (``process_vm_readv``): one copy per byte, no object store.
+* **reshard, object store** (``transport="store"``): each source rank puts its regions into the
+  object store once; each destination fetches only its own (two copies per byte).
 * **naive**: gather every full tensor to the controller (one dp replica's shards), then send each
   destination rank its slice.
 
 Printed per destination mesh: bytes moved (plan, naive, and the minimum: the bytes destination
-ranks keep), the median time of both over ``--repeat`` runs (the two ways alternate run by run),
-their ratio, the reshard's stages (until the last source has put; the rest of the receive; the
-slowest destination's copying into place, which overlaps both), and the max bytes one source rank
-sends.  The plan is timed (median of 3) before any worker starts.  Both ways must leave identical weights on every destination rank (checked by checksum).
+ranks keep), the median time of each way over ``--repeat`` runs (the ways alternate run by run;
+``--transport auto|store`` times one transport only), each reshard's ratio to naive, its stages
+(until the last source has put or published; the rest of the receive; the slowest destination's
+copying into place, which overlaps both), the bytes read directly and put into the store, and the
+max bytes one source rank sends.  The plan is timed (median of 3) before any worker starts.  Every
+way must leave identical weights on every destination rank (checked by checksum).
 
-    python scripts/bench_reshard.py                        # 8 + 8 ranks, ~200 MB model
+    python scripts/bench_reshard.py                        # 8 + 8 ranks, ~200 MB model, direct and store vs naive
     python scripts/bench_reshard.py --src tp=2,pp=2 --dst tp=1,dp=4 --dst tp=4   # 4 + 4 ranks
 """
 
@@ -170,12 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ffn", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs of each way; the median is printed")
+    parser.add_argument("--transport", choices=("both", "auto", "store"), default="both",
+                        help="reshard transport(s) timed beside naive: auto (direct reads on one node), store "
+                             "(object store only), or both, alternated (default %(default)s)")
     parser.add_argument("--json", dest="json_path", help="also write the results as JSON")
     args = parser.parse_args(argv)
     import ray
 
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, ensure_ray
 
+    transports = ["auto", "store"] if args.transport == "both" else [args.transport]
     src_mesh = parse_mesh(args.src)
     dst_meshes = [parse_mesh(d) for d in (args.dst or ["tp=1,dp=8", "tp=4,dp=2"])]
     layouts = gpt_layers(args.layers, args.hidden, args.ffn, src_mesh.size("pp"))
@@ -209,51 +218,66 @@ def main(argv: list[str] | None = None) -> int:
                               for p in dst_layouts for r in range(dst_mesh.world_size) if holds(p, dst_mesh, r))
                 # The least the sources can put: each element of the model once (destinations keep all of it).
                 distinct = model_bytes
-                reshard(src_group, dst_group, plan)  # warm-up (first object-store use of each process)
-                after_plan = dst_group.checksum()
+                # Warm-ups (first object-store use of each process), and the weights each way leaves.
+                sums = {}
+                for transport in transports:
+                    dst_group.zero()
+                    reshard(src_group, dst_group, plan, transport=transport)
+                    sums[transport] = dst_group.checksum()
                 dst_group.zero()
-                naive_refit(src_group, dst_group, layouts, dst_layouts, src_mesh, dst_mesh)  # warm-up
-                # Alternate the two ways run by run, so that a change in machine load hits both alike.
-                plan_times, naive_times, runs, naives = [], [], [], []
+                naive_refit(src_group, dst_group, layouts, dst_layouts, src_mesh, dst_mesh)
+                # Alternate the ways run by run, so that a change in machine load hits all alike.
+                ways = {t: (lambda t=t: reshard(src_group, dst_group, plan, transport=t)) for t in transports}
+                ways["naive"] = lambda: naive_refit(src_group, dst_group, layouts, dst_layouts, src_mesh, dst_mesh)
+                times: dict[str, list[float]] = {w: [] for w in ways}
+                values: dict[str, list[Any]] = {w: [] for w in ways}
                 for _ in range(args.repeat):
-                    for times, values, fn in (
-                        (plan_times, runs, lambda: reshard(src_group, dst_group, plan)),
-                        (naive_times, naives, lambda: naive_refit(src_group, dst_group, layouts, dst_layouts, src_mesh, dst_mesh)),
-                    ):
+                    for way, fn in ways.items():
                         start = time.perf_counter()
-                        values.append(fn())
-                        times.append(time.perf_counter() - start)
-                plan_time, naive_time = statistics.median(plan_times), statistics.median(naive_times)
-                stats, naive = runs[0], naives[0]
-                send_s, recv_s = statistics.median(r.send_s for r in runs), statistics.median(r.recv_s for r in runs)
-                copy_s = statistics.median(r.copy_s for r in runs)
-                same = dst_group.checksum() == after_plan
+                        values[way].append(fn())
+                        times[way].append(time.perf_counter() - start)
+                median = {w: statistics.median(ts) for w, ts in times.items()}
+                naive, naive_time = values["naive"][0], median["naive"]
+                same = all(v == dst_group.checksum() for v in sums.values())
                 sent = plan.bytes_per_src_rank
                 row = {
                     "src": repr(src_mesh), "dst": repr(dst_mesh), "plan_s": plan_s,
                     "bytes_plan": plan.bytes_moved, "bytes_naive": naive["bytes"], "bytes_minimum": minimum,
-                    "time_reshard_s": plan_time, "time_naive_s": naive_time, "speedup": naive_time / plan_time,
-                    "reshard_send_s": send_s, "reshard_recv_s": recv_s, "reshard_copy_s": copy_s, "bytes_put": stats.bytes_put,
-                    "bytes_distinct": distinct,
+                    "time_naive_s": naive_time, "bytes_distinct": distinct,
                     "max_src_bytes_plan": max(sent.values()), "mean_src_bytes_plan": sum(sent.values()) / len(sent),
-                    "max_src_bytes_naive": naive["max_src"], "regions": len(plan.transfers), "objects": stats.objects,
-                    "identical_weights": same,
+                    "max_src_bytes_naive": naive["max_src"], "regions": len(plan.transfers),
+                    "identical_weights": same, "load_average": os.getloadavg()[0],
                 }
+                for transport in transports:
+                    runs = values[transport]
+                    row[transport] = {
+                        "time_s": median[transport], "ratio_to_naive": median[transport] / naive_time,
+                        "send_s": statistics.median(r.send_s for r in runs), "recv_s": statistics.median(r.recv_s for r in runs),
+                        "copy_s": statistics.median(r.copy_s for r in runs), "bytes_put": runs[0].bytes_put,
+                        "copy_cpu_s": statistics.median(r.copy_cpu_s for r in runs),
+                        "bytes_direct": runs[0].bytes_direct, "objects": runs[0].objects, "refused": runs[0].refused,
+                    }
+                # The default transport's figures under the names earlier versions wrote.
+                main_t = transports[0]
+                row.update(time_reshard_s=median[main_t], speedup=naive_time / median[main_t], transport=main_t)
                 results.append(row)
-                print(f"\n{src_mesh!r} -> {dst_mesh!r}  ({len(plan.transfers)} regions in {stats.objects} objects, "
+                print(f"\n{src_mesh!r} -> {dst_mesh!r}  ({len(plan.transfers)} regions, "
                       f"planned in {plan_s * 1000:.1f} ms, median of 3)")
                 print(f"  bytes moved    reshard {plan.bytes_moved / MIB:9.1f} MiB   naive {naive['bytes'] / MIB:9.1f} MiB "
                       f"(gather {naive['gathered'] / MIB:.1f} + scatter {naive['sent'] / MIB:.1f})   minimum {minimum / MIB:9.1f} MiB"
                       f"   {'== minimum' if plan.bytes_moved == minimum else '!= MINIMUM'}")
-                print(f"  time (median of {args.repeat})  reshard {plan_time:7.3f} s   naive {naive_time:7.3f} s   "
-                      f"ratio {plan_time / naive_time:.2f} (target <= 0.5); reshard = send {send_s:.3f} + rest of the receive {recv_s:.3f} "
-                      f"(the slowest destination's copy into place {copy_s:.3f})")
-                print(f"  object store   sources put {stats.bytes_put / MIB:.1f} MiB in {stats.objects} objects "
-                      f"(the model is {distinct / MIB:.1f} MiB: each byte put once)")
+                print(f"  time (median of {args.repeat}, ways alternated)   naive {naive_time:7.3f} s")
+                for transport in transports:
+                    r = row[transport]
+                    label = {"auto": "reshard, direct (auto)", "store": "reshard, object store"}[transport]
+                    print(f"    {label:24s} {r['time_s']:7.3f} s   ratio {r['ratio_to_naive']:.2f} (target <= 0.5)   "
+                          f"send {r['send_s']:.3f} + rest of the receive {r['recv_s']:.3f} (slowest destination's copy "
+                          f"{r['copy_s']:.3f}; all destinations' copying {r['copy_cpu_s']:.3f} CPU s)   read directly {r['bytes_direct'] / MIB:.1f} MiB, put {r['bytes_put'] / MIB:.1f} MiB "
+                          f"in {r['objects']} objects" + (f", {r['refused']} pairs refused" if r["refused"] else ""))
                 print(f"  max bytes by one source rank  reshard {max(sent.values()) / MIB:.1f} MiB "
                       f"(mean {sum(sent.values()) / len(sent) / MIB:.1f}, ratio {max(sent.values()) / (sum(sent.values()) / len(sent)):.3f})"
                       f"   naive {naive['max_src'] / MIB:.1f} MiB (to the controller, which then sends {naive['sent'] / MIB:.1f} MiB)")
-                print(f"  destination weights identical after both ways: {same}   (load average {os.getloadavg()[0]:.1f})")
+                print(f"  destination weights identical after every way: {same}   (load average {os.getloadavg()[0]:.1f})")
             finally:
                 dst_group.shutdown()
     finally:

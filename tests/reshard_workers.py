@@ -8,6 +8,7 @@ inside a torch module whose parameters carry megatron's ``tensor_model_parallel`
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ class ShardHolder(ReshardWorker):
     def __init__(self, layouts: list[ParamLayout], seed: int | None, mesh_name: str = "default") -> None:
         super().__init__()
         self.mesh_name = mesh_name
+        self.layouts = layouts
         mesh = self.reshard_mesh()
         self.model = torch.nn.Module()  # parameters registered by their (dot-free) layout names
         for p in layouts:
@@ -67,3 +69,20 @@ class ShardHolder(ReshardWorker):
     def scale(self, factor: float) -> None:
         for p in self.model.parameters():
             p.data.mul_(factor)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def refill(self, seed: int | None) -> None:
+        """Every shard again as cut from the full tensors of ``seed`` (zeros for ``None``), in place."""
+        params = dict(self.model.named_parameters())
+        for p in self.layouts:
+            if p.name in params:
+                shard = megatron_cut(full_tensor(p, seed or 0), p, self.reshard_mesh(), self.rank)
+                params[p.name].data.copy_(torch.from_numpy(shard) * (seed is not None))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def forbid_peer_reads(self) -> int:
+        """Install a seccomp filter: this process can never again read another's memory (for good)."""
+        from tests.seccomp_filter import forbid_process_vm_readv
+
+        forbid_process_vm_readv()
+        return os.getpid()

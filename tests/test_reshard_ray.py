@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from rankmesh.mesh import RankMesh
-from rankmesh.backends.ray.reshard import PIECE_BYTES, global_parameter_names, layouts_from_module, plan_between, reshard, row_blocks
+from rankmesh.backends.ray.reshard import (
+    PIECE_BYTES,
+    TRANSPORTS,
+    global_parameter_names,
+    layouts_from_module,
+    plan_between,
+    reshard,
+    row_blocks,
+)
 from rankmesh.reshard import ParamLayout, ReshardError, plan_reshard
 
 pytest.importorskip("ray")
@@ -70,6 +78,8 @@ def test_colocated_refit_moves_only_missing_halves(groups) -> None:
     assert plan.bytes_moved == 4 * split // 2 and plan.bytes_local > 0
     stats = reshard(train, gen, plan)
     assert stats.bytes_moved == plan.bytes_moved
+    # one node: every region that leaves its process is read straight from the source process
+    assert stats.bytes_direct == plan.bytes_moved and stats.bytes_put == 0 and stats.refused == 0
     assert_shards(gen.shards(), expected(LAYOUTS, GEN, seed=1))
 
 
@@ -142,6 +152,68 @@ def test_plan_must_match_the_groups(groups) -> None:
 
     with pytest.raises(ReshardError, match="different parameters.*names="):
         plan_between(train, Renamed, dst_mesh=GEN)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_both_transports_move_the_same_weights(groups, transport) -> None:
+    _, gen, pipe = groups
+    pipe.refill(5)
+    gen.refill(None)
+    plan = plan_between(pipe, gen, dst_mesh=GEN)
+    stats = reshard(pipe, gen, plan, transport=transport)
+    assert_shards(gen.shards(), expected(LAYOUTS, GEN, seed=5))
+    direct = transport == "auto"
+    assert stats.bytes_direct == (plan.bytes_moved if direct else 0)
+    assert (stats.bytes_put == 0) == direct and stats.refused == 0
+    # Back into the pipelined tp2 layout: proj splits along dim 1 and qkv with stride 3, so the
+    # destination's regions are strided in the source (tp1) and whole in its own shard.
+    gen.scale(2.0)
+    pipe.refill(None)
+    back = plan_reshard(plan.dst_params, GEN, PIPE, dst_layouts=PIPE_LAYOUTS)
+    stats = reshard(gen, pipe, back, transport=transport)
+    assert_shards(pipe.shards(), expected(PIPE_LAYOUTS, PIPE, seed=5, factor=2.0))
+    assert stats.bytes_direct == (back.bytes_moved if direct else 0)
+
+
+def test_an_unknown_transport_is_refused(groups) -> None:
+    train, gen, _ = groups
+    plan = plan_between(train, gen, colocated=True, dst_mesh=GEN)
+    with pytest.raises(ReshardError, match=r"transport='shm'.*'auto', 'store'"):
+        reshard(train, gen, plan, transport="shm")
+
+
+def test_refused_direct_reads_go_through_the_store(groups, caplog, monkeypatch) -> None:
+    """A destination that truly cannot read other processes (a seccomp filter, as in some containers)."""
+    import logging
+
+    import rankmesh.backends.ray.reshard as module
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from tests.seccomp_filter import supported
+
+    if not supported():
+        pytest.skip("seccomp filter for this machine not written")
+    _, _, pipe = groups
+    mesh = RankMesh(dp=2)
+    sealed = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=None),
+                            mesh=mesh)
+    try:
+        sealed.forbid_peer_reads()
+        pipe.refill(4)
+        plan = plan_between(pipe, sealed)
+        monkeypatch.setattr(module, "_warned_refused", False)
+        with caplog.at_level(logging.WARNING, logger=module.__name__):
+            stats = reshard(pipe, sealed, plan)
+        assert_shards(sealed.shards(), expected(LAYOUTS, mesh, seed=4))
+        pairs = {(t.src_rank, t.dst_rank) for t in plan.transfers}
+        assert stats.refused == len(pairs) and stats.bytes_direct == 0 and stats.bytes_put > 0
+        assert "EPERM" in caplog.text and "transport='store'" in caplog.text and "source rank" in caplog.text
+        # remembered: the next refit sends those pairs through the store without trying
+        sealed.refill(None)
+        stats = reshard(pipe, sealed, plan)
+        assert stats.refused == 0 and stats.bytes_direct == 0
+        assert_shards(sealed.shards(), expected(LAYOUTS, mesh, seed=4))
+    finally:
+        sealed.shutdown()
 
 
 # ----- worker-side helpers, without Ray ------------------------------------------------------------

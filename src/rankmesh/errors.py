@@ -8,6 +8,7 @@ another layer.
 
 from __future__ import annotations
 
+import errno
 import traceback
 
 
@@ -243,6 +244,18 @@ class WorkerEnvError(BackendError, ValueError):
 
 class ReshardError(MeshError):
     """A reshard cannot be planned or run: a parameter does not fit a mesh, or the two sides disagree."""
+
+
+class PeerReadError(RankMeshError, OSError):
+    """Reading another process's memory (``process_vm_readv``) failed; ``errno`` says why.
+
+    ``refused`` is true when the kernel refused the access (another user, Yama, seccomp, another
+    pid namespace) rather than an address being wrong: a copy through a store still works then.
+    """
+
+    @property
+    def refused(self) -> bool:
+        return self.errno in (errno.EPERM, errno.EACCES, errno.ENOSYS, errno.ESRCH)
 
 
 class RecoveryError(BackendError):
