@@ -264,12 +264,12 @@ class ReshardWorker(Worker):
         """Put each object of ``job["objects"]`` (a list of regions) into the object store, and
         publish where the tensors of ``job["direct"]`` (regions read straight from this process) live.
 
-        Returns ``{"refs": [one ObjectRef per object], "peer", "fallback", "start", "end",
-        "put_s"}``: ``peer`` is ``{"pid", "ns", "tensors": {name: (data_ptr, shape, strides,
+        Returns ``{"refs": [one ObjectRef per object], "peer", "fallback", "fallback_bytes",
+        "start", "end", "put_s"}``: ``peer`` is ``{"pid", "ns", "tensors": {name: (data_ptr, shape, strides,
         itemsize)}}`` for the CPU tensors of direct regions (the tensors stay referenced by this
         worker until its next send, so the addresses stay valid while the blocking
         :func:`reshard` runs); ``fallback`` maps the index of a direct region whose tensor is not
-        on the CPU to an object holding it.  Times are wall-clock, ``put_s`` the seconds in ``ray.put``.
+        on the CPU to an object holding it (``fallback_bytes`` in all).  Times are wall-clock, ``put_s`` the seconds in ``ray.put``.
         """
         start = time.time()
         tensors = self.reshard_tensors()
@@ -280,7 +280,7 @@ class ReshardWorker(Worker):
             refs.append(_put_regions(tensors, regions))
             put_s += time.perf_counter() - t
         peer: dict[str, Any] = {"pid": os.getpid(), "ns": namespace_id(), "tensors": {}}
-        fallback = {}
+        fallback, fallback_bytes = {}, 0
         direct = job.get("direct", [])
         if direct:
             allow_peer_reads()
@@ -293,12 +293,14 @@ class ReshardWorker(Worker):
                 t = time.perf_counter()
                 fallback[i] = _put_regions(tensors, [(name, sl)])
                 put_s += time.perf_counter() - t
+                fallback_bytes += tensor[sl].numel() * tensor.element_size()
         # Keep what was published alive until this worker's next send (reshard_tensors() may build
         # new tensors on every call): destinations read them after this call has returned.
         self._reshard_published = {name: tensors[name] for name in peer["tensors"]}
         if job["local"]:
             _OUTBOX[(job["token"], self.rank)] = [tensors[name][sl] for name, sl in job["local"]]
-        return {"refs": refs, "peer": peer, "fallback": fallback, "start": start, "end": time.time(), "put_s": put_s}
+        return {"refs": refs, "peer": peer, "fallback": fallback, "fallback_bytes": fallback_bytes,
+                "start": start, "end": time.time(), "put_s": put_s}
 
     @register(Dispatch.ALL_TO_ALL)
     def reshard_recv(self, job: dict[str, Any], sends: list[Any]) -> dict[str, Any]:
@@ -548,6 +550,9 @@ def _run(src_group: Any, dst_group: Any, plan: ReshardPlan, direct: frozenset[tu
             except Exception:  # noqa: BLE001 - the first error is the one to report
                 logger.warning("reshard %s failed and its colocated regions could not be dropped", token, exc_info=True)
         raise
+    # Regions of device tensors planned as direct reads went by the store after all (reshard_send).
+    n_objects += sum(len(s["fallback"]) for s in sent)
+    bytes_put += sum(s["fallback_bytes"] for s in sent)
     return _Run(sent, got, start, time.time(), n_objects, bytes_put)
 
 
