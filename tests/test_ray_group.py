@@ -249,3 +249,10 @@ def test_two_groups_share_a_pool_with_max_colocate_count(ray_session):
         first.shutdown()
         second.shutdown()
     assert pool._slots is None
+
+
+def test_bin_pack_false_is_refused_before_anything_starts():
+    # verl's bin_pack=False means PACK placement groups; a pool places each entry on one node
+    # (STRICT_PACK), so the group refuses it, naming the argument and the per-node alternative.
+    with pytest.raises(BackendError, match=r"bin_pack=False .*STRICT_PACK.*RayResourcePool\(\[4, 4\]\)"):
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(EnvWorker), bin_pack=False)
