@@ -152,6 +152,45 @@ def alive_nodes() -> dict[str, dict[str, Any]]:
     return {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
 
 
+#: ``/proc/<pid>/comm`` of Ray's per-node daemon, the process that starts a node's workers.
+RAYLET_NAME = "raylet"
+
+
+def _parent_and_name(pid: int) -> tuple[int, str] | None:
+    """``(ppid, comm)`` of ``pid`` from ``/proc/<pid>/stat`` (comm may hold spaces and parentheses)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    return int(stat[stat.rindex(")") + 2 :].split()[1]), name
+
+
+def worker_raylet_pid() -> int | None:
+    """Pid of the raylet that started this worker process (its node's raylet), else ``None``.
+
+    Ray tells its workers in ``RAY_RAYLET_PID``; that pid is used only if it is an ancestor of
+    this process named ``raylet``, and without it the nearest such ancestor is (workers are the
+    raylet's children; a runtime-env setup process may sit between).  Every Ray worker process
+    of the node descends from it: the tracer to declare with
+    :func:`rankmesh.peermem.allow_peer_reads` so that exactly they may read this process.
+    """
+    told = os.environ.get("RAY_RAYLET_PID", "")
+    pid = os.getpid()
+    for _ in range(16):  # a worker sits one or two levels below its raylet
+        found = _parent_and_name(pid)
+        if found is None or found[0] <= 0:
+            return None
+        pid = found[0]
+        parent = _parent_and_name(pid)
+        if parent is None:
+            return None
+        if parent[1] == RAYLET_NAME and (not told.isdigit() or int(told) == pid):
+            return pid
+    return None
+
+
 def raylet_pids() -> list[int]:
     """Pids of the raylets this driver started (they own the object store's file), else ``[]``.
 
