@@ -318,3 +318,46 @@ def test_validate_pools_with_conflicting_labels_on_one_node_exits_1(capsys, tmp_
     errors = [line for line in out.splitlines() if ": error: " in line]
     assert len(errors) == 1, out
     assert "pool 'train' requires gpu=a100 and pool 'gen' requires gpu=h100 on node 0" in errors[0]
+
+
+# ----- bad paths: one line naming the path and what is wrong ------------------------------------
+
+
+def test_every_bad_layout_path_is_one_line_naming_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    cases = {
+        "./missing.yaml": "./missing.yaml: no such layout file",
+        str(tmp_path / "missing.yaml"): f"{tmp_path / 'missing.yaml'}: no such layout file",
+        "adir": "adir: is a directory, not a layout file",
+        str(tmp_path / "adir"): f"{tmp_path / 'adir'}: is a directory, not a layout file",
+        "missing.yaml": "unknown layout 'missing'",  # a bare file name is looked up like a name
+    }
+    for arg, fragment in cases.items():
+        code, out, err = run(capsys, "layout", "show", arg)
+        assert code == 2 and out == "", arg
+        assert fragment in one_error_line(err), (arg, err)
+
+
+def test_draw_to_a_missing_directory_is_one_line_and_writes_nothing(capsys, tmp_path):
+    target = tmp_path / "nonexistent" / "x.png"
+    code, out, err = run(capsys, "layout", "draw", "cpu_demo", "-o", str(target))
+    assert code == 2 and out == ""
+    assert f"directory '{target.parent}' does not exist" in one_error_line(err)
+    code, out, err = run(capsys, "layout", "draw", "cpu_demo", "-o", str(tmp_path))
+    assert code == 2 and "must end in" in one_error_line(err)
+
+
+def test_trace_commands_name_a_bad_path(capsys, tmp_path):
+    code, out, err = run(capsys, "trace", "summarize", str(tmp_path))
+    assert code == 2 and f"{tmp_path}: is a directory, not a trace file" in one_error_line(err)
+    code, out, err = run(capsys, "trace", "plot", str(tmp_path / "t.json"), "-o", str(tmp_path / "no" / "t.png"))
+    assert code == 2 and "does not exist" in one_error_line(err)
+
+
+def test_top_level_help_names_every_command(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    description = out.split("positional arguments")[0]
+    for word in ("layouts", "traces", "demo"):
+        assert word in description, description
