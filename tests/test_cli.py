@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import textwrap
 from pathlib import Path
 
@@ -23,10 +24,10 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def one_error_line(err: str) -> str:
+def one_error_line(err: str, prefix: str = "rankmesh: error: ") -> str:
     lines = err.splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("rankmesh: error: "), err
+    assert lines[0].startswith(prefix), err
     assert "Traceback" not in err
     return lines[0]
 
@@ -290,11 +291,26 @@ def test_console_script_and_python_m(tmp_path):
         (["--kill-at-iteration", "2"], "--kill-at-iteration needs --kill-rank"),
         (["--kill-rank", "8"], "--kill-rank must be an actor rank, 0 to 7"),  # cpu_demo's actor: tp2·pp2·dp2
         (["--kill-rank", "1", "--kill-at-iteration", "5"], "between 1 and --iterations (4)"),
+        # Every option against the layout and the model (the demo model: 4 heads, hidden 32, 2 layers, 32 rows).
+        (["--layout", "nosuch"], "--layout nosuch: unknown layout 'nosuch'"),
+        (["--no-layout", "--actor-tp", "3"], "--actor-tp 3: the demo model's num_heads=4 is not divisible by tp=3"),
+        (["--no-layout", "--critic-tp", "8"], "--critic-tp 8: the demo model's num_heads=4 is not divisible by tp=8"),
+        (["--actor-tp", "4"], "--actor-tp: explicit mesh sizes need --no-layout"),
+        (["--no-layout", "--actor-pp", "3"], "--actor-pp 3: the demo model has 2 layers"),
+        (["--no-layout", "--actor-dp", "3"], "32 rows do not split evenly over the actor's dp=3 (--actor-dp)"),
+        (["--no-layout", "--rollout-dp", "0"], "--rollout-dp must be a positive integer, got 0"),
+        (["--prompts", "0"], "--prompts must be a positive integer, got 0"),
+        (["--iterations", "1"], "--iterations must be at least 2"),
+        (["--hang-rank", "99"], "--hang-rank 99 is not a rank of the actor group"),
     ],
 )
-def test_demo_kill_options_are_checked_before_anything_starts(capsys, argv, message):
+def test_demo_options_are_checked_before_anything_starts(capsys, argv, message):
+    started = time.perf_counter()
     code, out, err = run(capsys, "demo", *argv)
-    assert code == 2 and message in err and out == ""
+    assert code == 2 and out == ""
+    line = one_error_line(err, prefix="rankmesh demo: error: ")
+    assert message in line, line
+    assert time.perf_counter() - started < 5  # no Ray start-up before the verdict
 
 
 def test_validate_pools_with_conflicting_labels_on_one_node_exits_1(capsys, tmp_path):

@@ -35,12 +35,13 @@ import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from typing import Any, Iterable, TextIO
 
 import numpy as np
 import torch
 
 from rankmesh.data import DataProto
+from rankmesh.errors import RankMeshError, UsageError
 from rankmesh.demo_hang import HangDrill, run_hang_drill
 from rankmesh.layout import load_layout
 from rankmesh.megatron.group import shutdown_megatron_group, start_megatron_group
@@ -169,35 +170,94 @@ def _mean_metric(proto: Any, key: str) -> float:
 # ----- groups ----------------------------------------------------------------------------------
 
 
+#: Options that size the meshes without a layout (``--no-layout``); with a layout they would be ignored.
+SIZE_OPTIONS = ("actor_tp", "actor_pp", "actor_dp", "critic_tp", "critic_dp", "rollout_dp")
+
+
+def _demo_layout(cfg: DemoConfig):
+    """The layout ``cfg.layout`` names, with the three roles the demo starts; a UsageError naming it otherwise."""
+    try:
+        layout = load_layout(cfg.layout)
+        for role in ("actor", "critic", "rollout"):
+            layout.role(role)
+    except RankMeshError as exc:
+        raise UsageError(f"--layout {cfg.layout}: {exc} (or pass --no-layout to use the --actor-*/--critic-*/--rollout-* sizes)") from None
+    return layout
+
+
 def resolve_meshes(cfg: DemoConfig):
     """(actor mesh, actor pool counts, critic mesh, critic pool counts, where they came from)."""
     if cfg.layout:
-        try:
-            layout = load_layout(cfg.layout)
-            actor, critic = layout.role("actor"), layout.role("critic")
-            return (actor.mesh(), list(actor.pool.process_on_nodes), critic.mesh(),
-                    list(critic.pool.process_on_nodes), f"layout {layout.name}")
-        except Exception as exc:  # noqa: BLE001 - any layout problem: use the explicit sizes
-            logger.warning("layout %r unusable (%s); using explicit sizes", cfg.layout, exc)
-    actor = RankMesh(tp=cfg.actor_tp, pp=cfg.actor_pp, dp=cfg.actor_dp)
-    critic = RankMesh(tp=cfg.critic_tp, dp=cfg.critic_dp)
+        layout = _demo_layout(cfg)
+        actor, critic = layout.role("actor"), layout.role("critic")
+        return (actor.mesh(), list(actor.pool.process_on_nodes), critic.mesh(),
+                list(critic.pool.process_on_nodes), f"layout {layout.name}")
+    try:
+        actor = RankMesh(tp=cfg.actor_tp, pp=cfg.actor_pp, dp=cfg.actor_dp)
+        critic = RankMesh(tp=cfg.critic_tp, dp=cfg.critic_dp)
+    except RankMeshError as exc:
+        raise UsageError(f"--actor-*/--critic-* sizes: {exc}") from None
     return actor, [actor.world_size], critic, [critic.world_size], "explicit sizes"
 
 
 def resolve_rollout(cfg: DemoConfig):
     """(rollout mesh, pool counts): the layout's ``rollout`` role, else tp1 x ``cfg.rollout_dp``."""
-    from rankmesh.mesh import RankMesh
-
     if cfg.layout:
-        try:
-            from rankmesh.layout import load_layout
-
-            role = load_layout(cfg.layout).role("rollout")
-            return role.mesh(), list(role.pool.process_on_nodes)
-        except Exception as exc:  # noqa: BLE001 - any layout problem: use the explicit size
-            logger.warning("layout %r has no usable rollout role (%s); using --rollout-dp", cfg.layout, exc)
+        role = _demo_layout(cfg).role("rollout")
+        return role.mesh(), list(role.pool.process_on_nodes)
     mesh = RankMesh(dp=cfg.rollout_dp)
     return mesh, [mesh.world_size]
+
+
+def check_config(cfg: DemoConfig, given: Iterable[str] = ()) -> None:
+    """Every option checked against the layout and the model before Ray starts.
+
+    Raises one :class:`UsageError` naming the option at fault and the fix, so a run that could
+    not finish fails in a second instead of after the groups' start-up.  ``given``: the options
+    the user set (a layout ignores the explicit mesh sizes, so setting both is an error).
+    """
+    for name in ("iterations", "prompts", "samples_per_prompt", "prompt_length", "response_length", "micro_batches"):
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
+    if cfg.iterations < 2:
+        raise UsageError("--iterations must be at least 2 (the loss check compares first and last)")
+    for name in ("actor_lr", "critic_lr", "tolerance"):
+        if not getattr(cfg, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if cfg.layout:
+        clash = [n for n in SIZE_OPTIONS if n in given]
+        if clash:
+            flags = ", ".join(f"--{n.replace('_', '-')}" for n in clash)
+            raise UsageError(f"{flags}: explicit mesh sizes need --no-layout (--layout {cfg.layout} gives the meshes); "
+                             f"add --no-layout to use them, or drop {flags}")
+    else:
+        for name in SIZE_OPTIONS:
+            if getattr(cfg, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
+    actor, _, critic, _, source = resolve_meshes(cfg)
+    rollout, _ = resolve_rollout(cfg)
+    model = TinyConfig()
+    where = "" if source == "explicit sizes" else f" ({source})"
+    for role, mesh, flag in (("actor", actor, "--actor-tp"), ("critic", critic, "--critic-tp")):
+        tp = mesh.size("tp")
+        for field_name in ("num_heads", "hidden_size", "ffn_hidden_size", "vocab_size"):
+            size = getattr(model, field_name)
+            if size % tp:
+                raise UsageError(f"{flag} {tp}{where}: the demo model's {field_name}={size} is not divisible by tp={tp}; "
+                                 f"use a tp that divides {size}")
+    if actor.size("pp") > model.num_layers:
+        raise UsageError(f"--actor-pp {actor.size('pp')}{where}: the demo model has {model.num_layers} layers, "
+                         f"at most one pipeline stage per layer")
+    if critic.size("pp") != 1:
+        raise UsageError(f"the critic's mesh{where} has pp={critic.size('pp')}; the demo's critic runs without a pipeline")
+    if rollout.size("tp") != 1 or rollout.size("pp") != 1:
+        raise UsageError(f"the rollout's mesh{where} is {rollout!r}: the demo's rollout holds the whole model per rank (tp1, pp1)")
+    rows = cfg.prompts * cfg.samples_per_prompt
+    for role, mesh, flag in (("actor", actor, "--actor-dp"), ("critic", critic, "--critic-dp"), ("rollout", rollout, "--rollout-dp")):
+        dp = mesh.size("dp")
+        if rows % dp:
+            raise UsageError(f"--prompts x --samples-per-prompt = {rows} rows do not split evenly over the {role}'s "
+                             f"dp={dp}{where} ({flag}); choose sizes whose product is a multiple of {dp}")
 
 
 def start_rollout(cfg: DemoConfig, model: dict):
@@ -206,8 +266,6 @@ def start_rollout(cfg: DemoConfig, model: dict):
     from rankmesh.megatron.rollout import RolloutWorker
 
     mesh, counts = resolve_rollout(cfg)
-    if mesh.size("tp") != 1 or mesh.size("pp") != 1:
-        raise ValueError(f"the demo's rollout holds the whole model per rank: its mesh must be tp1, pp1, got {mesh!r}")
     return RayWorkerGroup(RayResourcePool(counts, use_gpu=False, name_prefix="rollout_pool"),
                           RayClassWithInitArgs(RolloutWorker, model=model), mesh=mesh, name_prefix="demo-rollout")
 
