@@ -326,7 +326,8 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
     result = DemoResult(cfg)
     tcfg = TinyConfig(seed=cfg.seed, max_seq_len=cfg.prompt_length + cfg.response_length)
     conn = ensure_ray(cfg.address, num_cpus=16)
-    bar = tqdm(total=cfg.iterations + 1, desc="starting groups", unit="step", disable=not cfg.progress, file=sys.stderr)
+    bar = tqdm(total=cfg.iterations + 1, desc="starting groups", unit="step", disable=not (cfg.progress and sys.stderr.isatty()),
+               file=sys.stderr)  # progress only on a terminal: a redirected stderr gets no bar
     actor = ref = critic = rollout = None
     try:
         actor, ref, critic, source = start_groups(cfg, tcfg.to_dict())
