@@ -17,11 +17,12 @@ own configuration decides where its processes listen.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 from ray._private import ray_constants
@@ -100,16 +101,54 @@ def ensure_ray(
     init_kwargs.setdefault("include_dashboard", False)
     if init_kwargs["include_dashboard"]:
         init_kwargs.setdefault("dashboard_host", LOOPBACK)
-    ray.init(  # binds 127.0.0.1 only (LOOPBACK)
-        address="local",
-        _node_ip_address=LOOPBACK,
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        object_store_memory=object_store_memory,
-        namespace=namespace,
-        **init_kwargs,
-    )
+    with quiet_embedded_ray(num_cpus, init_kwargs):
+        ray.init(  # binds 127.0.0.1 only (LOOPBACK)
+            address="local",
+            _node_ip_address=LOOPBACK,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            object_store_memory=object_store_memory,
+            namespace=namespace,
+            **init_kwargs,
+        )
     return RayConnection(address=_current_address(), started_here=True)
+
+
+class _DropTokenNotice(logging.Filter):
+    """Drops Ray's "Token authentication is enabled" notice, which says only that its default holds."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+#: The logger Ray's notice comes from (Ray 2.5x-2.6x); another name only lets the notice through.
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextlib.contextmanager
+def quiet_embedded_ray(num_cpus: int | None, init_kwargs: dict[str, Any]) -> Iterator[None]:
+    """Around an embedded Ray's ``ray.init``: no notices about Ray's own defaults, the defaults kept.
+
+    * Token authentication stays on (Ray's default for a new local cluster, unless the caller set
+      ``RAY_AUTH_MODE``) because it protects something even on loopback: another user of this
+      machine can reach 127.0.0.1's ports, and the token (``~/.ray/auth_token``, readable by us
+      alone) keeps them out.  Only the warning that says it is on is dropped, during this start.
+    * ``worker_maximum_startup_concurrency = num_cpus``: Ray warns once a node has started more
+      worker processes than a few times its *physical* cores, but a group starts one actor per
+      scheduling slot at once by design (the slots are what ``num_cpus`` declares), so the
+      warning would fire on every start of a group bigger than the machine.  Counting the
+      declared slots silences it for exactly the workers that were asked for.
+    """
+    if num_cpus:
+        config = dict(init_kwargs.get("_system_config") or {})
+        config.setdefault("worker_maximum_startup_concurrency", int(num_cpus))
+        init_kwargs["_system_config"] = config
+    notice, drop = logging.getLogger(RAY_AUTH_LOGGER), _DropTokenNotice()
+    notice.addFilter(drop)
+    try:
+        yield
+    finally:
+        notice.removeFilter(drop)
 
 
 def _is_loopback_address(address: str) -> bool:
