@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, TextIO
@@ -499,19 +498,21 @@ _PHASES = ("gen", "logp", "ref", "values", "adv", "upd_actor", "upd_critic", "re
 
 #: What each column of the demo's table measures (printed under its header and in ``--help``).
 TABLE_LEGEND = (
-    "actor loss: the PPO clipped surrogate of the update, on its own batch (near 0: advantages are centred per "
-    "prompt group and the ratio starts at 1); -> after: the same loss from the refit rollout's log-probs after the "
-    "update (lower is better); critic loss: half the mean squared error of the values against the returns, before "
-    "-> after the critic's update; score: mean reward of the responses; kl: mean actor minus reference log-prob over "
-    "the response tokens; logp diff: max |actor log-prob - one process holding the actor's gathered weights|; "
-    "roll diff: max |rollout log-prob - actor log-prob| (the rollout generates with the last refit); seconds: "
-    "time of each phase (gen, logp, ref, values, adv, upd_actor, upd_critic, refit) and of the iteration (total)"
+    ("actor loss", "the PPO clipped surrogate of the update, on its own batch (near 0: advantages are centred per "
+                   "prompt group and the ratio starts at 1)"),
+    ("-> after", "the same loss from the refit rollout's log-probs after the update (lower is better)"),
+    ("critic loss", "half the mean squared error of the values against the returns, before -> after the critic's update"),
+    ("score", "mean reward of the responses"),
+    ("kl", "mean actor minus reference log-prob over the response tokens"),
+    ("logp diff", "max |actor log-prob - one process holding the actor's gathered weights|"),
+    ("roll diff", "max |rollout log-prob - actor log-prob| (the rollout generates with the last refit)"),
+    ("seconds", "time of each phase (gen, logp, ref, values, adv, upd_actor, upd_critic, refit) and of the iteration"),
 )
 
 
 def _table_header() -> str:
     phases = " ".join(f"{p:>10}" for p in _PHASES)
-    legend = textwrap.fill(TABLE_LEGEND, width=120, initial_indent="  ", subsequent_indent="  ")
+    legend = "\n".join(f"  {name}: {text}" for name, text in TABLE_LEGEND)
     return (f"\n{legend}\n{'iter':>4} {'actor loss':>11} {'-> after':>11} {'critic loss':>11} {'-> after':>11} {'score':>6} "
             f"{'kl':>9} {'logp diff':>9} {'roll diff':>9} | seconds: {phases}")
 

@@ -106,7 +106,7 @@ def run_from_args(args: argparse.Namespace, out: TextIO | None = None) -> int:
 def setup(parser: argparse.ArgumentParser) -> None:
     """Configure the ``rankmesh demo`` subcommand (:mod:`rankmesh.cli` registers it)."""
     add_arguments(parser)
-    parser.epilog = f"The table's columns: {demo.TABLE_LEGEND}."
+    parser.epilog = "The table's columns: " + "; ".join(f"{name}: {text}" for name, text in demo.TABLE_LEGEND) + "."
     parser.set_defaults(handler=run_from_args)
 
 

@@ -126,6 +126,7 @@ class RayResourcePool:
         self._slots: list[Slot] | None = None
         self._pgs: list[Any] = []
         self._users = 0
+        self._groups_on = [0] * sum(self._counts)  # worker groups on each bundle (root pools only)
         # Views made by split_resource_pool point at their root and a slice of its slots.
         self._root: RayResourcePool = self
         self._start = 0
@@ -335,14 +336,33 @@ class RayResourcePool:
     # ----- lifetime ----------------------------------------------------------------------------
 
     def acquire(self) -> None:
-        """Note one more worker group using this pool's placement groups."""
-        with self._root._lock:
-            self._root._users += 1
+        """Note one more worker group on this pool's bundles; refuse one that would not fit them.
+
+        Each group's actor takes 1 CPU (and ``1 / max_colocate_count`` GPU) of its bundle, so a
+        bundle holds ``max_colocate_count`` groups; one more would wait for its actors forever.
+        """
+        root = self._root
+        with root._lock:
+            span = range(self._start, self._start + self.world_size)
+            held = max((root._groups_on[i] for i in span), default=0)
+            if held >= root.max_colocate_count:
+                raise ResourcePoolError(
+                    f"resource pool {root.name_prefix!r}: its bundles already hold {held} worker group(s), as many as "
+                    f"max_colocate_count={root.max_colocate_count} allows (each group's actor takes 1 CPU"
+                    f"{' and 1/' + str(root.max_colocate_count) + ' GPU' if root.use_gpu else ''} of a bundle); create "
+                    f"the pool with max_colocate_count={held + 1} or more to run another group on the same bundles "
+                    "(verl's default is 10), or put the roles into one process with create_colocated_worker_cls"
+                )
+            for i in span:
+                root._groups_on[i] += 1
+            root._users += 1
 
     def release(self) -> None:
         """A worker group stopped using the pool; the last one out removes the placement groups."""
         root = self._root
         with root._lock:
+            for i in range(self._start, self._start + self.world_size):
+                root._groups_on[i] = max(0, root._groups_on[i] - 1)
             root._users = max(0, root._users - 1)
             if root._users == 0:
                 root.remove()
