@@ -49,7 +49,8 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "dispatch": (3, ("rankmesh.dispatch",)),
     "layout": (3, ("rankmesh.layout",)),
     "tracing": (3, ("rankmesh.tracing",)),
-    "backend contract": (4, ("rankmesh.backend",)),
+    # Imports nothing from the package; rank 2 so that dispatch's @register checks its receive vocabulary.
+    "backend contract": (2, ("rankmesh.backend",)),
     "worker": (5, ("rankmesh.worker", "rankmesh.devices")),
     "groups": (6, ("rankmesh.group",)),
     "backends": (7, ("rankmesh.backends",)),

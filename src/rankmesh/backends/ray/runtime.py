@@ -21,7 +21,8 @@ import ipaddress
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import ray
 from ray._private import ray_constants
@@ -35,10 +36,10 @@ DETACHED_NAMESPACE = "rankmesh"
 """Namespace of named (detached) actors, fixed so another driver can find them by name alone."""
 
 #: Environment a *local* Ray needs so that every process it spawns stays on loopback.
-LOCAL_RAY_ENV: dict[str, str] = {
+LOCAL_RAY_ENV: Mapping[str, str] = MappingProxyType({
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
-}
+})
 
 
 @dataclass(frozen=True)
@@ -167,3 +168,21 @@ def raylet_pids() -> list[int]:
         if isinstance(pid, int):
             pids.append(pid)
     return pids
+
+
+#: ``/proc/<pid>/comm`` of the process that owns a node's object store (and starts its workers).
+RAYLET_PROCESS_NAME = "raylet"
+
+
+def parent_raylet_pids() -> list[int]:
+    """``[pid]`` of this process's parent when it is a raylet (a Ray worker's is), else ``[]``.
+
+    Ray's worker processes are children of their node's raylet, which keeps the object store's
+    file open; the host registers it with :func:`rankmesh.sharedmem.register_store_processes`.
+    """
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/comm") as f:
+            return [ppid] if f.read().strip() == RAYLET_PROCESS_NAME else []
+    except OSError:
+        return []
