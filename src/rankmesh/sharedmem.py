@@ -16,9 +16,9 @@ How the file is reached (the mapping's own fd is closed by Ray's plasma client):
    once per file and checked by device and inode against ``/proc/self/maps``.  Only this
    process (``/proc/self/fd``: an in-process :class:`SharedFile`; Ray's plasma client closes
    the store's fd after mapping it, so a Ray worker holds none) and the processes the backend
-   says own the store are looked at (:func:`register_store_processes`: the Ray backend tells a
-   worker its parent raylet, and the controller the raylets it started).  This module knows no
-   backend's process names; no other process is scanned.
+   says own the store are looked at (:func:`register_store_processes`: the Ray backend names,
+   in a worker, the node process that started it and owns the store, and in the controller the
+   ones it started).  This module knows no backend's process names; no other process is scanned.
 
 Where neither works (another OS, an object store that is not a file mapping, an in-band
 buffer, ``RANKMESH_RECEIVE=copy`` in the environment), or the caller asks for one
@@ -220,7 +220,7 @@ def register_store_processes(pids: Any) -> None:
     """Tell this module which processes hold the object store's file.
 
     The backend knows them, this module does not: the Ray backend registers a worker's parent
-    raylet in the worker's host, and the raylets it started in the controller.
+    (its node's store process) in the worker's host, and the ones it started in the controller.
     """
     with _STATE.lock:
         _STATE.store_pids.update(int(p) for p in pids)
