@@ -21,10 +21,10 @@ How the file is reached (the mapping's own fd is closed by Ray's plasma client):
    ones it started).  This module knows no backend's process names; no other process is scanned.
 
 Where neither works (another OS, an object store that is not a file mapping, an in-band
-buffer, ``RANKMESH_RECEIVE=copy`` in the environment), or the caller asks for one
+buffer, ``RANKMESH_RECEIVE=copy`` in the environment), or where the caller asks for one
 (``private_bytes(buf, copy_reason=...)``: a method declaring ``receive="copy"``),
-:func:`private_bytes` makes a private copy, as before.  The first fallback in a process is logged once, with its reason;
-:func:`receive_info` says which path this process took.
+:func:`private_bytes` makes a private copy, as before.  The first fallback in a process is
+logged once, with its reason; :func:`receive_info` says which path this process took.
 
 A trap this module closes: a private mapping snapshots nothing.  Pages not yet written still
 show whatever the file holds later, so if the store freed the object and reused the region, a

@@ -286,9 +286,9 @@ def invoke(
     ``resolve`` turns a :class:`Shared` handle into this rank's private copy of the object.
     ``receive="copy"``: inputs that arrived as copy-on-write views become private copies before
     the method runs, and whatever the method fetches itself (futures) arrives copied
-    (:mod:`rankmesh.data.receive`; the receive is set around the call with
-    :func:`rankmesh.serialization.receiving`, the one per-call receive setting).  Returns the output, or ``None`` when ``return_output`` is
-    false.  Raises :class:`WorkerError`.
+    (:mod:`rankmesh.data.receive`; the call runs inside :func:`rankmesh.serialization.receiving`,
+    the one per-call receive setting).  Returns the output, or ``None`` when ``return_output``
+    is false.  Raises :class:`WorkerError`.
     """
     try:
         with receiving(check_receive(receive) or "cow"):
