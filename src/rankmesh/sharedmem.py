@@ -219,8 +219,9 @@ def _open_map_files(region: Region) -> int | None:
 def register_store_processes(pids: Any) -> None:
     """Tell this module which processes hold the object store's file.
 
-    The backend knows them, this module does not: the Ray backend registers a worker's parent
-    (its node's store process) in the worker's host, and the ones it started in the controller.
+    The backend knows them, this module does not: the Ray backend registers, in a worker's host,
+    the node process that started the worker and owns the store, and in the controller the ones
+    it started.
     """
     with _STATE.lock:
         _STATE.store_pids.update(int(p) for p in pids)

@@ -39,7 +39,7 @@ from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 
 from .rejoin import exit_on_call, leave, rejoin, restore
 from .rendezvous import reserve_port
-from .runtime import node_ip_address, parent_raylet_pids
+from .runtime import node_ip_address, worker_raylet_pid
 from .wire import BARE_SLOT_METHODS, SLOT_METHODS, CallHeader, decode_call, fill_call
 
 logger = logging.getLogger(__name__)
@@ -100,8 +100,9 @@ class WorkerHost:
         self._left_backend: str | None = None  # the default group's backend, between leave and rejoin
         self._slots: dict[int, bytes] = {}  # call slot -> installed header (see wire.HeaderCache)
         self._decoded: dict[int, CallHeader] = {}  # call slot -> its header, decoded once
-        # Inputs received here map copy-on-write through the parent raylet's fd of the object store.
-        register_store_processes(parent_raylet_pids())
+        # Inputs received here map copy-on-write through the node raylet's fd of the object store.
+        raylet = worker_raylet_pid()
+        register_store_processes([] if raylet is None else [raylet])
 
     # ----- creation ----------------------------------------------------------------------------
 

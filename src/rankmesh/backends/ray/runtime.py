@@ -22,12 +22,8 @@ import ipaddress
 import logging
 import os
 from dataclasses import dataclass
-<<<<<<< HEAD
 from types import MappingProxyType
-from typing import Any, Mapping
-=======
-from typing import Any, Iterator
->>>>>>> main
+from typing import Any, Iterator, Mapping
 
 import ray
 from ray._private import ray_constants
@@ -251,20 +247,3 @@ def raylet_pids() -> list[int]:
             pids.append(pid)
     return pids
 
-
-#: ``/proc/<pid>/comm`` of the process that owns a node's object store (and starts its workers).
-RAYLET_PROCESS_NAME = "raylet"
-
-
-def parent_raylet_pids() -> list[int]:
-    """``[pid]`` of this process's parent when it is a raylet (a Ray worker's is), else ``[]``.
-
-    Ray's worker processes are children of their node's raylet, which keeps the object store's
-    file open; the host registers it with :func:`rankmesh.sharedmem.register_store_processes`.
-    """
-    ppid = os.getppid()
-    try:
-        with open(f"/proc/{ppid}/comm") as f:
-            return [ppid] if f.read().strip() == RAYLET_PROCESS_NAME else []
-    except OSError:
-        return []
