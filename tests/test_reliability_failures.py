@@ -158,6 +158,12 @@ def test_killed_worker_while_peer_blocks_in_gloo_fails_the_group(ray_session):
 def test_dead_worker_through_a_dataproto_future(ray_session):
     wg = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(FaultWorker))
     try:
+        # The future's fetcher reaches its group's executor by weak reference, which does not
+        # travel: a copy unpickled elsewhere is the same fetcher (futures merge) that only raises.
+        fetcher = wg.executor.fetcher()
+        moved = pickle.loads(pickle.dumps(fetcher))
+        assert moved == fetcher and hash(moved) == hash(fetcher)
+        assert fetcher.executor() is wg.executor and moved.executor is None
         fut = wg.echo_nb(batch(4, plan=["sleep:30", "exit"]))
         start = time.monotonic()
         with pytest.raises(WorkerDiedError) as info:

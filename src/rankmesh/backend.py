@@ -13,6 +13,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
+#: How a rank may receive its inputs, per call (``@register(receive=...)``, ``wg.set_receive``,
+#: :attr:`RankCall.receive`).  ``"cow"``: copy-on-write views of the object store (the default);
+#: ``"copy"``: one private copy up front, for methods that overwrite most of their input (a page
+#: fault per written 4 KiB page costs more than one memcpy into fresh memory).  Part of the
+#: contract because both backends honour it the same way: the worker's call path
+#: (:func:`rankmesh.worker.invoke`) receives inside ``rankmesh.serialization.receiving``.
+CALL_RECEIVE: tuple[str, ...] = ("cow", "copy")
+
+
+def check_receive(value: Any, what: str = "receive") -> str | None:
+    """``value`` if it is ``None`` or one of :data:`CALL_RECEIVE`, else a ``ValueError`` naming ``what``."""
+    if value is None or value in CALL_RECEIVE:
+        return value
+    raise ValueError(f"{what} must be one of {CALL_RECEIVE} (or None for the default), got {value!r}")
+
 
 @dataclass(frozen=True)
 class RankCall:

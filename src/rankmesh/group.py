@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from rankmesh.backend import Backend, RankCall, Shared
+from rankmesh.backend import Backend, RankCall, Shared, check_receive
 from rankmesh.data import DataProtoFuture
 from rankmesh.dispatch.modes import DEFAULT_REGISTRY, DispatchMode, DispatchRegistry, Execute, UserMode
 from rankmesh.dispatch.register import MethodSpec, registered_methods
@@ -29,7 +29,6 @@ from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan,
 from rankmesh.dispatch.split import CallSite, join_outputs, output_future, split_call
 from rankmesh.errors import DispatchError
 from rankmesh.mesh import RankMesh
-from rankmesh.sharedmem import check_receive
 from rankmesh.tracing import TRACING, install_from_env, write_trace
 from rankmesh.tracing.recorder import KEPT, CallTrace, Recorder, drain_kept
 from rankmesh.validate import positive_seconds

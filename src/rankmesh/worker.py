@@ -27,10 +27,11 @@ from rankmesh.dispatch.modes import Dispatch
 from rankmesh.dispatch.register import register
 from rankmesh.dispatch.spec import DEFAULT_MESH
 from rankmesh.errors import DispatchError, WorkerError
-from rankmesh.backend import Shared
+from rankmesh.backend import Shared, check_receive
 from rankmesh.mesh import DistRankInfo, RankMesh
 from rankmesh.data.receive import own_copies
-from rankmesh.sharedmem import receive_info, receiving
+from rankmesh.serialization import receiving
+from rankmesh.sharedmem import receive_info
 
 logger = logging.getLogger(__name__)
 
@@ -285,11 +286,12 @@ def invoke(
     ``resolve`` turns a :class:`Shared` handle into this rank's private copy of the object.
     ``receive="copy"``: inputs that arrived as copy-on-write views become private copies before
     the method runs, and whatever the method fetches itself (futures) arrives copied
-    (:mod:`rankmesh.data.receive`).  Returns the output, or ``None`` when ``return_output`` is
-    false.  Raises :class:`WorkerError`.
+    (:mod:`rankmesh.data.receive`; the call runs inside :func:`rankmesh.serialization.receiving`,
+    the one per-call receive setting).  Returns the output, or ``None`` when ``return_output``
+    is false.  Raises :class:`WorkerError`.
     """
     try:
-        with receiving(receive):
+        with receiving(check_receive(receive) or "cow"):
             fn, args, call_kwargs = _prepare(worker, method, args, kwargs or {}, resolve)
             if receive == "copy":
                 args, call_kwargs = own_copies(args), own_copies(call_kwargs)

@@ -13,6 +13,8 @@ controller-side pieces (``check``, ``group``, ``reference``) never do.
 from __future__ import annotations
 
 import warnings
+from types import MappingProxyType
+from typing import Mapping
 
 from rankmesh.lazy import lazy_exports
 
@@ -24,7 +26,7 @@ warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
 warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
 
-_EXPORTS: dict[str, str] = {
+_EXPORTS: Mapping[str, str] = MappingProxyType({
     "MegatronWorker": "rankmesh.megatron.worker",
     "build_report": "rankmesh.megatron.worker",
     "RankReport": "rankmesh.megatron.check",
@@ -42,7 +44,7 @@ _EXPORTS: dict[str, str] = {
     "ActorWorker": "rankmesh.megatron.roles",
     "RefWorker": "rankmesh.megatron.roles",
     "CriticWorker": "rankmesh.megatron.roles",
-}
+})
 
 __all__ = sorted(_EXPORTS)
 

@@ -10,7 +10,8 @@ whose coordinates, group members or all-reduce results differ from what the mesh
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Sequence
 
 from rankmesh.errors import MeshMismatchError
 from rankmesh.mesh import RankMesh
@@ -19,7 +20,7 @@ from rankmesh.mesh import RankMesh
 COORDS: tuple[str, ...] = ("tp", "pp", "cp", "dp", "ep", "etp", "edp")
 
 #: Group name -> (mesh token, expert view?).  "dp-cp" is the group gradients are reduced over.
-GROUPS: dict[str, tuple[str, bool]] = {
+GROUPS: Mapping[str, tuple[str, bool]] = MappingProxyType({
     "tp": ("tp", False),
     "pp": ("pp", False),
     "cp": ("cp", False),
@@ -28,7 +29,7 @@ GROUPS: dict[str, tuple[str, bool]] = {
     "ep": ("ep", True),
     "etp": ("tp", True),
     "edp": ("dp", True),
-}
+})
 
 
 @dataclass

@@ -19,11 +19,12 @@ lives in it), and most workers never need the controller-side modules (and their
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from rankmesh.lazy import lazy_exports
 
-_EXPORTS = {
+_EXPORTS = MappingProxyType({
     "ColocatedClassWithInitArgs": "rankmesh.backends.ray.classes",
     "create_colocated_worker_cls": "rankmesh.backends.ray.classes",
     "RayClassWithInitArgs": "rankmesh.backends.ray.classes",
@@ -39,7 +40,7 @@ _EXPORTS = {
     "plan_between": "rankmesh.backends.ray.reshard",
     "layouts_from_module": "rankmesh.backends.ray.reshard",
     "RendezvousError": "rankmesh.errors",
-}
+})
 
 __all__ = sorted(_EXPORTS)
 

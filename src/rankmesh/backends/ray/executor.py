@@ -56,10 +56,6 @@ class CallStats:
             self.calls += calls
 
 
-#: Executors of this process by token, so that a fetcher (which travels inside futures) can
-#: fail its group when it finds a dead rank in the controller.
-_EXECUTORS: "weakref.WeakValueDictionary[str, RayExecutor]" = weakref.WeakValueDictionary()
-
 #: What a group does when a rank's process dies: ``fail`` (stop the others, refuse later calls),
 #: ``keep`` (keep the survivors for ``replace_dead_ranks()``), ``replace`` (replace and retry once).
 ON_RANK_DEATH: tuple[str, ...] = ("fail", "keep", "replace")
@@ -70,22 +66,31 @@ class GroupFetcher:
     """The picklable fetch function of one group's futures (:meth:`RayExecutor.fetcher`).
 
     Equal for one group (futures of one call merge flat); ``timeout_s`` bounds each fetch.
-    In the controller it fails the group on a dead rank, as a blocking call does; in any other
-    process it just raises.
+    Where its group's executor lives (the controller that made it) it fails the group on a dead
+    rank and reports hangs, as a blocking call does: it holds the executor by weak reference
+    (a future must not keep a shut-down group alive).  The reference does not travel: a fetcher
+    unpickled in another process (a worker fetching a future's parts) just raises.
     """
 
     token: str
     timeout_s: float | None = None
     stall_warn_s: float | None = None
+    executor: "weakref.ref[RayExecutor] | None" = field(default=None, compare=False, repr=False)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return GroupFetcher, (self.token, self.timeout_s, self.stall_warn_s)
+
+    def _executor(self) -> "RayExecutor | None":
+        return None if self.executor is None else self.executor()
 
     def __call__(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
-        executor = _EXECUTORS.get(self.token)
+        executor = self._executor()
         inspect = None if executor is None else executor.inspect
         return fetch_outputs(handles, self.timeout_s if timeout is None else timeout, self.died, False, self.stall_warn_s, inspect)
 
     def died(self, err: WorkerDiedError) -> None:
         """Fail the group this fetcher belongs to, when it lives in this process."""
-        executor = _EXECUTORS.get(self.token)
+        executor = self._executor()
         if executor is not None:
             executor.fail(err)
 
@@ -124,7 +129,6 @@ class RayExecutor:
         self._failed: RankMeshError | None = None
         self.dead: set[int] = set()  # ranks seen dead since the last replacement
         self.token = uuid.uuid4().hex
-        _EXECUTORS[self.token] = self
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
         register_store_processes(raylet_pids())
 
@@ -240,6 +244,7 @@ class RayExecutor:
             self.token,
             self.call_timeout_s if timeout is None else timeout,
             self.stall_warn_s if stall_warn_s is None else stall_warn_s,
+            weakref.ref(self),
         )
 
     def drain_timings(self, timeout_s: float = 10.0) -> list[tuple[int, list[Any], int, int, int]]:

@@ -22,7 +22,8 @@ import ipaddress
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from types import MappingProxyType
+from typing import Any, Iterator, Mapping
 
 import ray
 from ray._private import ray_constants
@@ -36,10 +37,10 @@ DETACHED_NAMESPACE = "rankmesh"
 """Namespace of named (detached) actors, fixed so another driver can find them by name alone."""
 
 #: Environment a *local* Ray needs so that every process it spawns stays on loopback.
-LOCAL_RAY_ENV: dict[str, str] = {
+LOCAL_RAY_ENV: Mapping[str, str] = MappingProxyType({
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
-}
+})
 
 
 @dataclass(frozen=True)
@@ -245,3 +246,4 @@ def raylet_pids() -> list[int]:
         if isinstance(pid, int):
             pids.append(pid)
     return pids
+

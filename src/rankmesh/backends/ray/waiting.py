@@ -24,7 +24,7 @@ import ray
 import ray.exceptions as rex
 
 from rankmesh.errors import FetchTimeoutError, HangError, RemoteTraceback, WorkerDiedError, WorkerError
-from rankmesh.serialization import borrowed_buffers
+from rankmesh.serialization import receiving
 from rankmesh.tracing.recorder import FETCH
 
 logger = logging.getLogger(__name__)
@@ -119,13 +119,13 @@ def fetch_outputs(
     so a failure among them is raised at once (after :data:`FAIL_GRACE` to gather ranks that
     fail together).  ``on_died`` is told about dead processes before the error is raised.
     ``borrow=True`` rebuilds tensors as read-only views of the object store instead of private
-    copies (:func:`rankmesh.serialization.borrowed_buffers`; see :meth:`rankmesh.backend.Backend.fetch`).
+    copies (``rankmesh.serialization.receiving("borrow")``; see :meth:`rankmesh.backend.Backend.fetch`).
     With ``inspect``, running past ``timeout`` raises :class:`HangError` (where each unfinished
     rank is stuck) and running past ``stall_warn_s`` logs that report once as a warning.
     """
     if not pending:
         return []
-    with borrowed_buffers() if borrow else contextlib.nullcontext():
+    with receiving("borrow") if borrow else contextlib.nullcontext():
         return _wait(pending, timeout, on_died, stall_warn_s, inspect)
 
 
