@@ -7,8 +7,9 @@ with ``rankmesh trace summarize`` and ``rankmesh trace plot``.
 
 A recorder is the group's one call observer (:mod:`.observer`); off by default, an untraced
 call reads one attribute.  Building a group installs nothing: ``RANKMESH_TRACE`` is read once,
-when the program-wide recorder (:data:`TRACING`) is first asked for, by a group's first call
-or by entering ``rankmesh.trace`` (so worker processes, which call no group, never record).
+when the program-wide recorder (:data:`TRACING`) is first asked for: by a group's first call
+(or shutdown), or by entering ``rankmesh.trace``; worker processes, which call no group, never
+record.
 """
 
 from __future__ import annotations

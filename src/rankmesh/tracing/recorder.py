@@ -5,7 +5,7 @@ for that group, else the program-wide one in :data:`TRACING` (``with rankmesh.tr
 around a block, or ``RANKMESH_TRACE=path`` for a whole program).  The hot path pays one
 attribute read for it: a group call reads its observer once and, when it is ``None``, does
 nothing else different.  ``RANKMESH_TRACE`` is read once, by the first read of
-``TRACING.recorder`` (a group's first call, or entering ``rankmesh.trace``), never when a group
+``TRACING.recorder`` (a group's first call or shutdown, or entering ``rankmesh.trace``), never when a group
 is built or this module imported: worker processes, which import it but call no group, never
 record; the program's recorder is written at exit.
 
@@ -485,17 +485,20 @@ class TraceSlot:
         self.env_recorder: Recorder | None = None  # the one made from $RANKMESH_TRACE, if any
         self.keepers: weakref.WeakSet[Recorder] = weakref.WeakSet()
         self._keys = itertools.count(1)
+        self._first_read = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         """The first read of ``recorder`` (no value yet): make it from ``$RANKMESH_TRACE``."""
         if name != "recorder":
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-        path = os.environ.get(TRACE_ENV)
-        recorder = self.env_recorder = Recorder(path) if path else None
-        if recorder is not None:
-            atexit.register(_write_at_exit, recorder)
-        self.recorder = recorder
-        return recorder
+        with self._first_read:  # two threads' first calls make one recorder
+            if "recorder" not in vars(self):
+                path = os.environ.get(TRACE_ENV)
+                recorder = self.env_recorder = Recorder(path) if path else None
+                if recorder is not None:
+                    atexit.register(_write_at_exit, recorder)
+                self.recorder = recorder
+        return vars(self)["recorder"]
 
     def keep_key(self, recorder: Recorder) -> int:
         """A key no other kept call of the process has, for a non-blocking call of ``recorder``."""
