@@ -40,7 +40,7 @@ class RankCall:
     the call) asks the rank to send back a ``rankmesh.tracing.recorder.TracedOutput``: its
     output with its own timing, which the group strips before anyone sees the output.
     ``keep`` (a traced non-blocking call): the rank times itself too, but keeps its timing under
-    this key for the controller to collect later (``rankmesh.tracing.recorder.KEPT``) and sends
+    this key for the controller to collect later (``rankmesh.tracing.recorder.Recorder.kept``) and sends
     back its plain output, which travels on inside a future.
     ``receive``: ``"copy"`` asks the rank for private copies of its inputs up front instead of
     copy-on-write views (``@register(receive=...)``, ``wg.set_receive``); ``None``/``"cow"``: views.

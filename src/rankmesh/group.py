@@ -29,8 +29,9 @@ from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan,
 from rankmesh.dispatch.split import CallSite, join_outputs, output_future, split_call
 from rankmesh.errors import DispatchError
 from rankmesh.mesh import RankMesh
-from rankmesh.tracing import TRACING, install_from_env, write_trace
-from rankmesh.tracing.recorder import KEPT, CallTrace, Recorder, drain_kept
+from rankmesh.tracing import TRACING, write_trace
+from rankmesh.tracing.observer import CallObserver, ObservedCall
+from rankmesh.tracing.recorder import Recorder
 from rankmesh.validate import positive_seconds
 
 logger = logging.getLogger(__name__)
@@ -311,9 +312,8 @@ class WorkerGroup:
             raise DispatchError(f"mesh {table.mesh} covers {table.mesh.world_size} ranks but the backend has {executor.world_size}")
         self._executor = executor
         self._table = table
-        self._recorder: Recorder | None = None  # set by wg.trace(...) for this group alone
+        self._observer: CallObserver | None = None  # set by wg.trace(...) for this group alone
         self._receive: str | None = None  # set_receive: overrides every method's declaration
-        install_from_env()
         self._registered_plans: dict[str, DispatchPlan] = {}
         self._adhoc: dict[tuple[str, str], Binding] = {}
         for name, bound in table.methods.items():
@@ -364,6 +364,11 @@ class WorkerGroup:
         """The group's name in traces: its role, else its worker class."""
         return self.role or self.worker_cls.__name__
 
+    @property
+    def trace_startup(self) -> dict[str, Any] | None:
+        """The group's start-up report as a trace keeps it (``None``: in-process ranks start at once)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.worker_cls.__name__}, {self.mesh}, methods={len(self._table.methods)})"
 
@@ -392,11 +397,11 @@ class WorkerGroup:
         installed too, this group's calls in the block go to this file instead of that one.
         """
         recorder = Recorder(path)
-        previous, self._recorder = self._recorder, recorder
+        previous, self._observer = self._observer, recorder
         try:
             yield recorder
         finally:
-            self._recorder = previous
+            self._observer = previous
             write_trace(recorder, path)
 
     # ----- lifetime ----------------------------------------------------------------------------
@@ -417,12 +422,13 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Stop the ranks (on Ray: kill the processes, every role spawned from them too)."""
-        if KEPT:  # a trace recording: collect what the ranks keep of non-blocking calls first
-            drain_kept(self)
+        observer = self._observer or TRACING.recorder
+        if observer is not None:  # a trace recording: it collects what the ranks still hold for it first
+            observer.closing(self)
         self._executor.close()
 
     def drain_rank_timings(self) -> list[tuple[int, list[Any], int, int, int]]:
-        """Per rank, the timings it keeps of traced non-blocking calls (``rankmesh.tracing.recorder.drain_kept``)."""
+        """Per rank, the timings it keeps of traced non-blocking calls (``rankmesh.tracing.recorder.TraceSlot.drain``)."""
         drain = getattr(self._executor, "drain_timings", None)
         return [] if drain is None else drain()
 
@@ -431,21 +437,20 @@ class WorkerGroup:
     def _call(
         self, binding: Binding, args: Args, kwargs: Kwargs, timeout: float | None = None, stall_warn_s: float | None = None
     ) -> Any:
-        # Tracing off costs this one attribute read; on, `ct` records the call's phases.
-        rec = self._recorder or TRACING.recorder
-        ct = None if rec is None else rec.begin(self, binding.name, binding.method.blocking)
+        # Tracing off costs this one read of the observer; on, `seen` hears the call's life
+        # (rankmesh.tracing.observer: begin, phases, shipped objects, outputs, end).
+        observer = self._observer or TRACING.recorder
+        seen = None if observer is None else observer.begin(self, binding.name, binding.method.blocking, args, kwargs)
         if isinstance(binding.entry, UserMode):
-            return self._call_user(binding, binding.entry, args, kwargs, timeout, ct, stall_warn_s)
+            return self._call_user(binding, binding.entry, args, kwargs, timeout, seen, stall_warn_s)
         spec, site = binding.entry, binding.site
         plan = binding.plan if binding.plan is not None else self._registered_plan(spec.mesh, site)
-        if ct is not None:
-            ct.consumes(args, kwargs)
         split = split_call(spec, plan.n_pieces, args, kwargs, site, binding.method.padding)
         per_rank = [split.pieces[0 if split.broadcast else plan.piece_of_rank[r]] for r in plan.run_ranks]
         collect = set(plan.collect_ranks)
-        if ct is not None:
-            ct.mark("split")
-        pending = self._submit(binding, plan.run_ranks, per_rank, collect, ct)
+        if seen is not None:
+            seen.phase("split")
+        pending = self._submit(binding, plan.run_ranks, per_rank, collect, seen)
         where = {r: i for i, r in enumerate(plan.run_ranks)}
         order = [where[r] for r in plan.collect_ranks]
 
@@ -456,19 +461,12 @@ class WorkerGroup:
             # concat writes every collected tensor into a fresh batch: borrow them as read-only
             # views, so the controller copies each byte once (not on receive and again in concat).
             outputs = self._executor.fetch(pending, timeout=timeout, borrow=spec.output == "concat", stall_warn_s=stall_warn_s)
-            return finish(outputs) if ct is None else self._finish_traced(ct, finish, outputs, plan.run_ranks)
+            return finish(outputs) if seen is None else seen.end(finish(seen.received(outputs, plan.run_ranks)))
         if spec.output == "concat" and not split.tensordicts:  # TensorDicts join in finish()
             future: Any = output_future(split, [pending[i] for i in order], self._executor.fetcher(timeout, stall_warn_s))
         else:
             future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s)
-        return future if ct is None else ct.finish(future)
-
-    @staticmethod
-    def _finish_traced(ct: CallTrace, finish: Callable[[list[Any]], Any], outputs: list[Any], ranks: Sequence[int]) -> Any:
-        """A traced blocking call's last phases: the ranks' timings stripped (wait, fetch), then the join."""
-        result = finish(ct.unwrap(outputs, ranks))
-        ct.mark("concat")
-        return ct.finish(result)
+        return future if seen is None else seen.end(future)
 
     def _call_user(
         self,
@@ -477,7 +475,7 @@ class WorkerGroup:
         args: Args,
         kwargs: Kwargs,
         timeout: float | None = None,
-        ct: CallTrace | None = None,
+        seen: ObservedCall | None = None,
         stall_warn_s: float | None = None,
     ) -> Any:
         world, site = self.world_size, binding.site
@@ -493,19 +491,18 @@ class WorkerGroup:
                 raise site.error(f"dispatch_fn returned {got} for {site.arg(key)}; need a list of {world} (world size)")
         ranks = (0,) if binding.method.execute_mode is Execute.RANK_ZERO else tuple(range(world))
         per_rank = [(tuple(a[r] for a in arg_lists), {k: v[r] for k, v in kwarg_lists.items()}) for r in ranks]
-        if ct is not None:
-            ct.consumes(args, kwargs)
-            ct.mark("split")
-        pending = self._submit(binding, ranks, per_rank, set(ranks), ct)
+        if seen is not None:
+            seen.phase("split")
+        pending = self._submit(binding, ranks, per_rank, set(ranks), seen)
 
         def finish(outputs: list[Any]) -> Any:
             return mode.collect_fn(self, list(outputs))
 
         if binding.method.blocking:
             outputs = self._executor.fetch(pending, timeout=timeout, stall_warn_s=stall_warn_s)
-            return finish(outputs) if ct is None else self._finish_traced(ct, finish, outputs, ranks)
+            return finish(outputs) if seen is None else seen.end(finish(seen.received(outputs, ranks)))
         future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s)
-        return future if ct is None else ct.finish(future)
+        return future if seen is None else seen.end(future)
 
     def _submit(
         self,
@@ -513,13 +510,13 @@ class WorkerGroup:
         ranks: Sequence[int],
         per_rank: Sequence[tuple[Args, Kwargs]],
         collect: set[int],
-        ct: CallTrace | None = None,
+        seen: ObservedCall | None = None,
     ) -> list[Any]:
         """Ship every distinct non-trivial object once, then submit one RankCall per rank.
 
-        Traced (``ct``), every rank times itself: in a blocking call it sends its timing back with
-        its output; in a non-blocking one, whose outputs travel on inside a future, it keeps it
-        for the controller to collect later (``RankCall.keep``).
+        Observed (``seen``), every rank times itself (``RankCall.trace``); the observer says
+        whether it sends its timing back with its output or keeps it under a key
+        (``RankCall.keep``: a non-blocking call, whose outputs travel on inside a future).
         """
         shared: dict[int, Shared] = {}
 
@@ -529,22 +526,22 @@ class WorkerGroup:
             handle = shared.get(id(value))
             if handle is None:
                 handle = shared[id(value)] = self._executor.share(value)
-                if ct is not None:
-                    ct.shipped(value)
+                if seen is not None:
+                    seen.shipped(value)
             return handle
 
-        timed = ct is not None
-        keep = ct.keep(len(ranks)) if timed and not ct.blocking else 0
+        timed = seen is not None
+        keep = 0 if seen is None else seen.timed(len(ranks))
         receive = self._receive or binding.method.receive
         calls = [
             RankCall(rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect, timed, receive, keep)
             for rank, (args, kwargs) in zip(ranks, per_rank)
         ]
-        if ct is None:
+        if seen is None:
             return self._executor.submit(binding.role, binding.target, calls)
-        ct.mark("put")
+        seen.phase("put")
         pending = self._executor.submit(binding.role, binding.target, calls)
-        ct.mark("submit")
+        seen.phase("submit")
         return pending
 
     def _registered_plan(self, mesh_name: str, site: CallSite) -> DispatchPlan:

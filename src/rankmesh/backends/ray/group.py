@@ -25,7 +25,6 @@ from rankmesh.errors import BackendError, WorkerDiedError, WorkerError
 from rankmesh.group import MethodTable, WorkerGroup
 from rankmesh.mesh import RankMesh
 from rankmesh.placement import Placement, RankPlace
-from rankmesh.tracing import TRACING
 from rankmesh.validate import optional_seconds, positive_seconds
 
 from .classes import RayClassWithInitArgs, fused_worker_class, unwrap_actor_class
@@ -138,8 +137,6 @@ class RayWorkerGroup(WorkerGroup):
             )
         finally:
             startup.close()
-        if TRACING.recorder is not None:
-            TRACING.recorder.startup(prefix, startup.report.to_json())
         try:
             executor, recovery = self._drive(hosts, table, call_timeout_s, stall_warn_s, on_rank_death)
             self._attach(hosts, table, executor, recovery, startup)
@@ -322,6 +319,16 @@ class RayWorkerGroup(WorkerGroup):
     def trace_name(self) -> str:
         """The group's name in traces: its role, else its name prefix."""
         return self.role or self.name_prefix
+
+    @property
+    def trace_startup(self) -> dict[str, Any] | None:
+        """The start-up report a trace keeps (stage times per rank; ``None`` for an attached group).
+
+        A recorder asks for it on the group's first traced call (roles spawned from one group
+        share one report, kept once).
+        """
+        report = self.startup_report()
+        return None if report is None else report.to_json()
 
     def node_of(self, rank: int) -> str:
         """Ray node id of ``rank``."""
