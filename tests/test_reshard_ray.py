@@ -2,7 +2,7 @@
 
 One pool of 4 processes hosts two colocated roles: ``train`` over the group's mesh (tp2·dp2) and
 ``gen`` over a named mesh (tp1·dp4, the generator's layout); a second pool of 4 hosts a tp2·pp2
-group.  Each test moves weights between two of them with :func:`rankmesh.backends.ray.reshard.reshard` and
+group.  Each test moves weights between two of them with :func:`rankmesh.reshard.reshard` and
 compares every destination shard with the oracle of tests/reshard_workers.py.
 """
 
@@ -13,16 +13,11 @@ import pytest
 import torch
 
 from rankmesh.mesh import RankMesh
-from rankmesh.backends.ray.reshard import (
-    PIECE_BYTES,
-    TRANSPORTS,
-    global_parameter_names,
-    layouts_from_module,
-    plan_between,
-    reshard,
-    row_blocks,
-)
+from rankmesh.megatron.layouts import global_parameter_names, layouts_from_module
+from rankmesh.reshard.run import TRANSPORTS, plan_between, reshard
+from rankmesh.reshard.worker import PIECE_BYTES, row_blocks
 from rankmesh.reshard import ParamLayout, ReshardError, plan_reshard
+from rankmesh.reshard.run import ReshardSession
 
 pytest.importorskip("ray")
 
@@ -182,11 +177,11 @@ def test_an_unknown_transport_is_refused(groups) -> None:
         reshard(train, gen, plan, transport="shm")
 
 
-def test_refused_direct_reads_go_through_the_store(groups, caplog, monkeypatch) -> None:
+def test_refused_direct_reads_go_through_the_store(groups, caplog) -> None:
     """A destination that truly cannot read other processes (a seccomp filter, as in some containers)."""
     import logging
 
-    import rankmesh.backends.ray.reshard as module
+    import rankmesh.reshard.run as module
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from tests.seccomp_filter import supported
 
@@ -200,7 +195,7 @@ def test_refused_direct_reads_go_through_the_store(groups, caplog, monkeypatch) 
         sealed.forbid_peer_reads()
         pipe.refill(4)
         plan = plan_between(pipe, sealed)
-        monkeypatch.setattr(module, "_warned_refused", False)
+        assert not ReshardSession.of(sealed).warned  # a new destination group: its session has not warned yet
         with caplog.at_level(logging.WARNING, logger=module.__name__):
             stats = reshard(pipe, sealed, plan)
         assert_shards(sealed.shards(), expected(LAYOUTS, mesh, seed=4))
@@ -235,7 +230,7 @@ def test_layouts_from_module_reads_megatron_attributes() -> None:
 
 
 def test_regions_travel_bit_exact_for_dtypes_numpy_lacks() -> None:
-    from rankmesh.backends.ray.reshard import _copy_into
+    from rankmesh.reshard.worker import copy_into as _copy_into
     from rankmesh.serialization import numpy_view as _numpy_view
 
     src = torch.randn(6, 8).to(torch.bfloat16)

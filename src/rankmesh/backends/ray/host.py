@@ -38,6 +38,7 @@ from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 
 from .rejoin import exit_on_call, leave, rejoin, restore
 from .rendezvous import reserve_port
+from .reshard import RayObjects
 from .runtime import node_ip_address
 from .wire import BARE_SLOT_METHODS, SLOT_METHODS, CallHeader, decode_call, fill_call
 
@@ -93,6 +94,7 @@ class WorkerHost:
         self._left_backend: str | None = None  # the default group's backend, between leave and rejoin
         self._slots: dict[int, bytes] = {}  # call slot -> installed header (see wire.HeaderCache)
         self._decoded: dict[int, CallHeader] = {}  # call slot -> its header, decoded once
+        self._objects = RayObjects()  # the process's object transport, shared by its roles (reshard)
 
     # ----- creation ----------------------------------------------------------------------------
 
@@ -147,6 +149,7 @@ class WorkerHost:
                 local_world_size=setup.local_world_size,
                 node=node,
                 role=role,
+                objects=self._objects,
             )
             self._workers[role] = construct(spec.cls, ctx, tuple(spec.args), dict(spec.kwargs))
         self._setup = setup
