@@ -248,3 +248,37 @@ def test_row_blocks_cut_whole_rows_of_at_most_a_piece() -> None:
     assert row_blocks((10,), 2, limit=8) == [(0, 4), (4, 8), (8, 10)]
     assert row_blocks((), 4) == [(0, 1)]
     assert PIECE_BYTES == 1 << 20
+
+
+# ----- a rank dies during a refit: the groups' on_rank_death="replace" ------------------------------
+
+
+def test_a_rank_death_during_a_refit_is_replaced_and_the_refit_completes(ray_session) -> None:
+    """A destination rank dies in its receive, then a source rank in its send: each time the group
+    that lost it replaces it (a fresh process, built from its constructor arguments) and the
+    refit completes, with every shard as megatron cuts it."""
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rankmesh.backends.ray.recovery import exit_on_next_call
+
+    dst_mesh = RankMesh(dp=2)
+    src = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=6),
+                         mesh=TRAIN, on_rank_death="replace", call_timeout_s=180)
+    dst = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=None),
+                         mesh=dst_mesh, on_rank_death="replace", call_timeout_s=180)
+    try:
+        plan = plan_between(src, dst)
+        dead_dst = exit_on_next_call(dst, 1, "reshard_recv")
+        stats = reshard(src, dst, plan)
+        assert stats.bytes_moved == plan.bytes_moved == dst_mesh.world_size * sum(p.nbytes for p in LAYOUTS)
+        assert [r.ranks for r in dst.replacements] == [[1]] and not src.replacements
+        assert dst.node_info[1]["pid"] != dead_dst
+        assert_shards(dst.shards(), expected(LAYOUTS, dst_mesh, seed=6))
+
+        dst.refill(None)
+        dead_src = exit_on_next_call(src, 2, "reshard_send")
+        reshard(src, dst, plan)
+        assert [r.ranks for r in src.replacements] == [[2]] and src.node_info[2]["pid"] != dead_src
+        assert_shards(dst.shards(), expected(LAYOUTS, dst_mesh, seed=6))
+    finally:
+        src.shutdown()
+        dst.shutdown()
