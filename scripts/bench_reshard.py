@@ -43,8 +43,7 @@ import torch  # noqa: E402
 from rankmesh.dispatch import Dispatch, register  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
 from rankmesh.megatron.layouts import MegatronReshardWorker  # noqa: E402
-from rankmesh.reshard import reshard  # noqa: E402
-from rankmesh.reshard import ParamLayout, local_shape, plan_reshard, shard_intervals  # noqa: E402
+from rankmesh.reshard import ParamLayout, local_shape, plan_reshard, reshard, shard_intervals  # noqa: E402
 
 MIB = 1024 * 1024
 
