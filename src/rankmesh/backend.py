@@ -131,3 +131,7 @@ class ObjectTransport(Protocol):
 
     def wait_any(self, handles: Sequence[Any]) -> list[int]:
         """Block until one of ``handles`` is ready; the indices of every handle ready by then."""
+
+    def peer_tracer(self) -> int | None:
+        """The pid whose descendants are this process's peers on its node (they may read its memory
+        directly, :func:`rankmesh.peermem.allow_peer_reads`); ``None`` when no other process reads it."""

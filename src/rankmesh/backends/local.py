@@ -147,6 +147,9 @@ class LocalObjects:
     def wait_any(self, handles: Sequence[Any]) -> list[int]:
         return list(range(len(handles)))  # every call ran before its submit returned
 
+    def peer_tracer(self) -> int | None:
+        return None  # every rank is in this process: none reads another's memory
+
 
 def _private(shared: Shared) -> Any:
     """This rank's own copy of a shared argument (already deep-copied unless stored)."""

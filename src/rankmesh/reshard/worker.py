@@ -346,8 +346,9 @@ class ReshardWorker(Worker):
             put_s += time.perf_counter() - t
         published: dict[str, PeerTensor] = {}
         fallback, fallback_bytes, direct_bytes = {}, 0, 0
-        if job.direct:
-            allow_peer_reads()
+        tracer = objects.peer_tracer() if job.direct else None
+        if tracer is not None:  # the node's peers (on Ray: the raylet's descendants) may read this process
+            allow_peer_reads(tracer)
         for i, (name, sl) in enumerate(job.direct):
             tensor = tensors[name]
             if tensor.device.type == "cpu":

@@ -25,6 +25,8 @@ from typing import Any, Sequence
 
 import ray
 
+from .runtime import worker_raylet_pid
+
 
 def _ref(handle: Any) -> Any:
     """The ObjectRef of a put object (itself) or of a pending group call (``.waiting.Pending.ref``)."""
@@ -37,6 +39,14 @@ class RayObjects:
     def __init__(self) -> None:
         #: What a colocated role of this process left for another role of it, by key (reshard: (token, rank)).
         self.outbox: dict[Any, Any] = {}
+        self._raylet: int | None = None
+
+    def peer_tracer(self) -> int | None:
+        """The node's raylet: every Ray worker process of the node descends from it, so declaring it
+        (:func:`rankmesh.peermem.allow_peer_reads`) admits exactly them as readers."""
+        if self._raylet is None:
+            self._raylet = worker_raylet_pid()
+        return self._raylet
 
     def put(self, value: Any) -> ray.ObjectRef:
         return ray.put(value)
