@@ -58,6 +58,9 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "backend contract": (2, ("rankmesh.backend",)),
     "worker": (5, ("rankmesh.worker", "rankmesh.devices")),
     "groups": (6, ("rankmesh.group",)),
+    # Reshard's worker methods (on Worker) and its controller side (through the groups' call_ranks,
+    # which it calls but never imports): backend-neutral, below every backend.
+    "reshard": (6, ("rankmesh.reshard.worker", "rankmesh.reshard.run")),
     "backends": (7, ("rankmesh.backends",)),
     "front door": (8, ("rankmesh",)),
     "compat": (8, ("rankmesh.compat",)),
@@ -750,6 +753,25 @@ def test_plain_import_loads_neither_ray_nor_megatron() -> None:
         "assert 'ray' not in sys.modules, 'ray imported'\n"
         "assert 'megatron.core' not in sys.modules, 'megatron.core imported'\n"
         "assert 'RayWorkerGroup' in dir(rankmesh) and 'verify_group' in dir(rankmesh.megatron)\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_megatron_and_reshard_import_no_ray() -> None:
+    """Reshard and megatron's workers are backend-neutral: an in-process megatron worker never loads Ray."""
+    done = _run(
+        "import sys, rankmesh.megatron, rankmesh.megatron.layouts, rankmesh.megatron.rollout, rankmesh.reshard.run\n"
+        "import rankmesh.reshard.worker, rankmesh.backends.local\n"
+        "from rankmesh.reshard import ReshardWorker, reshard, plan_between\n"
+        "ray = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]\n"
+        "assert not ray, f'ray imported: {ray[:5]}'\n"
+    )
+    assert done.returncode == 0, done.stderr
+    # megatron-core is there, but not Ray: the worker and the roles themselves.
+    done = _run(
+        "import sys, rankmesh.megatron.worker, rankmesh.megatron.roles\n"
+        "ray = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]\n"
+        "assert not ray, f'ray imported: {ray[:5]}'\n"
     )
     assert done.returncode == 0, done.stderr
 

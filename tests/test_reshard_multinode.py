@@ -26,7 +26,7 @@ def _scenario() -> dict:
     import ray
 
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from rankmesh.backends.ray.reshard import plan_between, reshard
+    from rankmesh.reshard import plan_between, reshard
     from rankmesh.backends.ray.simulated import loopback_cluster
     from tests.reshard_workers import ShardHolder, full_tensor, megatron_cut
     from tests.test_reshard_ray import GEN, LAYOUTS, PIPE, PIPE_LAYOUTS

@@ -121,3 +121,32 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Stop the ranks and release what they hold; later calls raise.  Idempotent."""
+
+
+@runtime_checkable
+class ObjectTransport(Protocol):
+    """What a worker may do with its backend's objects itself (``WorkerContext.objects``; used by reshard).
+
+    One per worker process, so colocated roles of a process share it: ``outbox`` holds what one
+    role leaves for another role of the same process, by key (reshard: ``(token, rank)``).
+    Handles are the backend's: ``put`` returns one any rank of the backend can :meth:`get`, and
+    :meth:`get` / :meth:`wait_any` also take the pending handles of a group call
+    (``GroupFuture.handles``), so one group's call can wait on another group's without the
+    controller in between.  On Ray: ``ray.put`` / ``ray.get`` / ``ray.wait``; in-process: plain
+    references.
+    """
+
+    outbox: dict[Any, Any]
+
+    def put(self, value: Any) -> Any:
+        """Store ``value`` once; a handle for any rank of the backend."""
+
+    def get(self, handles: Sequence[Any]) -> list[Any]:
+        """The values of put objects or the outputs of pending calls, in order (raises a call's error)."""
+
+    def wait_any(self, handles: Sequence[Any]) -> list[int]:
+        """Block until one of ``handles`` is ready; the indices of every handle ready by then."""
+
+    def peer_tracer(self) -> int | None:
+        """The pid whose descendants are this process's peers on its node (they may read its memory
+        directly, :func:`rankmesh.peermem.allow_peer_reads`); ``None`` when no other process reads it."""

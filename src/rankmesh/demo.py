@@ -5,7 +5,7 @@ colocated reference role in the same processes; a critic group (tp2·dp2) and a 
 (tp1·dp4, the generator's layout: whole model per rank, no pipeline) run in pools of their own.
 Every iteration goes through the dispatch modes: generate on the rollout (DP_COMPUTE_PROTO),
 log-probs, reference log-probs and values (MEGATRON_COMPUTE_PROTO), advantages on the controller,
-the actor and critic updates, then the refit: :func:`rankmesh.backends.ray.reshard.reshard` moves the actor's
+the actor and critic updates, then the refit: :func:`rankmesh.reshard.reshard` moves the actor's
 new weights from its shards into the rollout's processes (planned once from the two meshes).
 
 The loop is on-policy, and the demo checks itself and exits non-zero unless
@@ -318,7 +318,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
     from tqdm import tqdm
 
     from rankmesh.backends.ray.runtime import ensure_ray
-    from rankmesh.backends.ray.reshard import plan_between, reshard
+    from rankmesh.reshard.run import plan_between, reshard
 
     out = out or sys.stdout
     t_start = time.perf_counter()

@@ -54,18 +54,29 @@ ROUTES_ATTR = "rankmesh_routes"
 
 
 @dataclass(frozen=True)
+class PerRank:
+    """The entry of a :meth:`WorkerGroup.call_ranks` binding: each call names its ranks and their arguments."""
+
+    label: str = "per rank"
+
+    @staticmethod
+    def collect_fn(group: "WorkerGroup", outputs: list[Any]) -> list[Any]:
+        return outputs
+
+
+@dataclass(frozen=True)
 class Binding:
     """One group method, resolved: what to run, how to split, where outputs come from.
 
     ``role``/``target`` name the worker object and its method that a call of ``name`` runs
     (``target == name`` except on a colocated method table, where ``actor_x`` runs ``x`` of role
-    ``actor``).  ``plan`` is ``None`` only for verl-style meshes the workers register themselves;
-    the group asks them on the first call.
+    ``actor``).  ``plan`` is ``None`` only for verl-style meshes the workers register themselves
+    (the group asks them on the first call) and for :class:`PerRank` entries (the call names its ranks).
     """
 
     name: str
     method: MethodSpec
-    entry: MeshSpec | UserMode
+    entry: MeshSpec | UserMode | PerRank
     plan: DispatchPlan | None
     site: CallSite
     role: str | None
@@ -86,6 +97,16 @@ class GroupFuture:
         self._fetch, self._pending, self._finish = fetch, list(pending), finish
         self._done, self._value = False, None
         self._timeout, self._stall_warn_s = timeout, stall_warn_s
+
+    @property
+    def handles(self) -> tuple[Any, ...]:
+        """The backend's pending handles of the call, one per rank (empty once :meth:`get` returned).
+
+        Another group's call may take them as an argument: its workers wait for and read them
+        through their context's :class:`~rankmesh.backend.ObjectTransport`, with no round trip
+        through the controller (reshard's receives wait for its sends this way).
+        """
+        return tuple(self._pending)
 
     def get(self, timeout: float | None = None) -> Any:
         """Wait for the outputs; ``timeout=None`` means the call's (or the group's) timeout."""
@@ -316,6 +337,8 @@ class WorkerGroup:
         self._receive: str | None = None  # set_receive: overrides every method's declaration
         self._registered_plans: dict[str, DispatchPlan] = {}
         self._adhoc: dict[tuple[str, str], Binding] = {}
+        #: rankmesh.reshard.run.ReshardSession of the reshards into this group (made by the first one).
+        self.reshard_session: Any = None
         for name, bound in table.methods.items():
             setattr(self, name, GroupMethod(self, bound))
 
@@ -358,6 +381,12 @@ class WorkerGroup:
     def node_labels(self) -> list[str]:
         """Where each rank runs, as traces name it (``node 0``...; in-process: ``local``)."""
         return ["local"] * self.world_size
+
+    @property
+    def node_info(self) -> list[dict[str, Any]] | None:
+        """Per rank, where its process runs (``node_id``, ``pid``, ...); ``None`` in-process, where every
+        rank lives in the controller's process."""
+        return None
 
     @property
     def trace_name(self) -> str:
@@ -441,7 +470,7 @@ class WorkerGroup:
         # (rankmesh.tracing.observer: begin, phases, shipped objects, outputs, end).
         observer = self._observer or TRACING.recorder
         seen = None if observer is None else observer.begin(self, binding.name, binding.method.blocking, args, kwargs)
-        if isinstance(binding.entry, UserMode):
+        if isinstance(binding.entry, (UserMode, PerRank)):
             return self._call_user(binding, binding.entry, args, kwargs, timeout, seen, stall_warn_s)
         spec, site = binding.entry, binding.site
         plan = binding.plan if binding.plan is not None else self._registered_plan(spec.mesh, site)
@@ -471,26 +500,17 @@ class WorkerGroup:
     def _call_user(
         self,
         binding: Binding,
-        mode: UserMode,
+        mode: UserMode | PerRank,
         args: Args,
         kwargs: Kwargs,
         timeout: float | None = None,
         seen: ObservedCall | None = None,
         stall_warn_s: float | None = None,
     ) -> Any:
-        world, site = self.world_size, binding.site
-        result = mode.dispatch_fn(self, *args, **kwargs)
-        if not (isinstance(result, (tuple, list)) and len(result) == 2):
-            raise site.error("dispatch_fn must return (args_lists, kwargs_lists)")
-        arg_lists, kwarg_lists = result
-        if not isinstance(arg_lists, (tuple, list)) or not isinstance(kwarg_lists, Mapping):
-            raise site.error("dispatch_fn must return a tuple of lists and a dict of lists")
-        for key, value in [*enumerate(arg_lists), *kwarg_lists.items()]:
-            if not isinstance(value, (list, tuple)) or len(value) != world:
-                got = f"{len(value)} items" if isinstance(value, (list, tuple)) else type(value).__name__
-                raise site.error(f"dispatch_fn returned {got} for {site.arg(key)}; need a list of {world} (world size)")
-        ranks = (0,) if binding.method.execute_mode is Execute.RANK_ZERO else tuple(range(world))
-        per_rank = [(tuple(a[r] for a in arg_lists), {k: v[r] for k, v in kwarg_lists.items()}) for r in ranks]
+        if isinstance(mode, PerRank):
+            ranks, per_rank = args  # call_ranks: the ranks and each one's (args, kwargs), checked there
+        else:
+            ranks, per_rank = self._user_pieces(binding, mode, args, kwargs)
         if seen is not None:
             seen.phase("split")
         pending = self._submit(binding, ranks, per_rank, set(ranks), seen)
@@ -503,6 +523,24 @@ class WorkerGroup:
             return finish(outputs) if seen is None else seen.end(finish(seen.received(outputs, ranks)))
         future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s)
         return future if seen is None else seen.end(future)
+
+    def _user_pieces(
+        self, binding: Binding, mode: UserMode, args: Args, kwargs: Kwargs
+    ) -> tuple[tuple[int, ...], list[tuple[Args, Kwargs]]]:
+        """A user mode's ranks and each one's (args, kwargs), from its ``dispatch_fn``."""
+        world, site = self.world_size, binding.site
+        result = mode.dispatch_fn(self, *args, **kwargs)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2):
+            raise site.error("dispatch_fn must return (args_lists, kwargs_lists)")
+        arg_lists, kwarg_lists = result
+        if not isinstance(arg_lists, (tuple, list)) or not isinstance(kwarg_lists, Mapping):
+            raise site.error("dispatch_fn must return a tuple of lists and a dict of lists")
+        for key, value in [*enumerate(arg_lists), *kwarg_lists.items()]:
+            if not isinstance(value, (list, tuple)) or len(value) != world:
+                got = f"{len(value)} items" if isinstance(value, (list, tuple)) else type(value).__name__
+                raise site.error(f"dispatch_fn returned {got} for {site.arg(key)}; need a list of {world} (world size)")
+        ranks = (0,) if binding.method.execute_mode is Execute.RANK_ZERO else tuple(range(world))
+        return ranks, [(tuple(a[r] for a in arg_lists), {k: v[r] for k, v in kwarg_lists.items()}) for r in ranks]
 
     def _submit(
         self,
@@ -578,6 +616,64 @@ class WorkerGroup:
                 raise DispatchError(f"{self.worker_cls.__name__} has no method {method!r}")
             spec = MethodSpec(_EXECUTE_ALL, execute, blocking)
             binding = self._adhoc[key] = self._table.resolve(method, spec, ())
+        return binding
+
+    def call_ranks(
+        self,
+        method: str,
+        args: Sequence[Sequence[Any]],
+        ranks: Sequence[int] | None = None,
+        *,
+        kwargs: Sequence[Mapping[str, Any]] | None = None,
+        blocking: bool = True,
+        timeout_s: float | None = None,
+        stall_warn_s: float | None = None,
+    ) -> Any:
+        """Run worker method ``method`` on ``ranks`` (default: every rank), ``ranks[i]`` with ``*args[i], **kwargs[i]``.
+
+        For calls no dispatch mode describes: a feature that computes each rank's arguments
+        itself (a reshard's per-rank jobs) or talks to a few ranks only.  It takes the path every
+        registered call takes (:meth:`_call`): arguments are shipped once each, the call is
+        traced, bounded by ``timeout_s`` (``None``: the group's ``call_timeout_s``) with a hang
+        report, warned about after ``stall_warn_s``, and on Ray a blocking call is retried once
+        after replacing dead ranks when the group has ``on_rank_death="replace"``.
+
+        ``method`` is a ``@register`` method (its inputs received as it declares) or any other
+        method of the worker class.  Blocking: the outputs, in ``ranks`` order.
+        ``blocking=False``: a :class:`GroupFuture` whose ``get()`` returns them and whose
+        :attr:`~GroupFuture.handles` another group's call may take as an argument.
+        """
+        binding = self._rank_binding(method, blocking)
+        site = binding.site
+        ranks = tuple(range(self.world_size)) if ranks is None else tuple(ranks)
+        bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.world_size]
+        if bad or not ranks:
+            raise site.error(f"ranks must name ranks of this group (0..{self.world_size - 1}), got {list(ranks)}")
+        if len(set(ranks)) != len(ranks):
+            raise site.error(f"ranks {list(ranks)} name a rank twice; each rank runs one call")
+        kwargs = [{}] * len(ranks) if kwargs is None else kwargs
+        for what, given in (("args", args), ("kwargs", kwargs)):
+            if not isinstance(given, (list, tuple)) or len(given) != len(ranks):
+                got = f"{len(given)} items" if isinstance(given, (list, tuple)) else type(given).__name__
+                raise site.error(f"{what} needs one entry per rank of {list(ranks)} ({len(ranks)}), got {got}")
+        if not all(isinstance(a, (list, tuple)) for a in args) or not all(isinstance(k, Mapping) for k in kwargs):
+            raise site.error("each entry of args must be a tuple of positional arguments and each of kwargs a dict")
+        per_rank = [(tuple(a), dict(k)) for a, k in zip(args, kwargs)]
+        return self._call(binding, (ranks, per_rank), {}, timeout_s, stall_warn_s)
+
+    def _rank_binding(self, method: str, blocking: bool) -> Binding:
+        """The binding of ``call_ranks(method, ...)``: the method's route and receive declaration, a PerRank entry."""
+        key = (method, f"per_rank/{blocking}")
+        binding = self._adhoc.get(key)
+        if binding is None:
+            bound = self._table.methods.get(method)
+            if bound is None and (not isinstance(method, str) or not callable(getattr(self.worker_cls, method, None))):
+                raise DispatchError(f"{self.worker_cls.__name__} has no method {method!r}")
+            role, target = (bound.binding.role, bound.binding.target) if bound else self._table.route(method)
+            receive = bound.binding.method.receive if bound else "cow"
+            spec = MethodSpec(_EXECUTE_ALL, Execute.ALL, blocking, receive=receive)
+            site = CallSite(f"{self.worker_cls.__name__}.{method}", (), "per rank")
+            binding = self._adhoc[key] = Binding(method, spec, PerRank(), None, site, role, target)
         return binding
 
     def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:

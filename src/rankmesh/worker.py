@@ -27,7 +27,7 @@ from rankmesh.dispatch.modes import Dispatch
 from rankmesh.dispatch.register import register
 from rankmesh.dispatch.spec import DEFAULT_MESH
 from rankmesh.errors import DispatchError, WorkerError
-from rankmesh.backend import Shared, check_receive
+from rankmesh.backend import ObjectTransport, Shared, check_receive
 from rankmesh.mesh import DistRankInfo, RankMesh
 from rankmesh.data.receive import own_copies
 from rankmesh.serialization import receiving
@@ -45,7 +45,8 @@ class WorkerContext:
     """Everything a rank knows about its place in the group, set by the backend.
 
     ``meshes`` holds the group's extra named meshes (all over the same ranks); ``"default"`` is
-    always ``mesh``.
+    always ``mesh``.  ``objects`` is the backend's object transport for this process
+    (:class:`~rankmesh.backend.ObjectTransport`; ``None`` outside a backend).
     """
 
     rank: int
@@ -56,6 +57,7 @@ class WorkerContext:
     local_world_size: int = 1
     node: str = "localhost"
     role: str | None = None
+    objects: ObjectTransport | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mesh.world_size != self.world_size:

@@ -8,6 +8,8 @@ controller-side pieces (``check``, ``group``, ``reference``) never do.
 * :func:`start_megatron_group` / :func:`verify_group` -- start a group and cross-check every rank.
 * :func:`compare_reports` / :func:`check_reports` -- the pure comparison behind the check.
 * :class:`TinyConfig`, :class:`ReferenceModel` -- the demo model, unsharded.
+* :class:`MegatronReshardWorker`, :func:`layouts_from_module`, :func:`global_parameter_names` --
+  megatron-core's parameter conventions for :mod:`rankmesh.reshard` (:mod:`.layouts`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ _EXPORTS: Mapping[str, str] = MappingProxyType({
     "TinyConfig": "rankmesh.megatron.reference",
     "ReferenceModel": "rankmesh.megatron.reference",
     "full_weights": "rankmesh.megatron.reference",
+    "MegatronReshardWorker": "rankmesh.megatron.layouts",
+    "global_parameter_names": "rankmesh.megatron.layouts",
+    "layouts_from_module": "rankmesh.megatron.layouts",
     "ActorWorker": "rankmesh.megatron.roles",
     "RefWorker": "rankmesh.megatron.roles",
     "CriticWorker": "rankmesh.megatron.roles",

@@ -33,7 +33,7 @@ from rankmesh.dispatch.modes import Dispatch
 from rankmesh.dispatch.register import register
 from rankmesh.megatron.check import RankReport
 from rankmesh.mesh import DistGlobalInfo, DistRankInfo, RankMesh
-from rankmesh.backends.ray.reshard import ReshardWorker
+from rankmesh.megatron.layouts import MegatronReshardWorker
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def release_parallel_state() -> None:
     _PARALLEL_STATE.release()
 
 
-class MegatronWorker(ReshardWorker):
+class MegatronWorker(MegatronReshardWorker):
     """A worker of a Megatron-parallel group: torch.distributed + parallel_state from the mesh.
 
     Subclasses (actor, critic, reference) build their model after ``super().__init__()``;

@@ -35,10 +35,12 @@ _EXPORTS = MappingProxyType({
     "ensure_ray": "rankmesh.backends.ray.runtime",
     "RayExecutor": "rankmesh.backends.ray.executor",
     "fetch_refs": "rankmesh.backends.ray.waiting",
-    "ReshardWorker": "rankmesh.backends.ray.reshard",
-    "reshard": "rankmesh.backends.ray.reshard",
-    "plan_between": "rankmesh.backends.ray.reshard",
-    "layouts_from_module": "rankmesh.backends.ray.reshard",
+    # Reshard's names as they were exported here before reshard left the Ray backend (it runs
+    # on any backend now: rankmesh.reshard; megatron's parameter conventions: rankmesh.megatron).
+    "ReshardWorker": "rankmesh.reshard.worker",
+    "reshard": "rankmesh.reshard.run",
+    "plan_between": "rankmesh.reshard.run",
+    "layouts_from_module": "rankmesh.megatron.layouts",
     "RendezvousError": "rankmesh.errors",
 })
 

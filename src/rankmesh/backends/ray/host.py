@@ -39,6 +39,7 @@ from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 
 from .rejoin import exit_on_call, leave, rejoin, restore
 from .rendezvous import reserve_port
+from .reshard import RayObjects
 from .runtime import node_ip_address, worker_raylet_pid
 from .wire import BARE_SLOT_METHODS, SLOT_METHODS, CallHeader, decode_call, fill_call
 
@@ -103,6 +104,7 @@ class WorkerHost:
         # Inputs received here map copy-on-write through the node raylet's fd of the object store.
         raylet = worker_raylet_pid()
         register_store_processes([] if raylet is None else [raylet])
+        self._objects = RayObjects()  # the process's object transport, shared by its roles (reshard)
 
     # ----- creation ----------------------------------------------------------------------------
 
@@ -157,6 +159,7 @@ class WorkerHost:
                 local_world_size=setup.local_world_size,
                 node=node,
                 role=role,
+                objects=self._objects,
             )
             self._workers[role] = construct(spec.cls, ctx, tuple(spec.args), dict(spec.kwargs))
         self._setup = setup
