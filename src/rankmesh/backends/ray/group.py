@@ -40,12 +40,6 @@ DEFAULT_START_TIMEOUT = 300.0
 """Seconds to wait for every rank's process to start and its worker to be built."""
 
 
-def rank_coords(mesh: RankMesh, rank: int) -> dict[str, int]:
-    """Dense mesh coordinates of ``rank``, for error messages."""
-    info = mesh.coords(rank)
-    return {"tp": info.tp_rank, "cp": info.cp_rank, "dp": info.dp_rank, "pp": info.pp_rank}
-
-
 class RayWorkerGroup(WorkerGroup):
     """One Ray actor per bundle of ``resource_pool``, each hosting ``ray_cls_with_init``'s class.
 
@@ -151,7 +145,7 @@ class RayWorkerGroup(WorkerGroup):
         parent's, so that all roles share one closed flag, one failure and one set of stats.
         """
         if executor is None:
-            coords = [rank_coords(table.mesh, r) for r in range(len(hosts.actors))]
+            coords = [table.mesh.rank_coords(r) for r in range(len(hosts.actors))]
             executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s, on_rank_death)
             self._recovery = Recovery(on_rank_death)
         self._hosts = hosts
