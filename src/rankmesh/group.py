@@ -241,6 +241,11 @@ class MethodTable:
         """The named meshes besides the default one (what a group was given as ``meshes``)."""
         return {k: v for k, v in self.meshes.items() if k != DEFAULT_MESH}
 
+    @property
+    def roles(self) -> dict[str, type]:
+        """Role name -> class, for a colocated worker class (:data:`ROLES_ATTR`); empty otherwise."""
+        return dict(getattr(self.worker_cls, ROLES_ATTR, {}))
+
     def route(self, name: str) -> tuple[str | None, str]:
         """The (role, worker method) a call of group method ``name`` runs."""
         routes: Mapping[str, tuple[str, str]] = getattr(self.worker_cls, ROUTES_ATTR, {})

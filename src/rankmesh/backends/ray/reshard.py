@@ -57,6 +57,8 @@ from rankmesh.reshard.plan import ParamLayout, ReshardPlan, Transfer, merge_layo
 from rankmesh.serialization import numpy_view
 from rankmesh.worker import Worker
 
+from .runtime import worker_raylet_pid
+
 logger = logging.getLogger(__name__)
 
 #: Regions a colocated source role left for the destination role of the same process, by
@@ -282,8 +284,9 @@ class ReshardWorker(Worker):
         peer: dict[str, Any] = {"pid": os.getpid(), "ns": namespace_id(), "tensors": {}}
         fallback, fallback_bytes = {}, 0
         direct = job.get("direct", [])
-        if direct:
-            allow_peer_reads()
+        raylet = worker_raylet_pid() if direct else None
+        if raylet is not None:  # this node's Ray workers (the raylet's descendants) may read this process
+            allow_peer_reads(raylet)
         for i, (name, sl) in enumerate(direct):
             tensor = tensors[name]
             if tensor.device.type == "cpu":
