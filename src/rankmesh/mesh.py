@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
@@ -30,7 +31,7 @@ DENSE_AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
 #: The expert view's coordinate names -> the axis of the expert grid that carries them.
-EXPERT_VIEW: dict[str, str] = {"ep": "ep", "etp": "tp", "edp": "dp"}
+EXPERT_VIEW: Mapping[str, str] = MappingProxyType({"ep": "ep", "etp": "tp", "edp": "dp"})
 
 
 def parse_order(order: str, sizes: Mapping[str, int]) -> tuple[str, ...]:
