@@ -47,7 +47,7 @@ def test_show_prints_the_rank_table_and_groups(capsys):
     code, out, err = run(capsys, "layout", "show", "cpu_demo", "--role", "actor")
     assert code == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0].startswith("layout cpu-demo · role actor · tp2 dp2 pp2")
+    assert lines[0].startswith("layout cpu_demo · role actor · tp2 dp2 pp2")
     header = lines[2].split()
     assert header == ["rank", "node", "local", "tp", "cp", "ep", "dp", "pp", "collect"]
     rows = {int(line.split()[0]): line.split() for line in lines[3:11]}
@@ -377,3 +377,15 @@ def test_top_level_help_names_every_command(capsys):
     description = out.split("positional arguments")[0]
     for word in ("layouts", "traces", "demo"):
         assert word in description, description
+
+
+def test_show_says_where_a_pool_runs_in_words(capsys):
+    expected = {  # hand-written from the shipped YAML files
+        "cpu_demo": "pool global: 8 ranks, 8 on node 0 ·",
+        "multinode_ppo": "pool train_pool: 16 ranks, 8 on node 0 and 8 on node 1 ·",
+        "llama70b_4x8": "pool global: 32 ranks, 8 on each of nodes 0-3 ·",
+    }
+    for name, fragment in expected.items():
+        code, out, _ = run(capsys, "layout", "show", name, "--role", "actor")
+        assert code == 0 and fragment in out.splitlines()[0], out.splitlines()[0]
+        assert "node(s)" not in out

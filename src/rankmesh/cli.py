@@ -321,6 +321,15 @@ _COLUMNS = (
 )
 
 
+def _on_nodes(nodes: Sequence[int], counts: Sequence[int]) -> str:
+    """``8 on node 0`` / ``8 on node 0 and 8 on node 1`` / ``8 on each of nodes 0-3``: a pool's placement in words."""
+    nodes, counts = list(nodes), list(counts)
+    if len(nodes) > 2 and len(set(counts)) == 1 and nodes == list(range(nodes[0], nodes[0] + len(nodes))):
+        return f"{counts[0]} on each of nodes {nodes[0]}-{nodes[-1]}"
+    parts = [f"{c} on node {n}" for n, c in zip(nodes, counts)]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 def _format_report(layout: Layout, report: dict[str, Any]) -> str:
     mesh = report["mesh"]
     sizes = " ".join(f"{a}{mesh[a]}" for a in ("tp", "cp", "ep", "dp", "pp") if mesh[a] > 1) or "single rank"
@@ -328,7 +337,7 @@ def _format_report(layout: Layout, report: dict[str, Any]) -> str:
         sizes += f" (expert: etp{mesh['etp']} ep{mesh['ep']} edp{mesh['edp']})"
     head = (
         f"layout {layout.name} · role {report['role']} · {sizes} · order {mesh['order']} · "
-        f"pool {report['pool']}: {mesh['world_size']} ranks on node(s) {report['nodes']} {report['process_on_nodes']}"
+        f"pool {report['pool']}: {mesh['world_size']} ranks, {_on_nodes(report['nodes'], report['process_on_nodes'])}"
     )
     if report["colocate_with"]:
         head += f" · colocated with {', '.join(report['colocate_with'])}"

@@ -491,8 +491,18 @@ class RankMesh:
         ``device_mesh["tp"]`` then spans exactly ``self.group_of(rank, "tp")``.
         """
         import torch
+        import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
+        if not (dist.is_available() and dist.is_initialized()):
+            raise MeshError(
+                "to_device_mesh() builds process groups, so it needs torch.distributed's default group: call it on "
+                "every rank after torch.distributed.init_process_group(...) (in a rankmesh worker, after "
+                "init_torch_distributed()); on the controller, device_mesh_shape() gives the names and ranks"
+            )
+        if dist.get_world_size() != self.world_size:
+            raise MeshError(f"to_device_mesh(): the default process group has {dist.get_world_size()} ranks, "
+                            f"the mesh {self.world_size}; build the mesh for the group's world size")
         names, ranks = self.device_mesh_shape()
         return DeviceMesh(device_type, torch.from_numpy(ranks), mesh_dim_names=names)
 

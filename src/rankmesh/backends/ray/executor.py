@@ -2,7 +2,8 @@
 
 * ``share`` is one ``ray.put`` per distinct object.  Tensors inside a DataProto pickle out of band
   as numpy views, so the put is one memcpy into plasma, and every reader maps it without a copy;
-  the data layer's rebuild then makes the single private, writable copy per rank.
+  the data layer's rebuild then gives each rank copy-on-write views (only the pages a rank
+  writes are copied; a private copy up front with ``receive="copy"``).
 * ``submit`` encodes each rank's call (:mod:`.wire`) and runs it on the rank's host.  Ranks
   outside the collect set run with ``return_output=False`` and send back ``None``.
 * ``fetch`` waits fail-fast (:func:`.waiting.fetch_outputs`).  A dead process fails the whole
