@@ -163,7 +163,7 @@ def test_worker_error_carries_rank_coords_method_and_remote_traceback(env_group)
     with pytest.raises(WorkerError) as info:
         env_group.fail_with_trace()
     err = info.value
-    assert err.rank == 2 and err.coords == {"tp": 0, "cp": 0, "dp": 1, "pp": 0}
+    assert err.rank == 2 and err.coords.to_dict() == {"tp": 0, "cp": 0, "ep": 0, "dp": 1, "pp": 0}
     assert "fail_with_trace" in err.method and "missing-key-on-rank-2" in str(err)
     assert "raise KeyError" in str(err.__cause__)  # the worker's traceback text
     assert env_group.report()[0]["rank"] == 0  # the group still works

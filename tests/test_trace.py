@@ -108,7 +108,7 @@ def test_local_trace_names_the_slowed_rank(tmp_path):
     doc = json.loads(path.read_text())
     names = check_trace_event_format(doc)
     # megatron order tp-cp-ep-dp-pp on tp2 pp2 dp2: rank 5 = tp 1, dp 0, pp 1 (5 = 1 + 2*0 + 4*1).
-    assert "rank 5 · tp1 pp1 dp0 · local" in names.values()
+    assert "rank 5 · tp1 dp0 pp1 · local" in names.values()
     summary = summarize(path)
     (m,) = summary.methods
     assert (m.method, m.calls, m.straggler) == ("compute", 3, SLOW_RANK)
@@ -129,7 +129,7 @@ def test_group_trace_records_that_group_alone(tmp_path):
     assert TRACING.recorder is None and recorder is not None
     doc = json.loads(path.read_text())
     names = check_trace_event_format(doc)
-    assert "rank 5 · tp1 pp1 dp0 · local" in names.values()
+    assert "rank 5 · tp1 dp0 pp1 · local" in names.values()
     ranks = [n for n in names.values() if n.startswith("rank ")]
     assert len(ranks) == 8  # the 8 ranks of the traced group; the 2-rank group left no track
     (m,) = summarize(path).methods
@@ -257,7 +257,7 @@ def test_ray_trace_is_valid_aligned_and_names_the_slowed_rank(ray_groups, tmp_pa
     assert torch.equal(out.batch["x"], data.batch["x"])
     doc = json.loads(path.read_text())
     names = check_trace_event_format(doc)
-    assert "rank 5 · tp1 pp1 dp0 · node 0" in names.values()
+    assert "rank 5 · tp1 dp0 pp1 · node 0" in names.values()
     assert names[(1, rec.groups[id(trainer)].pid)] == "trainer calls"
     # Every rank's worker-method span lies inside its call's window on the controller's clock.
     spans = spans_of(doc)

@@ -28,7 +28,7 @@ from rankmesh.dispatch.register import register
 from rankmesh.dispatch.spec import DEFAULT_MESH
 from rankmesh.errors import DispatchError, WorkerError
 from rankmesh.backend import ObjectTransport, Shared, check_receive
-from rankmesh.mesh import DistRankInfo, RankMesh
+from rankmesh.mesh import DistRankInfo, RankCoords, RankMesh
 from rankmesh.data.receive import own_copies
 from rankmesh.serialization import receiving
 from rankmesh.sharedmem import receive_info
@@ -81,10 +81,9 @@ class WorkerContext:
     def rank_info(self) -> DistRankInfo:
         return self.mesh.coords(self.rank)
 
-    def coords(self) -> dict[str, int]:
-        """Dense coordinates of this rank, for messages."""
-        info = self.rank_info
-        return {"tp": info.tp_rank, "cp": info.cp_rank, "dp": info.dp_rank, "pp": info.pp_rank}
+    def coords(self) -> RankCoords:
+        """This rank's place in the mesh, as every message names it (``coords().label()``: ``tp1 dp0``)."""
+        return self.mesh.rank_coords(self.rank)
 
 
 _CURRENT: contextvars.ContextVar[WorkerContext | None] = contextvars.ContextVar("rankmesh_worker_context", default=None)
@@ -226,11 +225,11 @@ class Worker:
 # ----- the worker-side call path ---------------------------------------------------------------
 
 
-def _describe(worker: Any) -> tuple[int, dict[str, int], str | None]:
+def _describe(worker: Any) -> tuple[int, RankCoords | None, str | None]:
     ctx = getattr(worker, "_rankmesh_context", None)
     if isinstance(ctx, WorkerContext):
         return ctx.rank, ctx.coords(), ctx.node
-    return -1, {}, None
+    return -1, None, None
 
 
 def _fail(worker: Any, method: str, exc: BaseException) -> WorkerError:

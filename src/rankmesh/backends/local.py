@@ -250,7 +250,7 @@ class LocalExecutor:
             except WorkerError as exc:
                 pending.append(LocalPending(call.rank, error=exc))
             except Exception as exc:  # copying the arguments failed: still the rank's failure
-                err = WorkerError.from_exception(exc, call.rank, {}, method)
+                err = WorkerError.from_exception(exc, call.rank, None, method)
                 err.__cause__ = exc
                 pending.append(LocalPending(call.rank, error=err))
         return pending

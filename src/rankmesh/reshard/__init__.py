@@ -12,6 +12,9 @@ The last two are loaded on first use: the planner stays importable without torch
 
 from __future__ import annotations
 
+from types import MappingProxyType
+from typing import Mapping
+
 from rankmesh.errors import ReshardError
 from rankmesh.lazy import lazy_exports
 from rankmesh.reshard.plan import (
@@ -24,13 +27,13 @@ from rankmesh.reshard.plan import (
     shard_intervals,
 )
 
-_EXPORTS = {
+_EXPORTS: Mapping[str, str] = MappingProxyType({
     "ReshardWorker": "rankmesh.reshard.worker",
     "reshard": "rankmesh.reshard.run",
     "plan_between": "rankmesh.reshard.run",
     "ReshardStats": "rankmesh.reshard.run",
     "ReshardSession": "rankmesh.reshard.run",
-}
+})
 
 __all__ = [
     "ParamLayout",

@@ -171,12 +171,11 @@ class GroupTrack:
     pid: int
     name: str
     mesh: dict[str, int]
-    ranks: list[dict[str, Any]]  # per rank: {"rank", "coords": {...}, "node"}
+    ranks: list[dict[str, Any]]  # per rank: {"rank", "coords": RankCoords.to_dict(), "label": RankCoords.label(), "node"}
 
     def rank_label(self, rank: int) -> str:
         info = self.ranks[rank]
-        coords = " ".join(f"{k}{v}" for k, v in info["coords"].items())
-        return f"rank {rank} · {coords} · {info['node']}"
+        return " · ".join(part for part in (f"rank {rank}", info["label"], info["node"]) if part)
 
 
 class RankRecord(NamedTuple):
@@ -348,10 +347,8 @@ class Recorder:
             nodes = group.node_labels
             ranks = []
             for rank in range(group.world_size):
-                c = mesh.coords(rank)
-                coords = {"tp": c.tp_rank, "cp": c.cp_rank, "ep": c.ep_rank, "pp": c.pp_rank, "dp": c.dp_rank}
-                coords = {k: v for k, v in coords.items() if mesh.sizes.get(k, 1) > 1 or k in ("tp", "pp", "dp")}
-                ranks.append({"rank": rank, "coords": coords, "node": nodes[rank]})
+                c = mesh.rank_coords(rank)
+                ranks.append({"rank": rank, "coords": c.to_dict(), "label": c.label(), "node": nodes[rank]})
             startup = group.trace_startup
             with self._lock:
                 name = group.trace_name

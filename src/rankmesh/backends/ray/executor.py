@@ -29,6 +29,7 @@ import ray
 
 from rankmesh.backend import RankCall, Shared
 from rankmesh.errors import BackendError, RankMeshError, WorkerDiedError
+from rankmesh.mesh import RankCoords
 from rankmesh.validate import optional_seconds
 
 from rankmesh.sharedmem import register_store_processes
@@ -98,7 +99,7 @@ class GroupFetcher:
 class RayExecutor:
     """:class:`rankmesh.backend.Backend` over the processes of ``hosts`` (one per rank).
 
-    ``coords[r]`` (optional) names rank ``r``'s mesh coordinates in error messages.
+    ``coords[r]`` (optional) is rank ``r``'s :class:`~rankmesh.mesh.RankCoords`, for error messages.
     ``call_timeout_s`` bounds every fetch that gives no timeout of its own (``None``: wait as long
     as the ranks run); ``stall_warn_s`` logs where the unfinished ranks are, once per call, when
     a call runs that long (``None``: never).  Role groups spawned from one group share its
@@ -109,7 +110,7 @@ class RayExecutor:
     def __init__(
         self,
         hosts: HostSet,
-        coords: Sequence[dict[str, int]] | None = None,
+        coords: Sequence[RankCoords] | None = None,
         call_timeout_s: float | None = None,
         stall_warn_s: float | None = None,
         on_rank_death: str = "fail",

@@ -41,12 +41,6 @@ DEFAULT_START_TIMEOUT = 300.0
 """Seconds to wait for every rank's process to start and its worker to be built."""
 
 
-def rank_coords(mesh: RankMesh, rank: int) -> dict[str, int]:
-    """Dense mesh coordinates of ``rank``, for error messages."""
-    info = mesh.coords(rank)
-    return {"tp": info.tp_rank, "cp": info.cp_rank, "dp": info.dp_rank, "pp": info.pp_rank}
-
-
 def check_bin_pack(bin_pack: Any) -> None:
     """verl's ``bin_pack``: true (the default) is what every pool does; false is refused.
 
@@ -183,7 +177,7 @@ class RayWorkerGroup(WorkerGroup):
         on_rank_death: str = "fail",
     ) -> tuple[RayExecutor, Recovery]:
         """A new executor over ``hosts`` and the recovery state of its ``on_rank_death`` policy."""
-        coords = [rank_coords(table.mesh, r) for r in range(len(hosts.actors))]
+        coords = [table.mesh.rank_coords(r) for r in range(len(hosts.actors))]
         executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s, on_rank_death)
         return executor, Recovery(on_rank_death)
 
