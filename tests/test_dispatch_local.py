@@ -106,7 +106,7 @@ def test_worker_error_keeps_the_cause():
     with pytest.raises(WorkerError) as info:
         wg.fail_on_rank(make_batch(4))
     assert isinstance(info.value.__cause__, ValueError)
-    assert "rank 1 (tp=1, cp=0, dp=0, pp=0)" in str(info.value)
+    assert "rank 1 (tp1 dp0) on node" in str(info.value)  # one rank label everywhere (RankCoords.label)
 
 
 def test_constructor_failure_names_the_rank():

@@ -220,6 +220,12 @@ class RankCoords:
         """``{"tp": 1, "cp": 0, "ep": 0, "dp": 0, "pp": 1}``: every axis, in :data:`AXES` order (for JSON)."""
         return {a: getattr(self, a) for a in AXES}
 
+    def __getitem__(self, axis: str) -> int:
+        """``coords["tp"]``: the coordinate along one axis, as the coordinate dicts of earlier releases read."""
+        if axis not in AXES:
+            raise KeyError(f"{axis!r} is not a mesh axis (axes: {', '.join(AXES)})")
+        return getattr(self, axis)
+
 
 @dataclass(frozen=True)
 class DistRankInfo:
