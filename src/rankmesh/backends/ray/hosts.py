@@ -256,6 +256,7 @@ def start_hosts(
 
     The pool is acquired here and released by :meth:`HostSet.shutdown` (or at once on failure).
     """
+    pool.admit()
     pool.acquire()
     try:
         hosts = launch_hosts(pool, name_prefix, detached, options, timeout, progress)

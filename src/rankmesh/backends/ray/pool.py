@@ -335,25 +335,29 @@ class RayResourcePool:
 
     # ----- lifetime ----------------------------------------------------------------------------
 
-    def acquire(self) -> None:
-        """Note one more worker group on this pool's bundles; refuse one that would not fit them.
+    def admit(self) -> None:
+        """Refuse, before any actor starts, a worker group that would not fit this pool's bundles.
 
         Each group's actor takes 1 CPU (and ``1 / max_colocate_count`` GPU) of its bundle, so a
         bundle holds ``max_colocate_count`` groups; one more would wait for its actors forever.
         """
         root = self._root
         with root._lock:
-            span = range(self._start, self._start + self.world_size)
-            held = max((root._groups_on[i] for i in span), default=0)
-            if held >= root.max_colocate_count:
-                raise ResourcePoolError(
-                    f"resource pool {root.name_prefix!r}: its bundles already hold {held} worker group(s), as many as "
-                    f"max_colocate_count={root.max_colocate_count} allows (each group's actor takes 1 CPU"
-                    f"{' and 1/' + str(root.max_colocate_count) + ' GPU' if root.use_gpu else ''} of a bundle); create "
-                    f"the pool with max_colocate_count={held + 1} or more to run another group on the same bundles "
-                    "(verl's default is 10), or put the roles into one process with create_colocated_worker_cls"
-                )
-            for i in span:
+            held = max((root._groups_on[i] for i in range(self._start, self._start + self.world_size)), default=0)
+        if held >= root.max_colocate_count:
+            raise ResourcePoolError(
+                f"resource pool {root.name_prefix!r}: its bundles already hold {held} worker group(s), as many as "
+                f"max_colocate_count={root.max_colocate_count} allows (each group's actor takes 1 CPU"
+                f"{' and 1/' + str(root.max_colocate_count) + ' GPU' if root.use_gpu else ''} of a bundle); create "
+                f"the pool with max_colocate_count={held + 1} or more to run another group on the same bundles "
+                "(verl's default is 10), or put the roles into one process with create_colocated_worker_cls"
+            )
+
+    def acquire(self) -> None:
+        """Note one more worker group using this pool's placement groups (and its bundles)."""
+        root = self._root
+        with root._lock:
+            for i in range(self._start, self._start + self.world_size):
                 root._groups_on[i] += 1
             root._users += 1
 

@@ -281,17 +281,18 @@ class RayResourcePool(CoreRayResourcePool):
         process_on_nodes: Sequence[int] | None = None,
         use_gpu: bool = True,
         name_prefix: str | None = None,
-        max_colocate_count: int = 10,
+        max_colocate_count: int = 1,
         detached: bool = False,
         accelerator_type: str | None = None,
         **kwargs: Any,
     ) -> None:
-        """verl's positional order and defaults; rankmesh's ``ready_timeout`` as a keyword.
+        """verl's positional order; rankmesh's ``ready_timeout`` as a keyword.
 
-        ``max_colocate_count=10``, as in verl: up to 10 worker groups (actor, critic, reference ...)
-        can share each bundle, each of its actors taking 1 CPU and 1/10 of the bundle's GPU, so
-        verl's hybrid-engine pattern of several groups on one pool places as it does in verl.
-        Each bundle then reserves 10 logical CPUs (verl's accounting too)."""
+        ``max_colocate_count`` keeps rankmesh's default, 1 (verl's is 10, which makes every bundle
+        reserve 10 logical CPUs): pass ``max_colocate_count=N`` to run N separate worker groups on
+        the same bundles, verl's hybrid-engine pattern (each actor takes 1 CPU and 1/N GPU), or
+        colocate roles in one process with ``create_colocated_worker_cls``.  A group more than the
+        bundles hold is refused at once, naming this argument."""
         super().__init__(
             list(process_on_nodes or []),
             use_gpu=use_gpu,
