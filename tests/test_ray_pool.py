@@ -257,9 +257,12 @@ def test_plain_env_init_can_bind_a_reserved_port():
 
     port = rendezvous.reserve_port("127.0.0.1")
     try:
-        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
+        store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
         store.set("a", "b")
-        del store
+        # A second process's view: a client on the same port reads what the master wrote.
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=10))
+        assert client.get("a") == b"b" and store.get("a") == b"b"
+        del client, store
     finally:
         rendezvous.release_port("127.0.0.1", port)
 
