@@ -9,8 +9,8 @@ reads that line back and asserts on it.
 Two ways to run one:
 
 * :func:`run_module` / :func:`run_code` start a fresh process per scenario (``python -m module``
-  or ``python -c code``) and return its report.  For scenarios that must own their cluster: those that remove
-  nodes, or that check how Ray gets started.
+  or ``python -c code``) and return its report.  For scenarios that must own their Ray: those
+  that remove nodes, or that check how Ray gets started or joined.
 * :class:`SharedCluster` is ONE long-lived driver process holding ONE simulated cluster
   (:data:`SHARED_NODES`) for every test module whose scenarios leave the nodes alone.  A module
   asks it to call a function ``f(cluster, *args)`` by name and gets ``f``'s return value back.
@@ -221,7 +221,7 @@ def serve(nodes: Sequence[Mapping[str, Any]] = tuple(SHARED_NODES.values())) -> 
             try:
                 out = resolve(request["fn"])(cluster, *request["args"])
                 encoded = json.dumps(out)
-            except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+            except Exception:  # noqa: BLE001 - reported to the test, which fails with it
                 print(FAILED + json.dumps(traceback.format_exc()), flush=True)
                 continue
             print(REPORT + encoded, flush=True)
