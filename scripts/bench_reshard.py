@@ -4,7 +4,7 @@ The model is a few transformer layers of a 300M-parameter GPT shape (hidden 1024
 QKV with partition stride 3), random weights, laid out over a trainer mesh (default tp2·pp2·dp2)
 and refit into each generator mesh (default tp1·dp8, then tp4·dp2), on local Ray CPU processes.
 
-* **reshard, direct** (``transport="auto"``, the default): ``rankmesh.backends.ray.reshard.reshard`` with
+* **reshard, direct** (``transport="auto"``, the default): ``rankmesh.reshard.reshard`` with
   ``plan_reshard``'s plan; every rank is on this one node, so each destination reads its regions
   straight out of the source processes (``process_vm_readv``): one copy per byte, no object store.
 * **reshard, object store** (``transport="store"``): each source rank puts its regions into the
@@ -42,8 +42,8 @@ import torch  # noqa: E402
 
 from rankmesh.dispatch import Dispatch, register  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
-from rankmesh.backends.ray.reshard import ReshardWorker, reshard  # noqa: E402
-from rankmesh.reshard import ParamLayout, local_shape, plan_reshard, shard_intervals  # noqa: E402
+from rankmesh.megatron.layouts import MegatronReshardWorker  # noqa: E402
+from rankmesh.reshard import ParamLayout, local_shape, plan_reshard, reshard, shard_intervals  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -78,7 +78,7 @@ def full_tensor(layout: ParamLayout) -> torch.Tensor:
     return torch.randn(layout.shape, generator=torch.Generator().manual_seed(seed))
 
 
-class BenchWorker(ReshardWorker):
+class BenchWorker(MegatronReshardWorker):
     """This rank's shards of ``layouts``: cut from the seeded full tensors on sources, zeros on destinations."""
 
     def __init__(self, layouts: list[ParamLayout], fill: bool) -> None:

@@ -3,7 +3,7 @@
 
 Why a script and not a test: CI has no GPU.  The CPU tests (``tests/test_reshard_ray.py``) cover
 the plan and both transports between CPU tensors; what only a GPU can show is the device edges of
-:func:`rankmesh.backends.ray.reshard.reshard`: a source whose tensors are on CUDA has no address
+:func:`rankmesh.reshard.reshard`: a source whose tensors are on CUDA has no address
 another process can read, so its regions go through the object store even under
 ``transport="auto"``; a CUDA destination reads into host memory and copies that to its device.
 
@@ -30,7 +30,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, ensure_ray  # noqa: E402
-from rankmesh.backends.ray.reshard import ReshardWorker, reshard  # noqa: E402
+from rankmesh.megatron.layouts import MegatronReshardWorker  # noqa: E402
+from rankmesh.reshard import reshard  # noqa: E402
 from rankmesh.dispatch import Dispatch, register  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
 from rankmesh.reshard import ParamLayout, plan_reshard  # noqa: E402
@@ -58,7 +59,7 @@ def megatron_cut(full: np.ndarray, layout: ParamLayout, mesh: RankMesh, rank: in
     return np.concatenate(blocks[tp_rank::tp], axis=layout.tp_dim)
 
 
-class DeviceHolder(ReshardWorker):
+class DeviceHolder(MegatronReshardWorker):
     """This rank's shards on ``device`` (``cuda`` falls back to the CPU without CUDA); zeros without a seed."""
 
     def __init__(self, seed: int | None, device: str) -> None:

@@ -27,11 +27,10 @@ from typing import Any, Sequence
 
 from rankmesh.errors import RankMeshError
 from rankmesh.megatron.check import GROUPS, Mismatch, RankReport, compare_reports, expected_report
-from rankmesh.mesh import DEFAULT_ORDER, RankMesh
+from rankmesh.mesh import AXES, DEFAULT_ORDER, RankMesh
 
 log = logging.getLogger("rankmesh.validate")
 
-DENSE = ("tp", "pp", "cp", "dp")
 SHOWN_GROUPS = ("tp", "pp", "cp", "dp", "dp-cp", "ep")
 
 
@@ -148,14 +147,14 @@ def validate(mesh: RankMesh, process_on_nodes: Sequence[int] | None = None, *, s
 
 
 def _cell(values: dict[str, int]) -> str:
-    return " ".join(f"{values.get(a, '?'):>2}" for a in (*DENSE, "ep"))
+    return " ".join(f"{values.get(a, '?'):>2}" for a in AXES)
 
 
 def format_validation(v: Validation) -> str:
     """The human-readable tables of one run (without the verdict line)."""
     mesh = v.mesh
     lines = [f"{v.source}: {mesh!r}, {mesh.world_size} ranks", ""]
-    axes = " ".join(f"{a:>2}" for a in (*DENSE, "ep"))
+    axes = " ".join(f"{a:>2}" for a in AXES)
     lines.append(f"rank | controller {axes} | parallel_state {axes} | host:pid")
     bad_ranks = {m.rank for m in v.mismatches}
     for r in sorted(v.reports, key=lambda r: r.rank):

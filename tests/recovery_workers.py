@@ -35,7 +35,7 @@ class StateWorker(Worker):
     def whoami(self) -> dict:
         return {
             "rank": self.rank, "pid": os.getpid(), "obj": id(self), "counter": self.counter, "scale": self.scale,
-            "coords": self.context.coords(), "dist_rank": dist.get_rank(), "dist_world": dist.get_world_size(),
+            "coords": self.context.coords().to_dict(), "dist_rank": dist.get_rank(), "dist_world": dist.get_world_size(),
             "env": {k: os.environ.get(k) for k in ENV_KEYS}, "master_port": os.environ.get("MASTER_PORT"),
         }
 

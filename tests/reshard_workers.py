@@ -16,7 +16,7 @@ import torch
 
 from rankmesh.dispatch import Dispatch, register
 from rankmesh.mesh import RankMesh
-from rankmesh.backends.ray.reshard import ReshardWorker
+from rankmesh.megatron.layouts import MegatronReshardWorker
 from rankmesh.reshard import ParamLayout
 
 
@@ -40,7 +40,7 @@ def holds(layout: ParamLayout, mesh: RankMesh, rank: int) -> bool:
     return layout.pp_stage is None or mesh.coords(rank).pp_rank == layout.pp_stage
 
 
-class ShardHolder(ReshardWorker):
+class ShardHolder(MegatronReshardWorker):
     """This rank's shards of ``layouts`` over ``self.meshes[mesh_name]``; ``seed=None`` starts at zero."""
 
     def __init__(self, layouts: list[ParamLayout], seed: int | None, mesh_name: str = "default") -> None:

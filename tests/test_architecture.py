@@ -13,6 +13,10 @@ the package's ``__init__`` first, but counting that would make every package a c
 own modules).  Names a package loads on first use (``rankmesh.lazy.lazy_exports`` tables) are
 strings, not imports, and are not read here.
 
+Module-level state (:func:`module_state`) is read the same way: every module-level mutable
+object must be on the list in docs/architecture.md, "Process-global state", with the reason it
+must be process-global; the test reads that list from the page, so the two cannot drift.
+
 The layers (:data:`LAYERS`) are data: each module belongs to the layer of its longest matching
 prefix, and may import its own layer (the cycle check keeps that one-way) or a layer of a
 strictly lower rank.  Two layers of equal rank know nothing of each other.  The third-party
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -49,9 +54,13 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "dispatch": (3, ("rankmesh.dispatch",)),
     "layout": (3, ("rankmesh.layout",)),
     "tracing": (3, ("rankmesh.tracing",)),
-    "backend contract": (4, ("rankmesh.backend",)),
+    # Imports nothing from the package; rank 2 so that dispatch's @register checks its receive vocabulary.
+    "backend contract": (2, ("rankmesh.backend",)),
     "worker": (5, ("rankmesh.worker", "rankmesh.devices")),
     "groups": (6, ("rankmesh.group",)),
+    # Reshard's worker methods (on Worker) and its controller side (through the groups' call_ranks,
+    # which it calls but never imports): backend-neutral, below every backend.
+    "reshard": (6, ("rankmesh.reshard.worker", "rankmesh.reshard.run")),
     "backends": (7, ("rankmesh.backends",)),
     "front door": (8, ("rankmesh",)),
     "compat": (8, ("rankmesh.compat",)),
@@ -375,6 +384,356 @@ def test_function_level_and_relative_imports_are_read(tmp_path: Path) -> None:
     ]
 
 
+# ----- module-level state ---------------------------------------------------------------------
+#
+# What counts as a module-level mutable object (a registry or switch with no owner), found by
+# parsing each module, nothing imported:
+#
+# * a name bound at module level (also inside a module-level ``if``/``try``/``with``) or in the
+#   body of a module-level class, to a dict/list/set literal or comprehension, to a call of one
+#   of :data:`MUTABLE_CALLS` (resolved through the module's imports), or to an instance of a
+#   class of the package that is not frozen (a ``@dataclass(frozen=True)``, a NamedTuple or an
+#   Enum, or a class with ``__slots__ = ()``, is frozen);
+# * a module-level name a function rebinds under ``global``;
+# * a class attribute a classmethod or metaclass method rebinds (``cls.NAME = ...``).
+#
+# Not counted: ``__all__`` (the import system's list), constants of immutable types (tuple,
+# frozenset, types.MappingProxyType, str, numbers), calls of functions or third-party classes
+# outside MUTABLE_CALLS (a compiled regex, a logger, a timedelta), and functools caches (a memo
+# of a pure function is a constant computed late).  A constant table is made immutable rather
+# than listed.
+
+#: Calls that build a mutable object, by the dotted name the callee resolves to.
+MUTABLE_CALLS = frozenset({
+    "dict", "list", "set", "bytearray",
+    "collections.defaultdict", "collections.OrderedDict", "collections.Counter", "collections.deque",
+    "threading.local", "threading.Lock", "threading.RLock", "threading.Event", "threading.Condition",
+    "threading.Semaphore", "queue.Queue", "contextvars.ContextVar", "itertools.count",
+    "weakref.WeakValueDictionary", "weakref.WeakKeyDictionary", "weakref.WeakSet",
+    "numpy.empty", "numpy.zeros", "numpy.ones", "numpy.array", "torch.empty", "torch.zeros",
+})
+
+#: The section of docs/architecture.md that lists the allowed process-global objects.
+STATE_SECTION = "## Process-global state"
+
+_MUTABLE_LITERALS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+_FROZEN_BASES = {"NamedTuple", "Enum", "IntEnum", "StrEnum", "Flag", "IntFlag"}
+
+
+@dataclass(frozen=True)
+class StateObject:
+    """One module-level mutable object: ``name`` is ``NAME`` or ``Class.NAME``."""
+
+    module: str
+    name: str
+    file: str
+    line: int
+    what: str  # why it counts as mutable
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line}: {self.module}.{self.name} ({self.what})"
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def _is_frozen_class(node: ast.ClassDef) -> bool:
+    for deco in node.decorator_list:
+        if isinstance(deco, ast.Call) and (_dotted(deco.func) or "").split(".")[-1] == "dataclass":
+            if any(k.arg == "frozen" and isinstance(k.value, ast.Constant) and k.value.value is True for k in deco.keywords):
+                return True
+    if any((_dotted(b) or "").split(".")[-1] in _FROZEN_BASES for b in node.bases):
+        return True
+    return any(
+        isinstance(stmt, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__slots__" for t in stmt.targets)
+        and isinstance(stmt.value, ast.Tuple) and not stmt.value.elts
+        for stmt in node.body
+    )
+
+
+def package_classes(files: dict[str, Path]) -> dict[str, bool]:
+    """``module.Class`` -> frozen?, for every module-level class of the package."""
+    out = {}
+    for name, path in files.items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef):
+                out[f"{name}.{node.name}"] = _is_frozen_class(node)
+    return out
+
+
+def _aliases(tree: ast.Module, module: str, is_package: bool) -> dict[str, str]:
+    """Local name -> the dotted name it stands for, from the module's top-level imports."""
+    out: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for a in node.names:
+                out[a.asname or a.name] = f"{base}.{a.name}"
+    out.setdefault("np", "numpy")
+    return out
+
+
+def _module_level(body: list[ast.stmt]):
+    """Statements of a module body, descending into module-level if/try/with, not into defs."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, (ast.If, ast.With, ast.For, ast.While)):
+            yield from _module_level(stmt.body + getattr(stmt, "orelse", []))
+        elif isinstance(stmt, ast.Try):
+            yield from _module_level(stmt.body + stmt.orelse + stmt.finalbody + [s for h in stmt.handlers for s in h.body])
+
+
+def _bindings(stmt: ast.stmt):
+    """``(name, value)`` pairs a statement binds (tuple targets matched element by element)."""
+    if isinstance(stmt, ast.Assign):
+        pairs = [(t, stmt.value) for t in stmt.targets]
+    elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+        pairs = [(stmt.target, stmt.value)]
+    else:
+        return
+    for target, value in pairs:
+        if isinstance(target, ast.Name):
+            yield target.id, value
+        elif isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+            for t, v in zip(target.elts, value.elts):
+                if isinstance(t, ast.Name):
+                    yield t.id, v
+
+
+def module_state(module: str, source: str, file: str, classes: dict[str, bool], is_package: bool = False) -> list[StateObject]:
+    """Every module-level mutable object of ``source`` (see the rules above)."""
+    tree = ast.parse(source, filename=file)
+    aliases = _aliases(tree, module, is_package)
+    local_classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    by_short: dict[str, list[bool]] = {}
+    for dotted, frozen in classes.items():
+        by_short.setdefault(dotted.rsplit(".", 1)[-1], []).append(frozen)
+
+    def mutable(value: ast.expr) -> str | None:
+        if isinstance(value, _MUTABLE_LITERALS):
+            return f"a {type(value).__name__.lower()}"
+        if not isinstance(value, ast.Call):
+            return None
+        callee = _dotted(value.func)
+        if callee is None:
+            return None
+        head, _, rest = callee.partition(".")
+        if head in local_classes and not rest:
+            resolved = f"{module}.{head}"
+        else:
+            resolved = aliases.get(head, head) + (f".{rest}" if rest else "")
+        if resolved in MUTABLE_CALLS:
+            return f"{resolved}()"
+        frozen = classes.get(resolved)
+        if frozen is None and resolved.startswith(f"{PACKAGE}."):  # a re-export: match the class name
+            found = by_short.get(resolved.rsplit(".", 1)[-1], [])
+            frozen = all(found) if found else None
+        if frozen is False:
+            return f"an instance of {resolved.rsplit('.', 1)[-1]}, not frozen"
+        return None
+
+    found: dict[str, StateObject] = {}
+
+    def add(name: str, line: int, what: str) -> None:
+        found.setdefault(name, StateObject(module, name, file, line, what))
+
+    top_lines: dict[str, int] = {}
+    for stmt in _module_level(tree.body):
+        for name, value in _bindings(stmt):
+            top_lines.setdefault(name, stmt.lineno)
+            what = mutable(value)
+            if what and name != "__all__":
+                add(name, stmt.lineno, what)
+        if isinstance(stmt, ast.ClassDef):
+            class_attrs: dict[str, int] = {}
+            for inner in stmt.body:
+                for name, value in _bindings(inner):
+                    class_attrs.setdefault(name, inner.lineno)
+                    what = mutable(value)
+                    if what:
+                        add(f"{stmt.name}.{name}", inner.lineno, what)
+            for fn in ast.walk(stmt):
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args:
+                    continue
+                first = fn.args.args[0].arg
+                if first != "cls":
+                    continue
+                for node in ast.walk(fn):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                    for t in targets:
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == first and t.attr in class_attrs:
+                            add(f"{stmt.name}.{t.attr}", class_attrs[t.attr], f"rebound by {fn.name}() at line {node.lineno}")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Global):
+                    for name in inner.names:
+                        add(name, top_lines.get(name, inner.lineno), f"rebound under `global` in {node.name}()")
+    return sorted(found.values(), key=lambda o: o.line)
+
+
+def all_module_state() -> list[StateObject]:
+    files = source_files()
+    classes = package_classes(files)
+    out = []
+    for name, path in files.items():
+        rel = str(path.relative_to(SRC.parent))
+        out += module_state(name, path.read_text(encoding="utf-8"), rel, classes, path.name == "__init__.py")
+    return out
+
+
+@dataclass(frozen=True)
+class AllowedState:
+    """One row of docs/architecture.md's "Process-global state" tables."""
+
+    module: str
+    name: str
+    why: str
+    heading: str  # the table's heading: the main list, or a block marked "to be removed"
+
+
+def allowed_state(text: str | None = None) -> list[AllowedState]:
+    """The rows of the tables under :data:`STATE_SECTION` (up to the next ``## `` heading)."""
+    text = ARCHITECTURE_DOC.read_text(encoding="utf-8") if text is None else text
+    assert STATE_SECTION in text, f"docs/architecture.md has no {STATE_SECTION!r} section"
+    section = text.split(STATE_SECTION, 1)[1].split("\n## ", 1)[0]
+    rows, heading = [], STATE_SECTION
+    for line in section.splitlines():
+        if line.startswith("### "):
+            heading = line[4:].strip()
+        m = re.match(r"^\|\s*`([\w.]+)`\s*\|\s*`([\w.]+)`\s*\|(.*)\|\s*$", line)
+        if m:
+            rows.append(AllowedState(m.group(1), m.group(2), m.group(3).strip(), heading))
+    return rows
+
+
+def test_every_module_level_mutable_object_is_on_the_process_global_list() -> None:
+    allowed = {(row.module, row.name) for row in allowed_state()}
+    bad = [obj.where() for obj in all_module_state() if (obj.module, obj.name) not in allowed]
+    assert not bad, (
+        "module-level mutable state without an owner (make it an attribute of the object whose "
+        "lifetime it shares, pass it explicitly, make a constant table immutable, or, if it must be "
+        f"process-global, add a row with the reason to docs/architecture.md, {STATE_SECTION!r}):\n" + "\n".join(bad)
+    )
+
+
+def test_the_process_global_list_names_only_objects_that_exist_and_says_why() -> None:
+    rows = allowed_state()
+    found = {(obj.module, obj.name) for obj in all_module_state()}
+    stale = [f"{r.module} {r.name}" for r in rows if (r.module, r.name) not in found]
+    assert not stale, f"docs/architecture.md, {STATE_SECTION!r}, lists objects that are gone or no longer mutable: {stale}"
+    assert len({(r.module, r.name) for r in rows}) == len(rows), "a row is listed twice"
+    assert all(r.why for r in rows), "every row says why the object must be process-global"
+
+
+_SYNTHETIC = """\
+import threading
+import itertools as it
+from dataclasses import dataclass
+from types import MappingProxyType
+from weakref import WeakValueDictionary
+
+TABLE = MappingProxyType({"a": 1})
+NAMES = frozenset({"x"})
+ORDER = ("a", "b")
+__all__ = ["TABLE"]
+
+
+@dataclass(frozen=True)
+class Point:
+    x: int = 0
+
+
+class Box:
+    shared = []
+
+    def __init__(self):
+        self.items = {}
+
+    @classmethod
+    def switch(cls, on):
+        cls.enabled = on
+
+    enabled = False
+
+
+ORIGIN = Point()
+_CACHE = {}
+if True:
+    _SEEN: set[int] = set()
+_LOCAL = threading.local()
+_IDS = it.count(1)
+_BY_TOKEN = WeakValueDictionary()
+_BOX = Box()
+_FLAG = None
+
+
+def f():
+    local = {}
+    global _FLAG
+    _FLAG = local
+"""
+
+
+def test_the_state_guard_flags_a_new_module_level_registry() -> None:
+    """The guard is honest: a hand-written module with each kind of state, and constants beside them."""
+    found = module_state("rankmesh.synthetic", _SYNTHETIC, "src/rankmesh/synthetic.py", {"rankmesh.other.Box": False})
+    assert [(o.name, o.line) for o in found] == [
+        ("Box.shared", 19),
+        ("Box.enabled", 28),
+        ("_CACHE", 32),
+        ("_SEEN", 34),
+        ("_LOCAL", 35),
+        ("_IDS", 36),
+        ("_BY_TOKEN", 37),
+        ("_BOX", 38),
+        ("_FLAG", 39),
+    ]
+    by_name = {o.name: o for o in found}
+    assert by_name["_CACHE"].where() == "src/rankmesh/synthetic.py:32: rankmesh.synthetic._CACHE (a dict)"
+    assert by_name["_LOCAL"].what == "threading.local()" and by_name["_IDS"].what == "itertools.count()"
+    assert by_name["_BOX"].what == "an instance of Box, not frozen"
+    assert by_name["Box.enabled"].what == "rebound by switch() at line 26"
+    assert by_name["_FLAG"].what == "rebound under `global` in f()"
+
+
+def test_the_state_guard_fails_on_a_registry_that_is_not_listed() -> None:
+    """End to end: a new module-level dict in a module's source fails the check, naming file and line."""
+    source = (SRC / PACKAGE / "placement.py").read_text(encoding="utf-8") + "\n_REGISTRY: dict[str, int] = {}\n"
+    lines = source.count("\n")
+    found = module_state("rankmesh.placement", source, "src/rankmesh/placement.py", package_classes(source_files()))
+    allowed = {(row.module, row.name) for row in allowed_state()}
+    bad = [o.where() for o in found if (o.module, o.name) not in allowed]
+    assert bad == [f"src/rankmesh/placement.py:{lines}: rankmesh.placement._REGISTRY (a dict)"]
+
+
+def test_the_state_list_is_read_from_its_section_only() -> None:
+    text = (
+        "# Page\n| `rankmesh.a` | `X` | before the section |\n"
+        f"{STATE_SECTION}\n\n| module | name | why |\n|---|---|---|\n| `rankmesh.b` | `_Y` | one per process |\n"
+        "\n### Owned by another change, to be removed\n\n| `rankmesh.c` | `C.z` | later |\n"
+        "## Next\n| `rankmesh.d` | `W` | after |\n"
+    )
+    assert allowed_state(text) == [
+        AllowedState("rankmesh.b", "_Y", "one per process", STATE_SECTION),
+        AllowedState("rankmesh.c", "C.z", "later", "Owned by another change, to be removed"),
+    ]
+
+
 # ----- the front door --------------------------------------------------------------------------
 
 
@@ -394,6 +753,25 @@ def test_plain_import_loads_neither_ray_nor_megatron() -> None:
         "assert 'ray' not in sys.modules, 'ray imported'\n"
         "assert 'megatron.core' not in sys.modules, 'megatron.core imported'\n"
         "assert 'RayWorkerGroup' in dir(rankmesh) and 'verify_group' in dir(rankmesh.megatron)\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_megatron_and_reshard_import_no_ray() -> None:
+    """Reshard and megatron's workers are backend-neutral: an in-process megatron worker never loads Ray."""
+    done = _run(
+        "import sys, rankmesh.megatron, rankmesh.megatron.layouts, rankmesh.megatron.rollout, rankmesh.reshard.run\n"
+        "import rankmesh.reshard.worker, rankmesh.backends.local\n"
+        "from rankmesh.reshard import ReshardWorker, reshard, plan_between\n"
+        "ray = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]\n"
+        "assert not ray, f'ray imported: {ray[:5]}'\n"
+    )
+    assert done.returncode == 0, done.stderr
+    # megatron-core is there, but not Ray: the worker and the roles themselves.
+    done = _run(
+        "import sys, rankmesh.megatron.worker, rankmesh.megatron.roles\n"
+        "ray = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]\n"
+        "assert not ray, f'ray imported: {ray[:5]}'\n"
     )
     assert done.returncode == 0, done.stderr
 

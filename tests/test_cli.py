@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import textwrap
 from pathlib import Path
 
@@ -23,10 +24,10 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def one_error_line(err: str) -> str:
+def one_error_line(err: str, prefix: str = "rankmesh: error: ") -> str:
     lines = err.splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("rankmesh: error: "), err
+    assert lines[0].startswith(prefix), err
     assert "Traceback" not in err
     return lines[0]
 
@@ -46,7 +47,7 @@ def test_show_prints_the_rank_table_and_groups(capsys):
     code, out, err = run(capsys, "layout", "show", "cpu_demo", "--role", "actor")
     assert code == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0].startswith("layout cpu-demo · role actor · tp2 dp2 pp2")
+    assert lines[0].startswith("layout cpu_demo · role actor · tp2 dp2 pp2")
     header = lines[2].split()
     assert header == ["rank", "node", "local", "tp", "cp", "ep", "dp", "pp", "collect"]
     rows = {int(line.split()[0]): line.split() for line in lines[3:11]}
@@ -290,11 +291,26 @@ def test_console_script_and_python_m(tmp_path):
         (["--kill-at-iteration", "2"], "--kill-at-iteration needs --kill-rank"),
         (["--kill-rank", "8"], "--kill-rank must be an actor rank, 0 to 7"),  # cpu_demo's actor: tp2·pp2·dp2
         (["--kill-rank", "1", "--kill-at-iteration", "5"], "between 1 and --iterations (4)"),
+        # Every option against the layout and the model (the demo model: 4 heads, hidden 32, 2 layers, 32 rows).
+        (["--layout", "nosuch"], "--layout nosuch: unknown layout 'nosuch'"),
+        (["--no-layout", "--actor-tp", "3"], "--actor-tp 3: the demo model's num_heads=4 is not divisible by tp=3"),
+        (["--no-layout", "--critic-tp", "8"], "--critic-tp 8: the demo model's num_heads=4 is not divisible by tp=8"),
+        (["--actor-tp", "4"], "--actor-tp: explicit mesh sizes need --no-layout"),
+        (["--no-layout", "--actor-pp", "3"], "--actor-pp 3: the demo model has 2 layers"),
+        (["--no-layout", "--actor-dp", "3"], "32 rows do not split evenly over the actor's dp=3 (--actor-dp)"),
+        (["--no-layout", "--rollout-dp", "0"], "--rollout-dp must be a positive integer, got 0"),
+        (["--prompts", "0"], "--prompts must be a positive integer, got 0"),
+        (["--iterations", "1"], "--iterations must be at least 2"),
+        (["--hang-rank", "99"], "--hang-rank 99 is not a rank of the actor group"),
     ],
 )
-def test_demo_kill_options_are_checked_before_anything_starts(capsys, argv, message):
+def test_demo_options_are_checked_before_anything_starts(capsys, argv, message):
+    started = time.perf_counter()
     code, out, err = run(capsys, "demo", *argv)
-    assert code == 2 and message in err and out == ""
+    assert code == 2 and out == ""
+    line = one_error_line(err, prefix="rankmesh demo: error: ")
+    assert message in line, line
+    assert time.perf_counter() - started < 5  # no Ray start-up before the verdict
 
 
 def test_validate_pools_with_conflicting_labels_on_one_node_exits_1(capsys, tmp_path):
@@ -318,3 +334,58 @@ def test_validate_pools_with_conflicting_labels_on_one_node_exits_1(capsys, tmp_
     errors = [line for line in out.splitlines() if ": error: " in line]
     assert len(errors) == 1, out
     assert "pool 'train' requires gpu=a100 and pool 'gen' requires gpu=h100 on node 0" in errors[0]
+
+
+# ----- bad paths: one line naming the path and what is wrong ------------------------------------
+
+
+def test_every_bad_layout_path_is_one_line_naming_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    cases = {
+        "./missing.yaml": "./missing.yaml: no such layout file",
+        str(tmp_path / "missing.yaml"): f"{tmp_path / 'missing.yaml'}: no such layout file",
+        "adir": "adir: is a directory, not a layout file",
+        str(tmp_path / "adir"): f"{tmp_path / 'adir'}: is a directory, not a layout file",
+        "missing.yaml": "unknown layout 'missing'",  # a bare file name is looked up like a name
+    }
+    for arg, fragment in cases.items():
+        code, out, err = run(capsys, "layout", "show", arg)
+        assert code == 2 and out == "", arg
+        assert fragment in one_error_line(err), (arg, err)
+
+
+def test_draw_to_a_missing_directory_is_one_line_and_writes_nothing(capsys, tmp_path):
+    target = tmp_path / "nonexistent" / "x.png"
+    code, out, err = run(capsys, "layout", "draw", "cpu_demo", "-o", str(target))
+    assert code == 2 and out == ""
+    assert f"directory '{target.parent}' does not exist" in one_error_line(err)
+    code, out, err = run(capsys, "layout", "draw", "cpu_demo", "-o", str(tmp_path))
+    assert code == 2 and "must end in" in one_error_line(err)
+
+
+def test_trace_commands_name_a_bad_path(capsys, tmp_path):
+    code, out, err = run(capsys, "trace", "summarize", str(tmp_path))
+    assert code == 2 and f"{tmp_path}: is a directory, not a trace file" in one_error_line(err)
+    code, out, err = run(capsys, "trace", "plot", str(tmp_path / "t.json"), "-o", str(tmp_path / "no" / "t.png"))
+    assert code == 2 and "does not exist" in one_error_line(err)
+
+
+def test_top_level_help_names_every_command(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    description = out.split("positional arguments")[0]
+    for word in ("layouts", "traces", "demo"):
+        assert word in description, description
+
+
+def test_show_says_where_a_pool_runs_in_words(capsys):
+    expected = {  # hand-written from the shipped YAML files
+        "cpu_demo": "pool global: 8 ranks, 8 on node 0 ·",
+        "multinode_ppo": "pool train_pool: 16 ranks, 8 on node 0 and 8 on node 1 ·",
+        "llama70b_4x8": "pool global: 32 ranks, 8 on each of nodes 0-3 ·",
+    }
+    for name, fragment in expected.items():
+        code, out, _ = run(capsys, "layout", "show", name, "--role", "actor")
+        assert code == 0 and fragment in out.splitlines()[0], out.splitlines()[0]
+        assert "node(s)" not in out

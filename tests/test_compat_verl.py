@@ -85,3 +85,60 @@ def test_global_auto_padding_pads_internally_and_returns_exactly_the_rows(group)
     # verl trimmed DP_COMPUTE_METRIC by the pad count and lost ranks; every rank reports here
     assert [m["rank"] for m in metrics] == [0, 1, 2, 3]
     assert [m["rows"] for m in metrics] == [2, 2, 2, 2]
+
+
+# --- verl's constructor arguments: honoured with verl's meaning or refused, never dropped ------------
+# Every refusal happens before a process starts (no Ray is needed here).
+
+
+def _verl_group(pool=None, **kwargs):
+    pool = pool if pool is not None else verl.RayResourcePool([1], use_gpu=False)
+    return verl.RayWorkerGroup(pool, verl.RayClassWithInitArgs(cls=VerlStyleActor), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, names",
+    [
+        ({"bin_pack": False}, rankmesh.errors.BackendError, ["bin_pack=False", "STRICT_PACK", "RayResourcePool([4, 4])"]),
+        ({"use_gpu": True}, rankmesh.errors.BackendError, ["use_gpu is True", "use_gpu=True"]),
+        ({"device_name": "npu"}, rankmesh.errors.BackendError, ["device_name='npu'", "cuda"]),
+        ({"profile_steps": [1, 2]}, rankmesh.errors.BackendError, ["profile_steps=[1, 2]", "wg.trace("]),
+        ({"worker_nsight_options": {"capture-range-end": None}}, rankmesh.errors.BackendError, ["worker_nsight_options", "wg.trace("]),
+        ({"master_port_range": [20000, 20100]}, rankmesh.errors.BackendError, ["master_port_range", "wg.master_port"]),
+        ({"master_addr": "10.0.0.1", "master_port": "29500"}, rankmesh.errors.BackendError, ["master_addr", "wg.master_address"]),
+        ({"worker_names": ["a_0"]}, rankmesh.errors.DispatchAssertionError, ["worker_names", "from_detached"]),
+        ({"worker_handles": [object()]}, rankmesh.errors.DispatchAssertionError, ["worker_handles", "from_detached"]),
+        ({"ray_wait_register_center_timeout": 0}, rankmesh.errors.BackendError, ["ray_wait_register_center_timeout", "positive"]),
+        ({"ray_wait_register_center_timeout": 60, "start_timeout": 90}, TypeError, ["ray_wait_register_center_timeout=60", "start_timeout=90"]),
+        ({"no_such_argument": 1}, TypeError, ["no_such_argument"]),
+    ],
+)
+def test_verl_constructor_arguments_rankmesh_cannot_honour_are_refused_by_name(kwargs, error, names):
+    with pytest.raises(error) as info:
+        _verl_group(**kwargs)
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_a_cpu_pools_use_gpu_false_and_device_cpu_are_verls_meaning_and_accepted():
+    from rankmesh.compat.verl.workers import verl_group_options
+
+    cpu, gpu = verl.RayResourcePool([1], use_gpu=False), verl.RayResourcePool([1], use_gpu=True)
+    # verl's defaults and values that say what the pool already does leave rankmesh's options alone
+    assert verl_group_options(cpu, None, None, 300, {"use_gpu": False, "device_name": "cpu", "profile_steps": None}) == {}
+    assert verl_group_options(gpu, None, None, 300, {"use_gpu": True, "device_name": "cuda", "worker_env": {"A": "1"}}) == {
+        "worker_env": {"A": "1"}
+    }
+    with pytest.raises(rankmesh.errors.BackendError, match="use_gpu=False on a use_gpu=True pool"):
+        _verl_group(gpu, use_gpu=False)
+    with pytest.raises(rankmesh.errors.BackendError, match="device_name='cpu'"):
+        _verl_group(gpu, device_name="cpu")
+
+
+def test_the_register_center_timeout_is_rankmeshs_start_timeout():
+    from rankmesh.compat.verl.workers import verl_group_options
+
+    pool = verl.RayResourcePool([1], use_gpu=False)
+    assert verl_group_options(pool, None, None, 120, {}) == {"start_timeout": 120.0}
+    assert verl_group_options(pool, None, None, 120, {"start_timeout": 120}) == {"start_timeout": 120.0}
+    assert verl_group_options(pool, None, None, 300, {"start_timeout": 45}) == {"start_timeout": 45}  # verl's default: rankmesh's wins

@@ -111,7 +111,7 @@ def test_unprivileged_route_through_the_store_process(shm_file, mode, monkeypatc
     path, shared, expected = shm_file
     keeper = subprocess.Popen([sys.executable, "-c", f"import sys; f = open({path!r}, 'rb'); sys.stdin.read()"],
                               stdin=subprocess.PIPE)
-    monkeypatch.setattr(sharedmem, "_STORE_PIDS", set())
+    monkeypatch.setattr(sharedmem._STATE, "store_pids", set())
     try:
         for _ in range(100):  # wait until the keeper has the file open
             if any(os.readlink(f"/proc/{keeper.pid}/fd/{n}") == path for n in os.listdir(f"/proc/{keeper.pid}/fd")):

@@ -251,7 +251,7 @@ def test_ray_future_routes_only_needed_parts(ray_local):
         DataProtoFuture.concat(refs)
 
 
-def test_borrowed_buffers_skip_the_receive_copy_only_inside_the_block():
+def test_borrow_receive_skips_the_receive_copy_only_inside_the_block():
     """The controller's concat path: rebuilds borrow shared buffers; everywhere else they copy."""
     from rankmesh import serialization as ser
     from rankmesh.data import DataProto
@@ -259,7 +259,7 @@ def test_borrowed_buffers_skip_the_receive_copy_only_inside_the_block():
     src = DataProto.from_dict({"x": torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)})
     data, buffers = ser.dumps(src)
     ptr = src.batch["x"].data_ptr()
-    with ser.borrowed_buffers():
+    with ser.receiving("borrow"):
         borrowed = ser.loads(data, buffers)
     assert borrowed.batch["x"].data_ptr() == ptr  # no copy: a read-only view of the sender's bytes
     joined = DataProto.concat([borrowed])
@@ -268,3 +268,68 @@ def test_borrowed_buffers_skip_the_receive_copy_only_inside_the_block():
     assert private.batch["x"].data_ptr() != ptr
     private.batch["x"][0, 0] = -1.0
     assert src.batch["x"][0, 0] == 0.0
+
+
+def _shared_batch_pickle(nbytes: int):
+    """A one-column batch pickled out of band, its buffers in an in-process shared file (as
+    ``ray.get`` maps them), and the column."""
+    from rankmesh import sharedmem
+
+    src = torch.arange(nbytes // 8, dtype=torch.int64).reshape(64, -1)
+    data, buffers = serialization.dumps(DataProto.from_dict({"x": src}))
+    assert len(buffers) == 1
+    store = sharedmem.SharedFile([b.raw() for b in buffers])
+    return src, data, store
+
+
+def test_copy_receive_copies_where_copy_on_write_would_map_and_says_why():
+    """``receiving("copy")`` (a method declaring receive="copy"): the bytes that would have been a
+    copy-on-write view are one private copy, counted with the declared reason; outside the block
+    the same load maps them again."""
+    from rankmesh import sharedmem
+
+    src, data, store = _shared_batch_pickle(2 * MIB)
+    before = sharedmem.receive_info()
+    with serialization.receiving("copy"):
+        copied = serialization.loads(data, store.views()).batch["x"]
+    during = sharedmem.receive_info()
+    viewed = serialization.loads(data, store.views()).batch["x"]
+    after = sharedmem.receive_info()
+    assert torch.equal(copied, src) and torch.equal(viewed, src)
+    assert during["copies"] == before["copies"] + 1
+    assert during["copied_bytes"] == before["copied_bytes"] + 2 * MIB
+    assert during["cow_views"] == before["cow_views"]
+    if before["fallback"] is None:  # the first fallback of this process is the one reported
+        assert during["fallback"] == "the method or group declares receive='copy'"
+    if sharedmem.receive_info()["mode"] != "copy":  # RANKMESH_RECEIVE=copy would copy both
+        assert after["cow_views"] == during["cow_views"] + 1 and after["copies"] == during["copies"]
+    copied[0, 0] = -1
+    viewed[0, 1] = -1
+    assert src[0, 0] == 0 and src[0, 1] == 1  # both are the receiver's own
+
+
+def test_the_receive_choice_is_per_thread_and_ends_with_its_block():
+    """The one receive setting is a context variable: another thread loading at the same time, or
+    this thread after the block, rebuilds as usual (a private copy, never the sender's memory)."""
+    import threading
+
+    src = DataProto.from_dict({"x": torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)})
+    data, buffers = serialization.dumps(src)
+    ptr = src.batch["x"].data_ptr()
+    seen: list[int] = []
+    with serialization.receiving("borrow"):
+        other = threading.Thread(target=lambda: seen.append(serialization.loads(data, buffers).batch["x"].data_ptr()))
+        other.start()
+        other.join()
+        assert serialization.loads(data, buffers).batch["x"].data_ptr() == ptr
+        with serialization.receiving("cow"):  # nested: the inner choice wins, then the outer is back
+            assert serialization.loads(data, buffers).batch["x"].data_ptr() != ptr
+        assert serialization.loads(data, buffers).batch["x"].data_ptr() == ptr
+    assert seen and seen[0] != ptr
+    assert serialization.loads(data, buffers).batch["x"].data_ptr() != ptr
+
+
+def test_an_unknown_receive_choice_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"receiving\(how\) must be one of \('cow', 'copy', 'borrow'\), got 'view'"):
+        with serialization.receiving("view"):
+            pass

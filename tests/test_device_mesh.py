@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch.multiprocessing as mp
 
 from rankmesh import RankMesh
@@ -37,3 +38,13 @@ def test_device_mesh_dimensions_are_the_mesh_groups(tmp_path):
         assert found["tp"] == expected_tp[rank]
         assert found["dp"] == expected_dp[rank]
         assert found["pp"] == [rank] and found["cp"] == [rank]
+
+
+def test_device_mesh_without_a_process_group_says_how_to_get_one():
+    import torch.distributed as dist
+
+    from rankmesh.errors import MeshError
+
+    assert not dist.is_initialized()  # the controller process: no default group
+    with pytest.raises(MeshError, match=r"after torch.distributed.init_process_group"):
+        RankMesh(tp=2, dp=2).to_device_mesh()

@@ -15,8 +15,8 @@ import pytest
 from rankmesh.errors import FetchTimeoutError, HangError
 from rankmesh.hangs import Collective, Frame, HangReport, ProcessStacks, RankHang, ThreadStack, capture_process, name_group
 from rankmesh.hangs.capture import innermost_user_frame, is_library_file
-from rankmesh.hangs.report import DEAD, NO_ANSWER, STUCK, coords_text, group_by_place
-from rankmesh.mesh import RankMesh
+from rankmesh.hangs.report import DEAD, NO_ANSWER, STUCK, group_by_place
+from rankmesh.mesh import RankCoords, RankMesh
 
 
 # ----- naming a process group by the mesh -----------------------------------------------------
@@ -59,7 +59,8 @@ SLEEPER = Frame("wait_for_data", "/job/data.py", 12)
 
 
 def report(after_s: float = 3.0) -> HangReport:
-    tp_dp = lambda r: {"tp": r % 2, "cp": 0, "dp": r // 2, "pp": 0}  # noqa: E731
+    # tp2 dp4 by hand (rank = tp + 2*dp): only the axes of size > 1 are shown.
+    tp_dp = lambda r: RankCoords(tp=r % 2, dp=r // 2, shown=("tp", "dp"))  # noqa: E731
     hangs = (
         RankHang(1, tp_dp(1), "n0", STUCK, stacks(STEP, Collective("all_reduce", (1, 5), "dp"))),
         RankHang(2, tp_dp(2), "n0", STUCK, stacks(SLEEPER)),
@@ -67,14 +68,14 @@ def report(after_s: float = 3.0) -> HangReport:
         RankHang(6, tp_dp(6), "n1", DEAD, detail="The actor died unexpectedly"),
         RankHang(7, tp_dp(7), "n1", NO_ANSWER, detail="did not answer within 2 s"),
     )
-    return HangReport("compute", after_s, hangs, finished=(0, 4, 5), axes=("tp", "dp"), gather_s=0.05)
+    return HangReport("compute", after_s, hangs, finished=(0, 4, 5), gather_s=0.05)
 
 
 def test_ranks_at_one_place_are_grouped():
     places = group_by_place(report().hangs)
     assert [[h.rank for h in p] for p in places] == [[1, 3], [2], [6], [7]]
     # Same collective on the same axis but another user frame is another place.
-    other = RankHang(9, {}, None, STUCK, stacks(Frame("eval_step", "/job/train.py", 80), Collective("all_reduce", (9, 11), "dp")))
+    other = RankHang(9, None, None, STUCK, stacks(Frame("eval_step", "/job/train.py", 80), Collective("all_reduce", (9, 11), "dp")))
     assert [[h.rank for h in p] for p in group_by_place([*report().hangs, other])][0] == [1, 3]
     assert len(group_by_place([*report().hangs, other])) == 5
 
@@ -90,7 +91,8 @@ def test_report_text_names_ranks_coords_nodes_places_and_finished():
     assert lines[-1] == "  finished: ranks 0, 4, 5"
     assert "      step (/job/train.py:40)" in lines  # the stack, innermost first, out to the user's frame
     assert report().dead == [6] and report().unfinished == [1, 2, 3, 6, 7]
-    assert coords_text({"tp": 1, "cp": 0, "dp": 1, "pp": 0}) == "tp1 cp0 dp1 pp0"
+    # tp2 cp2 dp2 pp2, rank = tp + 2*cp + 4*dp + 8*pp: rank 5 is tp1 cp0 dp1 pp0.
+    assert RankMesh(tp=2, cp=2, dp=2, pp=2).rank_coords(5).label() == "tp1 cp0 dp1 pp0"
 
 
 def test_one_collective_reads_like_the_issue():

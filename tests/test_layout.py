@@ -181,8 +181,14 @@ def test_load_by_hyphenated_name_and_by_path():
     path = find_layout("cpu_demo")
     assert path.name == "cpu_demo.yaml"
     assert load_layout(path) == by_name
-    assert load_layout(str(path)).name == "cpu-demo"
+    assert load_layout(str(path)).name == "cpu_demo"
     assert load_layout("cpu_demo.yaml") == by_name  # a bare file name falls back to the name lookup
+
+
+def test_every_shipped_layout_is_named_by_its_file_stem():
+    # One spelling: what `layout list` shows, what reports print and what the file is called.
+    for name in list_layouts():
+        assert load_layout(name, check=False).name == name == find_layout(name).stem
 
 
 def test_multinode_pools_sit_on_their_nodes():

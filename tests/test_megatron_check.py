@@ -63,7 +63,7 @@ def test_wrong_order_is_detected() -> None:
     err = info.value
     assert isinstance(err, RankMeshError)
     assert "8 of 8 ranks disagree" in str(err) and "ranks [0, 1, 2, 3, 4, 5, 6, 7]" in str(err)
-    assert "rank 2: coord dp: mesh says 0, workers say 1" in str(err)
+    assert "rank 2 (tp0 dp0 pp1): coord dp: mesh says 0, workers say 1" in str(err)
     assert err.mismatches == mismatches
     again = pickle.loads(pickle.dumps(err))  # crosses process boundaries intact
     assert again.mismatches == mismatches and str(again) == str(err)
@@ -119,5 +119,5 @@ def test_real_parallel_state_in_forked_group() -> None:
     good = [RankReport.from_dict(r) for r in run_forked(report(None), mesh.world_size)]
     check_reports(mesh, good)
     bad = [RankReport.from_dict(r) for r in run_forked(report("tp-cp-ep-dp-pp"), mesh.world_size)]
-    with pytest.raises(MeshMismatchError, match="rank 2: coord dp"):
+    with pytest.raises(MeshMismatchError, match=r"rank 2 \(tp0 dp0 pp1\): coord dp"):
         check_reports(mesh, bad)

@@ -28,6 +28,8 @@ def test_demo_two_iterations(ray_session, tmp_path, capsys) -> None:
     for it in its:  # on-policy: every update lowers its batch's losses, seen through the refit rollout
         assert it["actor_loss_after"] < it["actor_loss"] and it["critic_loss_after"] < it["critic_loss"]
         assert it["rollout_diff"] <= 1e-5
+        assert it["logprob_diff"] <= 1e-5  # measured every iteration, against the actor's current weights
+    assert "logp diff: max |actor log-prob" in out  # every column is explained under the table's header
     assert result["final_rollout_diff"] <= 1e-5
     assert result["refit_bytes"] == [result["refit_minimum_bytes"]] * 3  # startup + one per update
     assert "tp=1" in result["rollout_mesh"] and "dp=4" in result["rollout_mesh"]

@@ -95,7 +95,7 @@ def test_validate_script_reports_a_mismatch(validate_script, ray_session, capsys
     assert code == 1
     verdict = out.strip().splitlines()[-1]
     assert verdict.startswith("VERDICT: FAIL - 4 of 4 ranks disagree"), verdict
-    assert "rank 1: coord dp: mesh says 0, workers say 1" in out
+    assert "rank 1 (dp0 pp1): coord dp: mesh says 0, workers say 1" in out
     assert "MISMATCH" in out
 
 
@@ -111,7 +111,7 @@ def test_start_megatron_group_raises_on_mismatch(ray_session) -> None:
                              RayClassWithInitArgs(MegatronWorker, force_order="pp-tp-dp"), mesh)
     err = info.value
     assert sorted({m.rank for m in err.mismatches if m.what == "coord tp"}) == [1, 2]
-    assert "rank 1: coord tp: mesh says 1, workers say 0" in str(err)
+    assert "rank 1 (tp1 pp0): coord tp: mesh says 1, workers say 0" in str(err)
 
 
 def test_validate_script_subprocess(ray_session) -> None:

@@ -1,6 +1,7 @@
 """rankmesh.peermem: strided views as byte runs (checked against numpy's own element addresses),
 and reads from a real child process (its array rebuilt here from the same seed), refused reads
-(a child under a seccomp filter), bad addresses and reads cut short by the kernel."""
+(a child under a seccomp filter; under Yama, a reader outside the declared tracer's tree), bad
+addresses and reads cut short by the kernel."""
 
 from __future__ import annotations
 
@@ -222,7 +223,7 @@ def test_a_refused_read_says_why_and_how() -> None:
     if not supported():
         pytest.skip("seccomp filter for this machine not written")
     data = np.arange(8, dtype=np.float32) + 0.5
-    assert allow_peer_reads() in (True, False)  # Yama absent: False, never an error
+    assert allow_peer_reads(os.getpid()) in (True, False)  # our descendants may read us; Yama absent: False
     proc = subprocess.run([sys.executable, "-c", REFUSED_CHILD, str(os.getpid()), str(data.ctypes.data)],
                           env=ENV, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -253,3 +254,113 @@ def test_bfloat16_and_transposed_views_through_coalesced_reads() -> None:
         assert read_process(os.getpid(), remote, local) >= src_view.numel() * 2
         assert torch.equal(dst_view, src_view)
     assert not dst[56:].any()
+
+
+# --- Yama: a declared tracer admits itself and its descendants, no other process -------------------
+# Real processes, with the kernel deciding: a source that declares a stand-in for the raylet as its
+# tracer, one reader started by that stand-in and one started beside it, all three with the same
+# unprivileged credentials (root, as on the test machines, passes Yama through CAP_SYS_PTRACE: so
+# children of a root test drop to uid/gid 65534 after importing what they need).
+
+NOBODY = 65534
+YAMA = Path("/proc/sys/kernel/yama/ptrace_scope")
+
+
+def _yama_scope() -> int | None:
+    try:
+        return int(YAMA.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _drop() -> str:
+    """Code that leaves root for uid/gid 65534 (nothing when not root: no CAP_SYS_PTRACE to lose)."""
+    return f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})" if os.geteuid() == 0 else ""
+
+
+YAMA_SOURCE = """
+import ctypes, json, os, sys
+import numpy as np
+from rankmesh.peermem import allow_peer_reads, available
+available()  # load the C library while the files are still readable
+data = np.arange(16, dtype=np.float64) * 1.5
+{drop}
+ctypes.CDLL(None, use_errno=True).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: changing uid cleared it
+declared = allow_peer_reads(int(sys.argv[1]))
+print(json.dumps({{"pid": os.getpid(), "addr": data.ctypes.data, "declared": declared, "uid": os.getuid()}}), flush=True)
+sys.stdin.readline()  # keep the array until the readers are done
+"""
+
+YAMA_READER = """
+import json, os, sys
+import numpy as np
+from rankmesh.errors import PeerReadError
+from rankmesh.peermem import available, read_process, segments
+available()
+out = np.zeros(16, dtype=np.float64)
+{drop}
+try:
+    read_process(int(sys.argv[1]), [(int(sys.argv[2]), out.nbytes)], segments(out))
+    print(json.dumps({{"read": out.tolist(), "uid": os.getuid()}}))
+except PeerReadError as exc:
+    print(json.dumps({{"errno": exc.errno, "refused": exc.refused, "error": str(exc), "uid": os.getuid()}}))
+"""
+
+#: The raylet's stand-in: prints its pid, then runs the reader as its own child for "pid addr".
+YAMA_TRACER = """
+import os, subprocess, sys
+print(os.getpid(), flush=True)
+pid, addr = sys.stdin.readline().split()
+out = subprocess.run([sys.executable, "-c", sys.argv[1], pid, addr], capture_output=True, text=True, timeout=60)
+print(out.stdout.strip().splitlines()[-1] if out.returncode == 0 else "ERROR " + out.stderr[-2000:], flush=True)
+sys.stdin.readline()
+"""
+
+
+def _reader_report(stdout: str) -> dict:
+    assert not stdout.startswith("ERROR"), stdout
+    return json.loads(stdout)
+
+
+def test_only_the_declared_tracer_and_its_descendants_may_read() -> None:
+    scope = _yama_scope()
+    if scope is None:
+        pytest.skip("Yama is not in this kernel (no /proc/sys/kernel/yama/ptrace_scope): PR_SET_PTRACER has no effect")
+    if scope != 1:
+        pytest.skip(f"Yama ptrace_scope is {scope}, not 1: a declared tracer admits nobody extra (0: everyone, 2/3: no one)")
+    reader = YAMA_READER.format(drop=_drop())
+    popen = dict(env=ENV, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tracer = subprocess.Popen([sys.executable, "-c", YAMA_TRACER, reader], **popen)
+    source = None
+    try:
+        tracer_pid = int(tracer.stdout.readline())
+        source = subprocess.Popen([sys.executable, "-c", YAMA_SOURCE.format(drop=_drop()), str(tracer_pid)], **popen)
+        line = source.stdout.readline()
+        assert line, source.stderr.read()
+        src = json.loads(line)
+        assert src["declared"] is True  # Yama accepted the tracer
+        # inside the tracer's tree: the stand-in's own child
+        tracer.stdin.write(f"{src['pid']} {src['addr']}\n")
+        tracer.stdin.flush()
+        inside = _reader_report(tracer.stdout.readline().strip())
+        # outside it: a child of this test process, with the same credentials
+        out = subprocess.run([sys.executable, "-c", reader, str(src["pid"]), str(src["addr"])],
+                             env=ENV, cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        outside = _reader_report(out.stdout.strip().splitlines()[-1])
+    finally:
+        for proc in (source, tracer):
+            if proc is not None:
+                proc.stdin.close()
+                proc.wait(timeout=30)
+    unprivileged = os.getuid() if os.geteuid() else NOBODY
+    assert src["uid"] == inside["uid"] == outside["uid"] == unprivileged
+    assert inside.get("read") == [1.5 * i for i in range(16)], inside
+    assert outside.get("errno") == errno.EPERM and outside["refused"] is True, outside
+    assert f"pid {src['pid']}" in outside["error"] and "PR_SET_PTRACER" in outside["error"]
+
+
+def test_the_tracer_must_be_a_pid() -> None:
+    for bad in (0, -1, None, "1", True):
+        with pytest.raises(ValueError, match="tracer_pid"):
+            allow_peer_reads(bad)  # type: ignore[arg-type]

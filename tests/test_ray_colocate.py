@@ -109,6 +109,25 @@ def test_spawned_roles_share_processes_and_mesh(fused):
     assert actor.workers == critic.workers == fused.workers
 
 
+def test_spawned_roles_are_built_with_their_parents_startup_and_recovery(fused):
+    # One constructor path: a role group gets every attribute the parent has, from arguments,
+    # and shares the parent's start-up record and recovery state.
+    from rankmesh.group import GroupMethod
+
+    def attributes(group):  # a group's state, without its bound methods and fused role groups
+        return {k for k, v in vars(group).items() if not isinstance(v, (GroupMethod, RayWorkerGroup))}
+
+    roles = fused.spawn(["actor", "critic"])
+    report = fused.startup_report()
+    assert report is not None and report.ranks and all(report.ranks)
+    for group in roles.values():
+        assert attributes(group) == attributes(fused)
+        assert group.startup_report() is report
+        assert group.on_rank_death == fused.on_rank_death == "fail"
+        assert group.replacements == fused.replacements == []
+        assert group.executor is fused.executor
+
+
 def test_role_errors_and_unknown_roles(fused):
     critic = fused.spawn(["critic"])["critic"]
     with pytest.raises(WorkerError, match="CriticRole.fail.*critic failed"):

@@ -80,6 +80,9 @@ def test_attach_to_a_group_started_by_another_driver(ray_session):
         assert wg.add(5) == [(0, 0, 45), (1, 1, 45)]
         assert wg.pid() == started["pids"]  # the very processes the other driver started
         assert wg.worker_names == started["names"]
+        # attached, not started here: no start-up record, and a recovery state of its own
+        assert wg.startup_report() is None and wg.on_rank_death == "fail" and wg.replacements == []
+        wg.record_startup("cross-checked")  # nothing to record into: a no-op, not an AttributeError
         with pytest.raises(BackendError, match="was built with"):
             RayWorkerGroup.from_detached(name_prefix=prefix, mesh=RankMesh(dp=2))
         # An explicit class and the matching mesh are accepted.

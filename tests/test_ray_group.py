@@ -163,7 +163,7 @@ def test_worker_error_carries_rank_coords_method_and_remote_traceback(env_group)
     with pytest.raises(WorkerError) as info:
         env_group.fail_with_trace()
     err = info.value
-    assert err.rank == 2 and err.coords == {"tp": 0, "cp": 0, "dp": 1, "pp": 0}
+    assert err.rank == 2 and err.coords.to_dict() == {"tp": 0, "cp": 0, "ep": 0, "dp": 1, "pp": 0}
     assert "fail_with_trace" in err.method and "missing-key-on-rank-2" in str(err)
     assert "raise KeyError" in str(err.__cause__)  # the worker's traceback text
     assert env_group.report()[0]["rank"] == 0  # the group still works
@@ -249,3 +249,30 @@ def test_two_groups_share_a_pool_with_max_colocate_count(ray_session):
         first.shutdown()
         second.shutdown()
     assert pool._slots is None
+
+
+def test_bin_pack_false_is_refused_before_anything_starts():
+    # verl's bin_pack=False means PACK placement groups; a pool places each entry on one node
+    # (STRICT_PACK), so the group refuses it, naming the argument and the per-node alternative.
+    with pytest.raises(BackendError, match=r"bin_pack=False .*STRICT_PACK.*RayResourcePool\(\[4, 4\]\)"):
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(EnvWorker), bin_pack=False)
+
+
+def test_a_worker_finds_its_nodes_raylet(ray_session):
+    # The tracer a reshard source declares (rankmesh.peermem.allow_peer_reads): the raylet that
+    # started the worker, checked against the process tree and the driver's own record of the
+    # raylet it started (Ray's node object).
+    from rankmesh.backends.ray.runtime import raylet_pids, worker_raylet_pid
+
+    @ray.remote(num_cpus=0)
+    def probe():
+        ppid = os.getppid()
+        with open(f"/proc/{ppid}/comm") as f:
+            return worker_raylet_pid(), ppid, f.read().strip(), os.environ.get("RAY_RAYLET_PID")
+
+    found, ppid, parent_name, told = ray.get(probe.remote())
+    assert parent_name == "raylet" and found == ppid
+    assert told is None or int(told) == found
+    if ray_session.started_here:
+        assert raylet_pids() == [found]
+    assert worker_raylet_pid() is None  # the driver was not started by a raylet

@@ -174,10 +174,13 @@ two, rest = split_resource_pool(pool, [2, n - 2])
 assert not ray.is_initialized()
 wg = RayWorkerGroup(two, RayClassWithInitArgs(Echo), mesh=RankMesh(dp=2))
 report = {"n": n, "ranks": wg.whoami(), "slots": len(pool.slots()), "cpus": ray.cluster_resources()["CPU"]}
+import time
+started = time.monotonic()
 try:
-    RayResourcePool([1], use_gpu=False, ready_timeout=1.0).slots()
+    RayResourcePool([1], use_gpu=False).slots()  # the default 60 s ready_timeout
 except ResourcePoolError as exc:
     report["error"] = str(exc)
+report["failed_after_s"] = time.monotonic() - started
 wg.shutdown()
 ray.shutdown()
 print_report(report)
@@ -194,6 +197,9 @@ def test_pool_starts_the_embedded_ray_with_enough_cpus_for_itself():
     assert "entry 0: 1 x {'CPU': 1.0} NOT placed (needs {'CPU': 1.0} on one node)" in report["error"]
     assert f"CPU 0/{n}" in report["error"]
     assert "ensure_ray(num_cpus=N)" in report["error"]
+    # ... at once: a Ray this process started gets no node and frees nothing while the pool waits.
+    assert "does not fit the free resources of the Ray this process started" in report["error"]
+    assert report["failed_after_s"] < 2.0, report["failed_after_s"]
 
 
 def test_embedded_ray_is_sized_for_the_whole_pool():

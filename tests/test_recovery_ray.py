@@ -56,7 +56,7 @@ def test_replace_keeps_survivors_and_rebuilds_the_dead_rank(ray_session):
         new = after[1]
         assert new["pid"] != before[1]["pid"] and new["pid"] == report.new_pids[1] and new["counter"] == 0
         assert new["scale"] == 3  # the same constructor arguments
-        assert new["coords"] == {"tp": 1, "cp": 0, "dp": 0, "pp": 0}
+        assert new["coords"] == {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "pp": 0}
         assert new["env"] == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
                               "MASTER_ADDR": "127.0.0.1", "EXTRA": "kept"}
         assert [a["dist_rank"] for a in after] == [0, 1, 2, 3] and {a["dist_world"] for a in after} == {4}
@@ -96,9 +96,9 @@ def test_dp1_names_the_lost_shard(ray_session):
         exit_on_next_call(wg, 1, "world_sum")
         with pytest.raises(WorkerDiedError):
             wg.world_sum([1.0, 2.0])
-        with pytest.raises(ShardLostError, match="tp=1, pp=0, cp=0, ep=0.*checkpoint") as info:
+        with pytest.raises(ShardLostError, match=r"shard of rank 1 \(tp1\) \(dp = 1\).*checkpoint") as info:
             wg.replace_dead_ranks(timeout_s=60)
-        assert info.value.shards == {1: {"tp": 1, "pp": 0, "cp": 0, "ep": 0}}
+        assert {r: c.to_dict() for r, c in info.value.shards.items()} == {1: {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "pp": 0}}
         with pytest.raises(Exception, match="failed earlier"):
             wg.whoami()
     finally:

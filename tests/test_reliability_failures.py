@@ -51,12 +51,12 @@ def test_worker_error_has_rank_coords_node_traceback_and_others(group):
     with pytest.raises(WorkerError) as info:
         group.act(["ok", "raise", "raise", "raise"])
     err = info.value
-    assert err.rank == 1 and err.coords == {"tp": 1, "cp": 0, "dp": 0, "pp": 0}
+    assert err.rank == 1 and err.coords.to_dict() == {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "pp": 0}
     assert "FaultWorker.act" in err.method and err.node == "127.0.0.1"
     assert "planned failure on rank 1" in str(err)
     assert "ValueError" in err.remote_traceback and "follow" in err.remote_traceback
     assert [o.rank for o in err.others] == [2, 3]
-    assert err.others[0].coords == {"tp": 0, "cp": 0, "dp": 1, "pp": 0}
+    assert err.others[0].coords.to_dict() == {"tp": 0, "cp": 0, "ep": 0, "dp": 1, "pp": 0}
     again = pickle.loads(pickle.dumps(err))
     assert (again.rank, again.node, again.remote_traceback, [o.rank for o in again.others]) == (
         1, "127.0.0.1", err.remote_traceback, [2, 3]
@@ -75,7 +75,7 @@ def test_worker_error_through_futures(group):
     assert isinstance(proto, DataProtoFuture)
     with pytest.raises(WorkerError, match="planned failure on rank 2") as info:
         proto.get()
-    assert info.value.coords["dp"] == 1 and info.value.remote_traceback
+    assert info.value.coords.dp == 1 and info.value.remote_traceback
 
 
 # ----- timeouts -----------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_killed_worker_while_peer_blocks_in_gloo_fails_the_group(ray_session):
     took = time.monotonic() - start
     err = info.value
     assert took < DEATH_DEADLINE_S, took
-    assert err.ranks == [1] and err.coords == {1: {"tp": 0, "cp": 0, "dp": 1, "pp": 0}} and "act" in err.method
+    assert err.ranks == [1] and {r: c.to_dict() for r, c in err.coords.items()} == {1: {"tp": 0, "cp": 0, "ep": 0, "dp": 1, "pp": 0}} and "act" in err.method
     assert wg.failed is err
     # Later calls fail at once, naming the same rank.
     start = time.monotonic()
@@ -158,6 +158,12 @@ def test_killed_worker_while_peer_blocks_in_gloo_fails_the_group(ray_session):
 def test_dead_worker_through_a_dataproto_future(ray_session):
     wg = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(FaultWorker))
     try:
+        # The future's fetcher reaches its group's executor by weak reference, which does not
+        # travel: a copy unpickled elsewhere is the same fetcher (futures merge) that only raises.
+        fetcher = wg.executor.fetcher()
+        moved = pickle.loads(pickle.dumps(fetcher))
+        assert moved == fetcher and hash(moved) == hash(fetcher)
+        assert fetcher.executor() is wg.executor and moved.executor is None
         fut = wg.echo_nb(batch(4, plan=["sleep:30", "exit"]))
         start = time.monotonic()
         with pytest.raises(WorkerDiedError) as info:

@@ -206,7 +206,7 @@ def test_local_worker_errors_lowest_rank_first_with_others_attached():
         with pytest.raises(WorkerError) as info:
             call()
         err = info.value
-        assert err.rank == 1 and err.coords["tp"] == 1 and [o.rank for o in err.others] == [3]
+        assert err.rank == 1 and err.coords.tp == 1 and [o.rank for o in err.others] == [3]
         assert err.node == "localhost" and "ValueError: planned failure on rank 1" in err.remote_traceback
         again = pickle.loads(pickle.dumps(err))
         assert (again.rank, again.node, [o.rank for o in again.others]) == (1, "localhost", [3])

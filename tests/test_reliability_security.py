@@ -57,3 +57,37 @@ def test_embedded_ray_is_loopback_without_dashboard(ray_session):
 
         info = global_worker.node.address_info
         assert info["node_ip_address"] == "127.0.0.1" and info["webui_url"] in ("", None)
+
+
+QUIET_START = """
+import os, sys
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.pop("RAY_AUTH_MODE", None)
+import ray
+from rankmesh.backends.ray.runtime import ensure_ray
+
+conn = ensure_ray(num_cpus=16)
+
+@ray.remote(num_cpus=1)
+class Slot:
+    def ping(self):
+        return os.environ.get("RAY_AUTH_MODE")
+
+slots = [Slot.remote() for _ in range(16)]  # 8x this machine's cores at most: Ray's warning territory
+modes = set(ray.get([s.ping.remote() for s in slots]))
+print("AUTH", os.environ.get("RAY_AUTH_MODE"), sorted(map(str, modes)), flush=True)
+conn.close()
+"""
+
+
+def test_embedded_ray_starts_silently_and_keeps_token_authentication(tmp_path: Path):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "RAY_AUTH_MODE"}
+    done = subprocess.run([sys.executable, "-c", QUIET_START], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Authentication stays on, in the driver and in every worker.
+    assert "AUTH token ['token']" in done.stdout, done.stdout
+    for notice in ("Token authentication is enabled", "worker processes have been started"):
+        assert notice not in done.stderr + done.stdout, done.stderr[-3000:]

@@ -20,7 +20,7 @@ def scenario(cluster) -> dict:
     import numpy as np
 
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from rankmesh.backends.ray.reshard import plan_between, reshard
+    from rankmesh.reshard import plan_between, reshard
     from tests.reshard_workers import ShardHolder, full_tensor, megatron_cut
     from tests.test_reshard_ray import GEN, LAYOUTS, PIPE, PIPE_LAYOUTS
 

@@ -2,7 +2,7 @@
 
 One pool of 4 processes hosts two colocated roles: ``train`` over the group's mesh (tp2·dp2) and
 ``gen`` over a named mesh (tp1·dp4, the generator's layout); a second pool of 4 hosts a tp2·pp2
-group.  Each test moves weights between two of them with :func:`rankmesh.backends.ray.reshard.reshard` and
+group.  Each test moves weights between two of them with :func:`rankmesh.reshard.reshard` and
 compares every destination shard with the oracle of tests/reshard_workers.py.
 """
 
@@ -13,16 +13,11 @@ import pytest
 import torch
 
 from rankmesh.mesh import RankMesh
-from rankmesh.backends.ray.reshard import (
-    PIECE_BYTES,
-    TRANSPORTS,
-    global_parameter_names,
-    layouts_from_module,
-    plan_between,
-    reshard,
-    row_blocks,
-)
+from rankmesh.megatron.layouts import global_parameter_names, layouts_from_module
+from rankmesh.reshard.run import TRANSPORTS, plan_between, reshard
+from rankmesh.reshard.worker import PIECE_BYTES, row_blocks
 from rankmesh.reshard import ParamLayout, ReshardError, plan_reshard
+from rankmesh.reshard.run import ReshardSession
 
 pytest.importorskip("ray")
 
@@ -182,11 +177,11 @@ def test_an_unknown_transport_is_refused(groups) -> None:
         reshard(train, gen, plan, transport="shm")
 
 
-def test_refused_direct_reads_go_through_the_store(groups, caplog, monkeypatch) -> None:
+def test_refused_direct_reads_go_through_the_store(groups, caplog) -> None:
     """A destination that truly cannot read other processes (a seccomp filter, as in some containers)."""
     import logging
 
-    import rankmesh.backends.ray.reshard as module
+    import rankmesh.reshard.run as module
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from tests.seccomp_filter import supported
 
@@ -200,7 +195,7 @@ def test_refused_direct_reads_go_through_the_store(groups, caplog, monkeypatch) 
         sealed.forbid_peer_reads()
         pipe.refill(4)
         plan = plan_between(pipe, sealed)
-        monkeypatch.setattr(module, "_warned_refused", False)
+        assert not ReshardSession.of(sealed).warned  # a new destination group: its session has not warned yet
         with caplog.at_level(logging.WARNING, logger=module.__name__):
             stats = reshard(pipe, sealed, plan)
         assert_shards(sealed.shards(), expected(LAYOUTS, mesh, seed=4))
@@ -235,7 +230,7 @@ def test_layouts_from_module_reads_megatron_attributes() -> None:
 
 
 def test_regions_travel_bit_exact_for_dtypes_numpy_lacks() -> None:
-    from rankmesh.backends.ray.reshard import _copy_into
+    from rankmesh.reshard.worker import copy_into as _copy_into
     from rankmesh.serialization import numpy_view as _numpy_view
 
     src = torch.randn(6, 8).to(torch.bfloat16)
@@ -253,3 +248,37 @@ def test_row_blocks_cut_whole_rows_of_at_most_a_piece() -> None:
     assert row_blocks((10,), 2, limit=8) == [(0, 4), (4, 8), (8, 10)]
     assert row_blocks((), 4) == [(0, 1)]
     assert PIECE_BYTES == 1 << 20
+
+
+# ----- a rank dies during a refit: the groups' on_rank_death="replace" ------------------------------
+
+
+def test_a_rank_death_during_a_refit_is_replaced_and_the_refit_completes(ray_session) -> None:
+    """A destination rank dies in its receive, then a source rank in its send: each time the group
+    that lost it replaces it (a fresh process, built from its constructor arguments) and the
+    refit completes, with every shard as megatron cuts it."""
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rankmesh.backends.ray.recovery import exit_on_next_call
+
+    dst_mesh = RankMesh(dp=2)
+    src = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=6),
+                         mesh=TRAIN, on_rank_death="replace", call_timeout_s=180)
+    dst = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=None),
+                         mesh=dst_mesh, on_rank_death="replace", call_timeout_s=180)
+    try:
+        plan = plan_between(src, dst)
+        dead_dst = exit_on_next_call(dst, 1, "reshard_recv")
+        stats = reshard(src, dst, plan)
+        assert stats.bytes_moved == plan.bytes_moved == dst_mesh.world_size * sum(p.nbytes for p in LAYOUTS)
+        assert [r.ranks for r in dst.replacements] == [[1]] and not src.replacements
+        assert dst.node_info[1]["pid"] != dead_dst
+        assert_shards(dst.shards(), expected(LAYOUTS, dst_mesh, seed=6))
+
+        dst.refill(None)
+        dead_src = exit_on_next_call(src, 2, "reshard_send")
+        reshard(src, dst, plan)
+        assert [r.ranks for r in src.replacements] == [[2]] and src.node_info[2]["pid"] != dead_src
+        assert_shards(dst.shards(), expected(LAYOUTS, dst_mesh, seed=6))
+    finally:
+        src.shutdown()
+        dst.shutdown()

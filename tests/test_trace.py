@@ -108,7 +108,7 @@ def test_local_trace_names_the_slowed_rank(tmp_path):
     doc = json.loads(path.read_text())
     names = check_trace_event_format(doc)
     # megatron order tp-cp-ep-dp-pp on tp2 pp2 dp2: rank 5 = tp 1, dp 0, pp 1 (5 = 1 + 2*0 + 4*1).
-    assert "rank 5 · tp1 pp1 dp0 · local" in names.values()
+    assert "rank 5 · tp1 dp0 pp1 · local" in names.values()
     summary = summarize(path)
     (m,) = summary.methods
     assert (m.method, m.calls, m.straggler) == ("compute", 3, SLOW_RANK)
@@ -129,7 +129,7 @@ def test_group_trace_records_that_group_alone(tmp_path):
     assert TRACING.recorder is None and recorder is not None
     doc = json.loads(path.read_text())
     names = check_trace_event_format(doc)
-    assert "rank 5 · tp1 pp1 dp0 · local" in names.values()
+    assert "rank 5 · tp1 dp0 pp1 · local" in names.values()
     ranks = [n for n in names.values() if n.startswith("rank ")]
     assert len(ranks) == 8  # the 8 ranks of the traced group; the 2-rank group left no track
     (m,) = summarize(path).methods
@@ -139,15 +139,20 @@ def test_group_trace_records_that_group_alone(tmp_path):
 
 
 def test_trace_env_variable_records_a_whole_program(tmp_path):
+    """``RANKMESH_TRACE`` records the program's calls and writes at exit; building a group reads
+    nothing (the program-wide slot is still unread then: its first call reads the variable)."""
     path = tmp_path / "env.json"
     script = textwrap.dedent(
         """
         import torch
         from rankmesh.backends.local import LocalWorkerGroup
         from rankmesh.data import DataProto
+        from rankmesh.tracing import TRACING
         from tests.trace_workers import TracedWorker
         wg = LocalWorkerGroup(TracedWorker, world_size=2, init_kwargs={"slow_rank": -1})
+        assert "recorder" not in vars(TRACING), "building a group installed a recorder"
         wg.consume(DataProto.from_dict({"x": torch.zeros(4, 2)}))
+        assert TRACING.recorder is TRACING.env_recorder is not None
         """
     )
     env = {**os.environ, TRACE_ENV: str(path), "PYTHONPATH": f"{SRC}{os.pathsep}{SRC.parent}"}
@@ -155,6 +160,55 @@ def test_trace_env_variable_records_a_whole_program(tmp_path):
     doc = json.loads(path.read_text())
     check_trace_event_format(doc)
     assert [c.method for c in summarize(path).methods] == ["consume"]
+
+
+def _tracing_functions_run(call) -> set[str]:
+    """Names (``file:function``) of every function under ``rankmesh/tracing`` that ``call()`` runs."""
+    import rankmesh.tracing
+
+    folder = Path(rankmesh.tracing.__file__).resolve().parent
+    ran: set[str] = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            if Path(code.co_filename).resolve().parent == folder:
+                ran.add(f"{Path(code.co_filename).name}:{code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return ran
+
+
+def test_an_untraced_call_runs_no_tracing_code(tmp_path):
+    """Off, a call reads its observer once and runs no function of ``rankmesh.tracing``
+    (blocking, non-blocking, future fetched); the same probe sees the recorder run when on."""
+    wg = LocalWorkerGroup(TracedWorker, RankMesh(tp=2, dp=2), init_kwargs={"slow_rank": -1})
+    data = batch()
+
+    def calls():
+        wg.compute(data)
+        wg.produce(data).get()
+        wg.noop()
+
+    calls()  # warm: the first call in a process reads RANKMESH_TRACE (unset here)
+    assert TRACING.recorder is None
+    assert _tracing_functions_run(calls) == set()
+    with trace(tmp_path / "on.json"):
+        ran = _tracing_functions_run(calls)
+    assert {"recorder.py:begin", "recorder.py:phase", "recorder.py:received", "recorder.py:end"} <= ran
+
+
+def test_recorder_is_the_observer_the_group_calls(tmp_path):
+    from rankmesh.tracing import CallObserver, ObservedCall, Recorder
+
+    recorder = Recorder(tmp_path / "r.json")
+    assert isinstance(recorder, CallObserver)
+    wg = LocalWorkerGroup(TracedWorker, world_size=2, init_kwargs={"slow_rank": -1})
+    assert isinstance(recorder.begin(wg, "noop", True, (), {}), ObservedCall)
 
 
 def test_cli_summarize_and_plot(tmp_path, capsys):
@@ -203,7 +257,7 @@ def test_ray_trace_is_valid_aligned_and_names_the_slowed_rank(ray_groups, tmp_pa
     assert torch.equal(out.batch["x"], data.batch["x"])
     doc = json.loads(path.read_text())
     names = check_trace_event_format(doc)
-    assert "rank 5 · tp1 pp1 dp0 · node 0" in names.values()
+    assert "rank 5 · tp1 dp0 pp1 · node 0" in names.values()
     assert names[(1, rec.groups[id(trainer)].pid)] == "trainer calls"
     # Every rank's worker-method span lies inside its call's window on the controller's clock.
     spans = spans_of(doc)
@@ -273,6 +327,59 @@ def test_ray_non_blocking_chain_has_rank_spans_of_both_groups(ray_groups, tmp_pa
     assert calls_by_ts(spans, start) == produce and calls_by_ts(spans, end) == consume
     m = next(m for m in summarize(path).methods if m.method == "produce")
     assert m.calls == 2 and sorted(m.rank_ms) == [0, 1]
+
+
+def test_ray_kept_timings_reach_the_recorder_that_made_the_call(ray_groups, tmp_path):
+    """A host hands every kept timing to whoever asks next: here a blocking call that another
+    recorder (the group's own, ``wg.trace``) observes.  Each timing still lands in the call of
+    the recorder that made it, and the other recorder's trace has only its own call."""
+    _, gen = ray_groups
+    data = batch(16)
+    with trace(tmp_path / "program.json") as program:
+        gen.produce(data).get()  # the program-wide recorder's call; its ranks keep the timings
+        (produce,) = program.kept.values()
+        with gen.trace(tmp_path / "group.json") as own:
+            assert gen.nap(0.0) == [0, 1]  # hands them over with its outputs
+        assert program.kept == {} and sorted(r.rank for r in produce.ranks) == [0, 1]
+        assert [c.method for c in own.calls] == ["nap"] and own.kept == {}
+    assert [m.method for m in summarize(tmp_path / "group.json").methods] == ["nap"]
+    assert sorted(summarize(tmp_path / "program.json").methods[0].rank_ms) == [0, 1]
+
+
+def test_ray_shutdown_drains_kept_timings_through_the_groups_recorder(ray_session, tmp_path):
+    """A non-blocking traced call's ranks keep their timings; ``shutdown`` asks the group's own
+    recorder (``wg.trace``) to collect them, and they land in that recorder's call alone: the
+    program-wide recorder recording at the same time waits for nothing.  The trace keeps the
+    group's start-up report (asked for on its first traced call)."""
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    group = RayWorkerGroup(
+        RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(TracedWorker, slow_rank=-1), name_prefix="kept"
+    )
+    data = batch(16)
+    path, program_path = tmp_path / "kept.json", tmp_path / "program.json"
+    try:
+        with trace(program_path) as program, group.trace(path) as rec:
+            out = group.produce(data).get()  # outputs fetched; the timings stay on the ranks
+            (call,) = rec.kept.values()
+            assert call.method == "produce" and call.ranks == []
+            assert program.kept == {} and program.calls == []
+            group.shutdown()
+            assert rec.kept == {} and sorted(r.rank for r in call.ranks) == [0, 1]
+    finally:
+        if not group.closed:
+            group.shutdown()
+    assert torch.equal(out.batch["x"], data.batch["x"])
+    doc = json.loads(path.read_text())
+    check_trace_event_format(doc)
+    spans = spans_of(doc)
+    (produce,) = [s for s in spans if s.get("cat") == "call"]
+    made = [s for s in spans if s.get("cat") == "method" and s["args"]["call"] == produce["args"]["call"]]
+    assert sorted(s["args"]["rank"] for s in made) == [0, 1]
+    assert len(doc["otherData"]["rankmesh"]["clock_offsets_us"]) == 2  # bounded by the drain round
+    (startup,) = doc["otherData"]["rankmesh"]["startups"]
+    assert startup["group"] == "kept" and len(startup["ranks"]) == 2
+    assert json.loads(program_path.read_text())["otherData"]["rankmesh"]["startups"] == []
 
 
 def phases_of(spans: list[dict], call: dict) -> dict[str, dict]:

@@ -1,9 +1,12 @@
 """The call-header cache: owned by an object (one per executor), bounded, keyed by everything that
-changes the header's bytes.  Decoding the cached bytes gives the same call as a fresh encoding."""
+changes the header's bytes.  Decoding the cached bytes gives the same call as a fresh encoding,
+and decoding keeps every header field (each one, taken from ``dataclasses.fields``, set away from its default)."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+from typing import Any
 
 import pytest
 
@@ -78,3 +81,41 @@ def test_installs_are_kept_per_rank_and_process():
     cache.mark_installed(slot, 0, first)
     assert cache.installed(slot, 0, first) and not cache.installed(slot, 1, first)
     assert not cache.installed(slot, 0, replacement)  # a new process must be installed again
+
+
+def _non_default(f: dataclasses.Field) -> Any:
+    """A value for header field ``f`` that no default and no slot filling produces."""
+    return {
+        "role": "critic",
+        "method": "compute_values",
+        "args": (SharedSlot(0), 7),
+        "kwargs": {"batch": SharedSlot(1), "scale": 2},
+        "receive": "copy",
+    }.get(f.name, not f.default if isinstance(f.default, bool) else f"non-default {f.name}")
+
+
+def test_filling_slots_keeps_every_header_field():
+    # Every field of CallHeader, each set away from its default (derived from the dataclass, so a
+    # field added later is covered too); filling the slots may change args and kwargs only.
+    fields = dataclasses.fields(CallHeader)
+    header = CallHeader(**{f.name: _non_default(f) for f in fields})
+    for f in fields:
+        if f.default is not dataclasses.MISSING:
+            assert getattr(header, f.name) != f.default, f.name
+        elif f.default_factory is not dataclasses.MISSING:
+            assert getattr(header, f.name) != f.default_factory(), f.name
+    filled = decode_call(pickle.dumps(header), ("first", "second"))
+    assert filled.args == ("first", 7) and filled.kwargs == {"batch": "second", "scale": 2}
+    for f in fields:
+        if f.name not in ("args", "kwargs"):
+            assert getattr(filled, f.name) == getattr(header, f.name), f"fill_call dropped {f.name}"
+
+
+def test_the_fetch_mark_is_in_the_key_and_survives_decoding():
+    cache = HeaderCache()
+    call = RankCall(0, (Shared(object()),), {}, True, trace=True)
+    plain, _, slot = encode_rank_call(None, "compute", call, cache)
+    marked, _, marked_slot = encode_rank_call(None, "compute", call, cache, fetch_mark=True)
+    assert marked != plain and marked_slot != slot and len(cache) == 2
+    assert decode_call(marked, ("value",)).fetch_mark is True  # with a shared value: filled, mark kept
+    assert decode_call(plain, ("value",)).fetch_mark is False

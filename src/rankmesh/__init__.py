@@ -12,6 +12,9 @@ only when one of them is touched.  They show in ``dir(rankmesh)`` but not in ``_
 ``from rankmesh import *`` does not import Ray either; import them by name.
 """
 
+from types import MappingProxyType
+from typing import Mapping
+
 from rankmesh import lazy
 from rankmesh.backends.local import LocalWorkerGroup
 from rankmesh.data import DataProto, DataProtoFuture
@@ -34,12 +37,12 @@ from rankmesh.worker import Worker
 
 __version__ = "0.1.0"
 
-RAY_NAMES: dict[str, str] = {
+RAY_NAMES: Mapping[str, str] = MappingProxyType({
     "RayResourcePool": "rankmesh.backends.ray",
     "RayClassWithInitArgs": "rankmesh.backends.ray",
     "RayWorkerGroup": "rankmesh.backends.ray",
     "create_colocated_worker_cls": "rankmesh.backends.ray",
-}
+})
 """The Ray backend's front-door names, each loaded (with Ray) on first attribute access."""
 
 __getattr__, __dir__ = lazy.lazy_exports(__name__, RAY_NAMES, globals())

@@ -13,6 +13,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
+#: How a rank may receive its inputs, per call (``@register(receive=...)``, ``wg.set_receive``,
+#: :attr:`RankCall.receive`).  ``"cow"``: copy-on-write views of the object store (the default);
+#: ``"copy"``: one private copy up front, for methods that overwrite most of their input (a page
+#: fault per written 4 KiB page costs more than one memcpy into fresh memory).  Part of the
+#: contract because both backends honour it the same way: the worker's call path
+#: (:func:`rankmesh.worker.invoke`) receives inside ``rankmesh.serialization.receiving``.
+CALL_RECEIVE: tuple[str, ...] = ("cow", "copy")
+
+
+def check_receive(value: Any, what: str = "receive") -> str | None:
+    """``value`` if it is ``None`` or one of :data:`CALL_RECEIVE`, else a ``ValueError`` naming ``what``."""
+    if value is None or value in CALL_RECEIVE:
+        return value
+    raise ValueError(f"{what} must be one of {CALL_RECEIVE} (or None for the default), got {value!r}")
+
 
 @dataclass(frozen=True)
 class RankCall:
@@ -25,7 +40,7 @@ class RankCall:
     the call) asks the rank to send back a ``rankmesh.tracing.recorder.TracedOutput``: its
     output with its own timing, which the group strips before anyone sees the output.
     ``keep`` (a traced non-blocking call): the rank times itself too, but keeps its timing under
-    this key for the controller to collect later (``rankmesh.tracing.recorder.KEPT``) and sends
+    this key for the controller to collect later (``rankmesh.tracing.recorder.Recorder.kept``) and sends
     back its plain output, which travels on inside a future.
     ``receive``: ``"copy"`` asks the rank for private copies of its inputs up front instead of
     copy-on-write views (``@register(receive=...)``, ``wg.set_receive``); ``None``/``"cow"``: views.
@@ -106,3 +121,32 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Stop the ranks and release what they hold; later calls raise.  Idempotent."""
+
+
+@runtime_checkable
+class ObjectTransport(Protocol):
+    """What a worker may do with its backend's objects itself (``WorkerContext.objects``; used by reshard).
+
+    One per worker process, so colocated roles of a process share it: ``outbox`` holds what one
+    role leaves for another role of the same process, by key (reshard: ``(token, rank)``).
+    Handles are the backend's: ``put`` returns one any rank of the backend can :meth:`get`, and
+    :meth:`get` / :meth:`wait_any` also take the pending handles of a group call
+    (``GroupFuture.handles``), so one group's call can wait on another group's without the
+    controller in between.  On Ray: ``ray.put`` / ``ray.get`` / ``ray.wait``; in-process: plain
+    references.
+    """
+
+    outbox: dict[Any, Any]
+
+    def put(self, value: Any) -> Any:
+        """Store ``value`` once; a handle for any rank of the backend."""
+
+    def get(self, handles: Sequence[Any]) -> list[Any]:
+        """The values of put objects or the outputs of pending calls, in order (raises a call's error)."""
+
+    def wait_any(self, handles: Sequence[Any]) -> list[int]:
+        """Block until one of ``handles`` is ready; the indices of every handle ready by then."""
+
+    def peer_tracer(self) -> int | None:
+        """The pid whose descendants are this process's peers on its node (they may read its memory
+        directly, :func:`rankmesh.peermem.allow_peer_reads`); ``None`` when no other process reads it."""

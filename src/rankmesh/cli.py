@@ -24,7 +24,9 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rankmesh import __version__, demo_cli
@@ -70,7 +72,7 @@ def add_command(name: str, setup: Setup, help: str = "") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Drive Megatron-parallel worker groups: layout tools.")
+    parser = _Parser(prog=PROG, description="Drive Megatron-parallel worker groups: inspect, validate and draw layouts, read traces, run the demo.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more diagnostics on stderr")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -319,6 +321,15 @@ _COLUMNS = (
 )
 
 
+def _on_nodes(nodes: Sequence[int], counts: Sequence[int]) -> str:
+    """``8 on node 0`` / ``8 on node 0 and 8 on node 1`` / ``8 on each of nodes 0-3``: a pool's placement in words."""
+    nodes, counts = list(nodes), list(counts)
+    if len(nodes) > 2 and len(set(counts)) == 1 and nodes == list(range(nodes[0], nodes[0] + len(nodes))):
+        return f"{counts[0]} on each of nodes {nodes[0]}-{nodes[-1]}"
+    parts = [f"{c} on node {n}" for n, c in zip(nodes, counts)]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 def _format_report(layout: Layout, report: dict[str, Any]) -> str:
     mesh = report["mesh"]
     sizes = " ".join(f"{a}{mesh[a]}" for a in ("tp", "cp", "ep", "dp", "pp") if mesh[a] > 1) or "single rank"
@@ -326,7 +337,7 @@ def _format_report(layout: Layout, report: dict[str, Any]) -> str:
         sizes += f" (expert: etp{mesh['etp']} ep{mesh['ep']} edp{mesh['edp']})"
     head = (
         f"layout {layout.name} · role {report['role']} · {sizes} · order {mesh['order']} · "
-        f"pool {report['pool']}: {mesh['world_size']} ranks on node(s) {report['nodes']} {report['process_on_nodes']}"
+        f"pool {report['pool']}: {mesh['world_size']} ranks, {_on_nodes(report['nodes'], report['process_on_nodes'])}"
     )
     if report["colocate_with"]:
         head += f" · colocated with {', '.join(report['colocate_with'])}"
@@ -391,9 +402,22 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 _DRAW_SUFFIXES = (".png", ".svg", ".pdf")
 
 
+def _check_output(output: str) -> None:
+    """One line for every output path a picture cannot be written to, before any work is done."""
+    if not output.lower().endswith(_DRAW_SUFFIXES):
+        raise UsageError(f"output {output!r} must end in {', '.join(_DRAW_SUFFIXES)}")
+    target = Path(output)
+    parent = target.parent
+    if target.is_dir():
+        raise UsageError(f"output {output}: is a directory; give a file name ending in {', '.join(_DRAW_SUFFIXES)}")
+    if not parent.is_dir():
+        raise UsageError(f"output {output}: directory {str(parent)!r} does not exist (create it first)")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"output {output}: directory {str(parent)!r} is not writable")
+
+
 def _cmd_draw(args: argparse.Namespace) -> int:
-    if not args.output.lower().endswith(_DRAW_SUFFIXES):
-        raise UsageError(f"output {args.output!r} must end in {', '.join(_DRAW_SUFFIXES)}")
+    _check_output(args.output)
     layout = _resolve_layout(args)
     roles = [role.name for role in _selected_roles(layout, args.role)]
     from rankmesh.draw import draw_layout  # matplotlib is imported only here
@@ -436,8 +460,7 @@ def _cmd_trace_summarize(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace_plot(args: argparse.Namespace) -> int:
-    if not args.output.lower().endswith(_DRAW_SUFFIXES):
-        raise UsageError(f"output {args.output!r} must end in {', '.join(_DRAW_SUFFIXES)}")
+    _check_output(args.output)
     from rankmesh.tracing.plot import plot_trace  # matplotlib is imported only here
 
     print(f"wrote {plot_trace(args.file, args.output)}")

@@ -5,7 +5,7 @@ colocated reference role in the same processes; a critic group (tp2·dp2) and a 
 (tp1·dp4, the generator's layout: whole model per rank, no pipeline) run in pools of their own.
 Every iteration goes through the dispatch modes: generate on the rollout (DP_COMPUTE_PROTO),
 log-probs, reference log-probs and values (MEGATRON_COMPUTE_PROTO), advantages on the controller,
-the actor and critic updates, then the refit: :func:`rankmesh.backends.ray.reshard.reshard` moves the actor's
+the actor and critic updates, then the refit: :func:`rankmesh.reshard.reshard` moves the actor's
 new weights from its shards into the rollout's processes (planned once from the two meshes).
 
 The loop is on-policy, and the demo checks itself and exits non-zero unless
@@ -35,12 +35,13 @@ import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from typing import Any, Iterable, TextIO
 
 import numpy as np
 import torch
 
 from rankmesh.data import DataProto
+from rankmesh.errors import RankMeshError, UsageError
 from rankmesh.demo_hang import HangDrill, run_hang_drill
 from rankmesh.layout import load_layout
 from rankmesh.megatron.group import shutdown_megatron_group, start_megatron_group
@@ -169,35 +170,94 @@ def _mean_metric(proto: Any, key: str) -> float:
 # ----- groups ----------------------------------------------------------------------------------
 
 
+#: Options that size the meshes without a layout (``--no-layout``); with a layout they would be ignored.
+SIZE_OPTIONS = ("actor_tp", "actor_pp", "actor_dp", "critic_tp", "critic_dp", "rollout_dp")
+
+
+def _demo_layout(cfg: DemoConfig):
+    """The layout ``cfg.layout`` names, with the three roles the demo starts; a UsageError naming it otherwise."""
+    try:
+        layout = load_layout(cfg.layout)
+        for role in ("actor", "critic", "rollout"):
+            layout.role(role)
+    except RankMeshError as exc:
+        raise UsageError(f"--layout {cfg.layout}: {exc} (or pass --no-layout to use the --actor-*/--critic-*/--rollout-* sizes)") from None
+    return layout
+
+
 def resolve_meshes(cfg: DemoConfig):
     """(actor mesh, actor pool counts, critic mesh, critic pool counts, where they came from)."""
     if cfg.layout:
-        try:
-            layout = load_layout(cfg.layout)
-            actor, critic = layout.role("actor"), layout.role("critic")
-            return (actor.mesh(), list(actor.pool.process_on_nodes), critic.mesh(),
-                    list(critic.pool.process_on_nodes), f"layout {layout.name}")
-        except Exception as exc:  # noqa: BLE001 - any layout problem: use the explicit sizes
-            logger.warning("layout %r unusable (%s); using explicit sizes", cfg.layout, exc)
-    actor = RankMesh(tp=cfg.actor_tp, pp=cfg.actor_pp, dp=cfg.actor_dp)
-    critic = RankMesh(tp=cfg.critic_tp, dp=cfg.critic_dp)
+        layout = _demo_layout(cfg)
+        actor, critic = layout.role("actor"), layout.role("critic")
+        return (actor.mesh(), list(actor.pool.process_on_nodes), critic.mesh(),
+                list(critic.pool.process_on_nodes), f"layout {layout.name}")
+    try:
+        actor = RankMesh(tp=cfg.actor_tp, pp=cfg.actor_pp, dp=cfg.actor_dp)
+        critic = RankMesh(tp=cfg.critic_tp, dp=cfg.critic_dp)
+    except RankMeshError as exc:
+        raise UsageError(f"--actor-*/--critic-* sizes: {exc}") from None
     return actor, [actor.world_size], critic, [critic.world_size], "explicit sizes"
 
 
 def resolve_rollout(cfg: DemoConfig):
     """(rollout mesh, pool counts): the layout's ``rollout`` role, else tp1 x ``cfg.rollout_dp``."""
-    from rankmesh.mesh import RankMesh
-
     if cfg.layout:
-        try:
-            from rankmesh.layout import load_layout
-
-            role = load_layout(cfg.layout).role("rollout")
-            return role.mesh(), list(role.pool.process_on_nodes)
-        except Exception as exc:  # noqa: BLE001 - any layout problem: use the explicit size
-            logger.warning("layout %r has no usable rollout role (%s); using --rollout-dp", cfg.layout, exc)
+        role = _demo_layout(cfg).role("rollout")
+        return role.mesh(), list(role.pool.process_on_nodes)
     mesh = RankMesh(dp=cfg.rollout_dp)
     return mesh, [mesh.world_size]
+
+
+def check_config(cfg: DemoConfig, given: Iterable[str] = ()) -> None:
+    """Every option checked against the layout and the model before Ray starts.
+
+    Raises one :class:`UsageError` naming the option at fault and the fix, so a run that could
+    not finish fails in a second instead of after the groups' start-up.  ``given``: the options
+    the user set (a layout ignores the explicit mesh sizes, so setting both is an error).
+    """
+    for name in ("iterations", "prompts", "samples_per_prompt", "prompt_length", "response_length", "micro_batches"):
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
+    if cfg.iterations < 2:
+        raise UsageError("--iterations must be at least 2 (the loss check compares first and last)")
+    for name in ("actor_lr", "critic_lr", "tolerance"):
+        if not getattr(cfg, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if cfg.layout:
+        clash = [n for n in SIZE_OPTIONS if n in given]
+        if clash:
+            flags = ", ".join(f"--{n.replace('_', '-')}" for n in clash)
+            raise UsageError(f"{flags}: explicit mesh sizes need --no-layout (--layout {cfg.layout} gives the meshes); "
+                             f"add --no-layout to use them, or drop {flags}")
+    else:
+        for name in SIZE_OPTIONS:
+            if getattr(cfg, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
+    actor, _, critic, _, source = resolve_meshes(cfg)
+    rollout, _ = resolve_rollout(cfg)
+    model = TinyConfig()
+    where = "" if source == "explicit sizes" else f" ({source})"
+    for role, mesh, flag in (("actor", actor, "--actor-tp"), ("critic", critic, "--critic-tp")):
+        tp = mesh.size("tp")
+        for field_name in ("num_heads", "hidden_size", "ffn_hidden_size", "vocab_size"):
+            size = getattr(model, field_name)
+            if size % tp:
+                raise UsageError(f"{flag} {tp}{where}: the demo model's {field_name}={size} is not divisible by tp={tp}; "
+                                 f"use a tp that divides {size}")
+    if actor.size("pp") > model.num_layers:
+        raise UsageError(f"--actor-pp {actor.size('pp')}{where}: the demo model has {model.num_layers} layers, "
+                         f"at most one pipeline stage per layer")
+    if critic.size("pp") != 1:
+        raise UsageError(f"the critic's mesh{where} has pp={critic.size('pp')}; the demo's critic runs without a pipeline")
+    if rollout.size("tp") != 1 or rollout.size("pp") != 1:
+        raise UsageError(f"the rollout's mesh{where} is {rollout!r}: the demo's rollout holds the whole model per rank (tp1, pp1)")
+    rows = cfg.prompts * cfg.samples_per_prompt
+    for role, mesh, flag in (("actor", actor, "--actor-dp"), ("critic", critic, "--critic-dp"), ("rollout", rollout, "--rollout-dp")):
+        dp = mesh.size("dp")
+        if rows % dp:
+            raise UsageError(f"--prompts x --samples-per-prompt = {rows} rows do not split evenly over the {role}'s "
+                             f"dp={dp}{where} ({flag}); choose sizes whose product is a multiple of {dp}")
 
 
 def start_rollout(cfg: DemoConfig, model: dict):
@@ -206,8 +266,6 @@ def start_rollout(cfg: DemoConfig, model: dict):
     from rankmesh.megatron.rollout import RolloutWorker
 
     mesh, counts = resolve_rollout(cfg)
-    if mesh.size("tp") != 1 or mesh.size("pp") != 1:
-        raise ValueError(f"the demo's rollout holds the whole model per rank: its mesh must be tp1, pp1, got {mesh!r}")
     return RayWorkerGroup(RayResourcePool(counts, use_gpu=False, name_prefix="rollout_pool"),
                           RayClassWithInitArgs(RolloutWorker, model=model), mesh=mesh, name_prefix="demo-rollout")
 
@@ -260,14 +318,15 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
     from tqdm import tqdm
 
     from rankmesh.backends.ray.runtime import ensure_ray
-    from rankmesh.backends.ray.reshard import plan_between, reshard
+    from rankmesh.reshard.run import plan_between, reshard
 
     out = out or sys.stdout
     t_start = time.perf_counter()
     result = DemoResult(cfg)
     tcfg = TinyConfig(seed=cfg.seed, max_seq_len=cfg.prompt_length + cfg.response_length)
     conn = ensure_ray(cfg.address, num_cpus=16)
-    bar = tqdm(total=cfg.iterations + 1, desc="starting groups", unit="step", disable=not cfg.progress, file=sys.stderr)
+    bar = tqdm(total=cfg.iterations + 1, desc="starting groups", unit="step", disable=not (cfg.progress and sys.stderr.isatty()),
+               file=sys.stderr)  # progress only on a terminal: a redirected stderr gets no bar
     actor = ref = critic = rollout = None
     try:
         actor, ref, critic, source = start_groups(cfg, tcfg.to_dict())
@@ -316,6 +375,11 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
             with torch.no_grad():
                 expected = token_log_probs(reference(batch.batch["input_ids"]), batch.batch["input_ids"])[:, resp]
             lp, ref_lp = batch.batch["log_probs"], batch.batch["ref_log_prob"]
+            # The actor against one process holding the actor's current (gathered) weights.
+            current = ReferenceModel(tcfg).eval()
+            current.load_state_dict(gathered_actor_weights(actor)[0])
+            with torch.no_grad():
+                expected_actor = token_log_probs(current(batch.batch["input_ids"]), batch.batch["input_ids"])[:, resp]
             scores = score_responses(batch.batch["responses"], tcfg.vocab_size)
             adv, returns = group_advantages(scores, cfg.samples_per_prompt, cfg.response_length)
             batch = batch.union(DataProto.from_dict({
@@ -342,8 +406,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
                 critic_loss_after=float(0.5 * (values_after - returns).pow(2).mean()),
                 score=float(scores.mean()),
                 kl=float((lp - ref_lp).mean()),
-                # Only the first iteration compares the actor: later its weights have moved on.
-                logprob_diff=float((lp - expected).abs().max()) if it == 0 else float("nan"),
+                logprob_diff=float((lp - expected_actor).abs().max()),
                 ref_diff=float((ref_lp - expected).abs().max()),
                 # The rollout generated with the weights of the last refit: they must be the actor's.
                 rollout_diff=float((batch.batch["rollout_log_probs"] - lp).abs().max()),
@@ -408,9 +471,9 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
 
 def _judge(result: DemoResult) -> None:
     tol, its = result.config.tolerance, result.iterations
-    result.logprob_max_diff = its[0].logprob_diff if its else float("nan")
+    result.logprob_max_diff = max((s.logprob_diff for s in its), default=float("nan"))
     result.checks = {
-        "actor log-probs (3D-parallel) == single-process reference": result.logprob_max_diff <= tol,
+        "actor log-probs (3D-parallel) == one process with the actor's weights, every iteration": result.logprob_max_diff <= tol,
         "actor log-probs after training == reference from gathered weights": result.final_logprob_max_diff <= tol,
         "reference log-probs == single-process reference, every iteration": all(s.ref_diff <= tol for s in its),
         "rollout log-probs == actor log-probs after every refit (same batch)":
@@ -433,17 +496,31 @@ def _judge(result: DemoResult) -> None:
 _PHASES = ("gen", "logp", "ref", "values", "adv", "upd_actor", "upd_critic", "refit", "total")
 
 
+#: What each column of the demo's table measures (printed under its header and in ``--help``).
+TABLE_LEGEND = (
+    ("actor loss", "the PPO clipped surrogate of the update, on its own batch (near 0: advantages are centred per "
+                   "prompt group and the ratio starts at 1)"),
+    ("-> after", "the same loss from the refit rollout's log-probs after the update (lower is better)"),
+    ("critic loss", "half the mean squared error of the values against the returns, before -> after the critic's update"),
+    ("score", "mean reward of the responses"),
+    ("kl", "mean actor minus reference log-prob over the response tokens"),
+    ("logp diff", "max |actor log-prob - one process holding the actor's gathered weights|"),
+    ("roll diff", "max |rollout log-prob - actor log-prob| (the rollout generates with the last refit)"),
+    ("seconds", "time of each phase (gen, logp, ref, values, adv, upd_actor, upd_critic, refit) and of the iteration"),
+)
+
+
 def _table_header() -> str:
     phases = " ".join(f"{p:>10}" for p in _PHASES)
-    return (f"\n{'iter':>4} {'actor loss':>11} {'-> after':>11} {'critic loss':>11} {'-> after':>11} {'score':>6} "
+    legend = "\n".join(f"  {name}: {text}" for name, text in TABLE_LEGEND)
+    return (f"\n{legend}\n{'iter':>4} {'actor loss':>11} {'-> after':>11} {'critic loss':>11} {'-> after':>11} {'score':>6} "
             f"{'kl':>9} {'logp diff':>9} {'roll diff':>9} | seconds: {phases}")
 
 
 def _table_row(s: IterationStats) -> str:
-    diff = "-" if s.logprob_diff != s.logprob_diff else f"{s.logprob_diff:.1e}"
     phases = " ".join(f"{s.times.get(p, 0.0):>10.3f}" for p in _PHASES)
-    return (f"{s.iteration + 1:>4} {s.actor_loss:>11.5f} {s.actor_loss_after:>11.5f} {s.critic_loss:>11.5f} "
-            f"{s.critic_loss_after:>11.5f} {s.score:>6.3f} {s.kl:>9.2e} {diff:>9} {s.rollout_diff:>9.1e} |          {phases}")
+    return (f"{s.iteration + 1:>4} {s.actor_loss:>11.3e} {s.actor_loss_after:>11.3e} {s.critic_loss:>11.5f} "
+            f"{s.critic_loss_after:>11.5f} {s.score:>6.3f} {s.kl:>9.2e} {s.logprob_diff:>9.1e} {s.rollout_diff:>9.1e} |          {phases}")
 
 
 def format_summary(result: DemoResult) -> str:
@@ -465,8 +542,8 @@ def format_summary(result: DemoResult) -> str:
                      f"{r['start_s']:.2f}s + import {r['import_s']:.2f}s + init {r['init_s']:.2f}s + restore "
                      f"{r['restore_s']:.2f}s + re-check {r['check_s']:.2f}s")
     lines.append(f"final actor weights sha256 {result.final_weights_sha256[:16]}")
-    lines.append(f"log-prob max |3D-parallel - single-process|: {result.logprob_max_diff:.2e} before training, "
-                 f"{result.final_logprob_max_diff:.2e} after (tolerance {result.config.tolerance:.0e}); "
+    lines.append(f"log-prob max |3D-parallel - single-process|: {result.logprob_max_diff:.2e} over the iterations, "
+                 f"{result.final_logprob_max_diff:.2e} after training (tolerance {result.config.tolerance:.0e}); "
                  f"dp replicas differ by {result.replica_max_diff:.1e}")
     lines += [f"  [{'PASS' if ok else 'FAIL'}] {name}" for name, ok in result.checks.items()]
     verdict = "PASS" if result.ok else "FAIL"

@@ -16,6 +16,7 @@ from typing import Sequence, TextIO
 from rankmesh import demo
 from rankmesh.demo import DemoConfig, format_summary, run_demo
 from rankmesh.demo_hang import check_hang_rank
+from rankmesh.errors import RankMeshError, UsageError
 from rankmesh.tracing import trace
 
 HELP = "run the actor/critic PPO demo on local Ray (CPU, megatron-core); exit 1 if a self-check fails"
@@ -29,8 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default=d.layout, help="layout with actor/ref/critic/rollout roles (default %(default)s)")
     parser.add_argument("--no-layout", dest="layout", action="store_const", const=None,
                         help="ignore layouts; use the --actor-*/--critic-*/--rollout-* sizes")
-    for name in ("actor_tp", "actor_pp", "actor_dp", "critic_tp", "critic_dp", "rollout_dp", "prompts", "samples_per_prompt",
-                 "prompt_length", "response_length", "micro_batches", "seed"):
+    for name in demo.SIZE_OPTIONS:  # None when not given: a layout and explicit sizes together are an error
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None,
+                            help=f"with --no-layout (default {getattr(d, name)})")
+    for name in ("prompts", "samples_per_prompt", "prompt_length", "response_length", "micro_batches", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=getattr(d, name),
                             help="(default %(default)s)")
     for name in ("actor_lr", "critic_lr", "clip_ratio", "tolerance"):
@@ -50,32 +53,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="record every group call to a Chrome trace (open in ui.perfetto.dev; rankmesh trace summarize PATH)")
 
 
+#: The one prefix of every error the demo's options cause (exit code 2).
+ERROR_PREFIX = "rankmesh demo: error:"
+
+
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    """The DemoConfig the options say (mesh sizes not given take DemoConfig's defaults)."""
     names = DemoConfig.__dataclass_fields__
-    return DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    values.update({k: v for k, v in vars(args).items() if k in ("layout", "hang_rank", "kill_rank", "kill_at_iteration")})
+    return DemoConfig(**values)
+
+
+def checked_config(args: argparse.Namespace) -> DemoConfig:
+    """:func:`config_from_args`, with every option checked before anything starts; raises UsageError."""
+    cfg = config_from_args(args)
+    demo.check_config(cfg, given=[n for n in demo.SIZE_OPTIONS if getattr(args, n, None) is not None])
+    actor = demo.resolve_meshes(cfg)[0]
+    if cfg.hang_rank is not None:  # a bad --hang-rank fails now, not after a minute of start-up
+        check_hang_rank(cfg.hang_rank, actor)
+    if cfg.kill_at_iteration is not None and cfg.kill_rank is None:
+        raise UsageError("--kill-at-iteration needs --kill-rank")
+    if cfg.kill_rank is not None:
+        cfg.kill_at_iteration = 1 if cfg.kill_at_iteration is None else cfg.kill_at_iteration
+        if not 1 <= cfg.kill_at_iteration <= cfg.iterations:
+            raise UsageError(f"--kill-at-iteration must be between 1 and --iterations ({cfg.iterations})")
+        if not 0 <= cfg.kill_rank < actor.world_size:
+            raise UsageError(f"--kill-rank must be an actor rank, 0 to {actor.world_size - 1}")
+    return cfg
 
 
 def run_from_args(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run with parsed options, print the table and the checks; the exit code is the verdict."""
     out = out or sys.stdout
-    cfg = config_from_args(args)
-    if cfg.iterations < 2:
-        print("demo: error: --iterations must be at least 2 (the loss check compares first and last)", file=sys.stderr)
+    try:
+        cfg = checked_config(args)
+    except RankMeshError as exc:
+        print(f"{ERROR_PREFIX} {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    if cfg.hang_rank is not None:  # a bad --hang-rank fails now, not after a minute of start-up
-        check_hang_rank(cfg.hang_rank, demo.resolve_meshes(cfg)[0])
-    if cfg.kill_at_iteration is not None and cfg.kill_rank is None:
-        print("demo: error: --kill-at-iteration needs --kill-rank", file=sys.stderr)
-        return 2
-    if cfg.kill_rank is not None:
-        cfg.kill_at_iteration = 1 if cfg.kill_at_iteration is None else cfg.kill_at_iteration
-        if not 1 <= cfg.kill_at_iteration <= cfg.iterations:
-            print(f"demo: error: --kill-at-iteration must be between 1 and --iterations ({cfg.iterations})", file=sys.stderr)
-            return 2
-        world = demo.resolve_meshes(cfg)[0].world_size
-        if not 0 <= cfg.kill_rank < world:
-            print(f"demo: error: --kill-rank must be an actor rank, 0 to {world - 1}", file=sys.stderr)
-            return 2
     trace_path = getattr(args, "trace_path", None)
     with trace(trace_path) if trace_path else contextlib.nullcontext():
         result = run_demo(cfg, out)
@@ -91,6 +106,7 @@ def run_from_args(args: argparse.Namespace, out: TextIO | None = None) -> int:
 def setup(parser: argparse.ArgumentParser) -> None:
     """Configure the ``rankmesh demo`` subcommand (:mod:`rankmesh.cli` registers it)."""
     add_arguments(parser)
+    parser.epilog = "The table's columns: " + "; ".join(f"{name}: {text}" for name, text in demo.TABLE_LEGEND) + "."
     parser.set_defaults(handler=run_from_args)
 
 

@@ -56,7 +56,7 @@ def run_hang_drill(actor: Any, rank: int, out: TextIO, timeout_s: float = HANG_T
     mesh = actor.mesh
     axis = check_hang_rank(rank, mesh)
     members = mesh.group_of(rank, axis)
-    coords = mesh.coords(rank)
+    coords = mesh.rank_coords(rank)
     expected = f"barrier on {axis} group {members}"
     start = time.monotonic()
     try:
@@ -66,12 +66,11 @@ def run_hang_drill(actor: Any, rank: int, out: TextIO, timeout_s: float = HANG_T
         reported = str(err)
         hangs = err.hangs
         c = hangs[0].collective if len(hangs) == 1 else None
-        want = {"tp": coords.tp_rank, "pp": coords.pp_rank, "dp": coords.dp_rank}
         ok = (
             err.ranks == [rank]
             and c is not None
             and (c.op, c.group, list(c.ranks)) == ("barrier", axis, members)
-            and all(hangs[0].coords.get(a) == v for a, v in want.items())
+            and hangs[0].coords == coords
             and bool(hangs[0].node)
             and sorted(err.finished) == [r for r in range(actor.world_size) if r != rank]
         )
@@ -81,6 +80,6 @@ def run_hang_drill(actor: Any, rank: int, out: TextIO, timeout_s: float = HANG_T
         actor.release_hang(rank, axis)  # its peers join the barrier: the run goes on
     print(f"\nhang drill (--hang-rank {rank}): rank {rank} waits in a barrier its {axis} peers skip; "
           f"the call's {timeout_s:g} s timeout raised:\n{reported or '(nothing: the call finished)'}\n"
-          f"expected: rank {rank} (tp{coords.tp_rank} pp{coords.pp_rank} dp{coords.dp_rank}) in {expected}; "
+          f"expected: {coords.rank_text(rank)} in {expected}; "
           f"report ready {report_s:.2f} s after the timeout; released, the run goes on\n", file=out)
     return HangDrill(rank, axis, expected, reported, report_s, ok)

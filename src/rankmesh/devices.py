@@ -21,16 +21,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from rankmesh.errors import RendezvousError
 
 #: Ray's flags that stop it setting a device-visibility variable, and the resource each names.
-RAY_NOSET_FLAGS: dict[str, str] = {
+RAY_NOSET_FLAGS: Mapping[str, str] = MappingProxyType({
     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "GPU",
     "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "GPU",
     "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES": "GPU",
     "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "NPU",
-}
+})
 
 
 @dataclass(frozen=True)

@@ -131,10 +131,8 @@ def _draw_role(ax: "Axes", role: LayoutRole, names: Sequence[str] = ()) -> bool:
         ax.add_patch(Rectangle((x, y), BOX_W, BOX_H, facecolor=_dp_colour(int(table["dp"][rank]), dp), edgecolor="white", lw=0.8, alpha=0.9))
         label = f"{rank}"
         if detail:
-            coords = [f"tp{table['tp'][rank]}", f"pp{table['pp'][rank]}"]
-            coords += [f"cp{table['cp'][rank]}"] if mesh.size("cp") > 1 else []
-            coords += [f"ep{table['ep'][rank]}"] if mesh.size("ep") > 1 else []
-            label += "\n" + " ".join(coords)
+            coords = mesh.rank_coords(rank).label()
+            label += f"\n{coords}" if coords else ""
         ax.text(x + BOX_W / 2, y + BOX_H / 2, label, ha="center", va="center", fontsize=7 if detail else 5, color="black")
         if rank in collect:
             ax.plot(x + BOX_W - 0.12, y + BOX_H - 0.12, marker="*", ms=9, color="gold", mec="black", mew=0.6)

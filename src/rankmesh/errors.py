@@ -10,6 +10,15 @@ from __future__ import annotations
 
 import errno
 import traceback
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only: this module imports nothing from the package
+    from rankmesh.mesh import RankCoords
+
+
+def _rank_text(rank: int, coords: "RankCoords | None") -> str:
+    """``rank 5 (tp1 dp0 pp1)``: the one way messages name a rank (:meth:`RankCoords.rank_text`)."""
+    return f"rank {rank}" if coords is None else coords.rank_text(rank)
 
 
 class RankMeshError(Exception):
@@ -94,7 +103,8 @@ class RemoteTraceback(Exception):
 class WorkerError(RankMeshError):
     """A worker method raised.  Names the rank, its mesh coordinates, its node and the method.
 
-    ``remote_traceback`` is the worker's traceback text (also the ``__cause__`` on Ray) and
+    ``coords`` is the rank's :class:`~rankmesh.mesh.RankCoords` (``None`` for a worker built
+    outside any group); ``remote_traceback`` is the worker's traceback text (also the ``__cause__`` on Ray) and
     ``others`` the failures of further ranks in the same call, lowest rank first (this error is
     the lowest failing rank).  Every field survives pickling across processes.
     """
@@ -102,7 +112,7 @@ class WorkerError(RankMeshError):
     def __init__(
         self,
         rank: int,
-        coords: dict[str, int],
+        coords: "RankCoords | None",
         method: str,
         message: str = "",
         node: str | None = None,
@@ -110,7 +120,7 @@ class WorkerError(RankMeshError):
         others: list["WorkerError"] | None = None,
     ) -> None:
         self.rank = rank
-        self.coords = dict(coords)
+        self.coords = coords
         self.method = method
         self.node = node
         self.remote_traceback = remote_traceback
@@ -119,16 +129,15 @@ class WorkerError(RankMeshError):
         super().__init__(self._text())
 
     def _text(self) -> str:
-        where = ", ".join(f"{axis}={value}" for axis, value in self.coords.items())
         on = f" on node {self.node}" if self.node else ""
-        text = f"rank {self.rank} ({where}){on} failed in {self.method}" + (f": {self.detail}" if self.detail else "")
+        text = f"{_rank_text(self.rank, self.coords)}{on} failed in {self.method}" + (f": {self.detail}" if self.detail else "")
         if self.others:
             text += f" (and {len(self.others)} more rank(s): {[o.rank for o in self.others]})"
         return text
 
     @classmethod
     def from_exception(
-        cls, exc: BaseException, rank: int, coords: dict[str, int], method: str, node: str | None = None
+        cls, exc: BaseException, rank: int, coords: "RankCoords | None", method: str, node: str | None = None
     ) -> "WorkerError":
         """The one way to wrap an exception raised on a rank: message and traceback text kept.
 
@@ -168,8 +177,8 @@ class MeshMismatchError(RankMeshError, RuntimeError):
 class WorkerDiedError(BackendError):
     """A worker process died (or its node went away) during a call; names ranks, coordinates, method.
 
-    ``rank`` is the lowest dead rank, ``ranks`` all dead ranks seen, ``coords`` each one's mesh
-    coordinates.  The group is failed afterwards: its other processes are stopped and later
+    ``rank`` is the lowest dead rank, ``ranks`` all dead ranks seen, ``coords`` each one's
+    :class:`~rankmesh.mesh.RankCoords` (by rank, where known).  The group is failed afterwards: its other processes are stopped and later
     calls raise this error again at once.
     """
 
@@ -180,17 +189,14 @@ class WorkerDiedError(BackendError):
         detail: str = "",
         node: str | None = None,
         ranks: list[int] | None = None,
-        coords: dict[int, dict[str, int]] | None = None,
+        coords: "dict[int, RankCoords] | None" = None,
     ) -> None:
         self.rank, self.method, self.detail, self.node = rank, method, detail, node
         self.ranks = sorted(set(ranks or []) | {rank})
-        self.coords = {int(r): dict(c) for r, c in (coords or {}).items()}
+        self.coords = {int(r): c for r, c in (coords or {}).items()}
         where = f" on node {node}" if node else ""
-        who = f"rank {rank}" if len(self.ranks) == 1 else f"ranks {self.ranks}"
-        at = "; ".join(
-            f"rank {r}: " + ", ".join(f"{a}={v}" for a, v in self.coords[r].items()) for r in self.ranks if r in self.coords
-        )
-        super().__init__(f"{who}{where} died during {method}" + (f" ({at})" if at else "") + (f": {detail}" if detail else ""))
+        who = ", ".join(_rank_text(r, self.coords.get(r)) for r in self.ranks)
+        super().__init__(f"{who}{where} died during {method}" + (f": {detail}" if detail else ""))
 
     def __reduce__(self):
         return (type(self), (self.rank, self.method, self.detail, self.node, self.ranks, self.coords))
@@ -276,12 +282,13 @@ class RecoveryError(BackendError):
 class ShardLostError(RecoveryError):
     """A dead rank's shard has no live copy (dp = 1, or its whole dp group died): restore from a checkpoint.
 
-    ``shards`` maps each such rank to the coordinates (tp, pp, cp, ep) no live rank holds.
+    ``shards`` maps each such rank to its :class:`~rankmesh.mesh.RankCoords`: the shard no live
+    rank holds is the one at those coordinates, whatever the dp coordinate.
     """
 
-    def __init__(self, message: str, ranks: list[int] | None = None, shards: dict[int, dict[str, int]] | None = None) -> None:
+    def __init__(self, message: str, ranks: list[int] | None = None, shards: "dict[int, RankCoords] | None" = None) -> None:
         super().__init__(message, ranks)
-        self.shards = {int(r): dict(c) for r, c in (shards or {}).items()}
+        self.shards = {int(r): c for r, c in (shards or {}).items()}
 
     def __reduce__(self):
         return (type(self), (str(self), self.ranks, self.shards))

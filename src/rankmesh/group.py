@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from rankmesh.backend import Backend, RankCall, Shared
+from rankmesh.backend import Backend, RankCall, Shared, check_receive
 from rankmesh.data import DataProtoFuture
 from rankmesh.dispatch.modes import DEFAULT_REGISTRY, DispatchMode, DispatchRegistry, Execute, UserMode
 from rankmesh.dispatch.register import MethodSpec, registered_methods
@@ -29,9 +29,9 @@ from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan,
 from rankmesh.dispatch.split import CallSite, join_outputs, output_future, split_call
 from rankmesh.errors import DispatchError
 from rankmesh.mesh import RankMesh
-from rankmesh.sharedmem import check_receive
-from rankmesh.tracing import TRACING, install_from_env, write_trace
-from rankmesh.tracing.recorder import KEPT, CallTrace, Recorder, drain_kept
+from rankmesh.tracing import TRACING, write_trace
+from rankmesh.tracing.observer import CallObserver, ObservedCall
+from rankmesh.tracing.recorder import Recorder
 from rankmesh.validate import positive_seconds
 
 logger = logging.getLogger(__name__)
@@ -54,18 +54,29 @@ ROUTES_ATTR = "rankmesh_routes"
 
 
 @dataclass(frozen=True)
+class PerRank:
+    """The entry of a :meth:`WorkerGroup.call_ranks` binding: each call names its ranks and their arguments."""
+
+    label: str = "per rank"
+
+    @staticmethod
+    def collect_fn(group: "WorkerGroup", outputs: list[Any]) -> list[Any]:
+        return outputs
+
+
+@dataclass(frozen=True)
 class Binding:
     """One group method, resolved: what to run, how to split, where outputs come from.
 
     ``role``/``target`` name the worker object and its method that a call of ``name`` runs
     (``target == name`` except on a colocated method table, where ``actor_x`` runs ``x`` of role
-    ``actor``).  ``plan`` is ``None`` only for verl-style meshes the workers register themselves;
-    the group asks them on the first call.
+    ``actor``).  ``plan`` is ``None`` only for verl-style meshes the workers register themselves
+    (the group asks them on the first call) and for :class:`PerRank` entries (the call names its ranks).
     """
 
     name: str
     method: MethodSpec
-    entry: MeshSpec | UserMode
+    entry: MeshSpec | UserMode | PerRank
     plan: DispatchPlan | None
     site: CallSite
     role: str | None
@@ -86,6 +97,16 @@ class GroupFuture:
         self._fetch, self._pending, self._finish = fetch, list(pending), finish
         self._done, self._value = False, None
         self._timeout, self._stall_warn_s = timeout, stall_warn_s
+
+    @property
+    def handles(self) -> tuple[Any, ...]:
+        """The backend's pending handles of the call, one per rank (empty once :meth:`get` returned).
+
+        Another group's call may take them as an argument: its workers wait for and read them
+        through their context's :class:`~rankmesh.backend.ObjectTransport`, with no round trip
+        through the controller (reshard's receives wait for its sends this way).
+        """
+        return tuple(self._pending)
 
     def get(self, timeout: float | None = None) -> Any:
         """Wait for the outputs; ``timeout=None`` means the call's (or the group's) timeout."""
@@ -241,6 +262,11 @@ class MethodTable:
         """The named meshes besides the default one (what a group was given as ``meshes``)."""
         return {k: v for k, v in self.meshes.items() if k != DEFAULT_MESH}
 
+    @property
+    def roles(self) -> dict[str, type]:
+        """Role name -> class, for a colocated worker class (:data:`ROLES_ATTR`); empty otherwise."""
+        return dict(getattr(self.worker_cls, ROLES_ATTR, {}))
+
     def route(self, name: str) -> tuple[str | None, str]:
         """The (role, worker method) a call of group method ``name`` runs."""
         routes: Mapping[str, tuple[str, str]] = getattr(self.worker_cls, ROUTES_ATTR, {})
@@ -307,11 +333,12 @@ class WorkerGroup:
             raise DispatchError(f"mesh {table.mesh} covers {table.mesh.world_size} ranks but the backend has {executor.world_size}")
         self._executor = executor
         self._table = table
-        self._recorder: Recorder | None = None  # set by wg.trace(...) for this group alone
+        self._observer: CallObserver | None = None  # set by wg.trace(...) for this group alone
         self._receive: str | None = None  # set_receive: overrides every method's declaration
-        install_from_env()
         self._registered_plans: dict[str, DispatchPlan] = {}
         self._adhoc: dict[tuple[str, str], Binding] = {}
+        #: rankmesh.reshard.run.ReshardSession of the reshards into this group (made by the first one).
+        self.reshard_session: Any = None
         for name, bound in table.methods.items():
             setattr(self, name, GroupMethod(self, bound))
 
@@ -356,9 +383,20 @@ class WorkerGroup:
         return ["local"] * self.world_size
 
     @property
+    def node_info(self) -> list[dict[str, Any]] | None:
+        """Per rank, where its process runs (``node_id``, ``pid``, ...); ``None`` in-process, where every
+        rank lives in the controller's process."""
+        return None
+
+    @property
     def trace_name(self) -> str:
         """The group's name in traces: its role, else its worker class."""
         return self.role or self.worker_cls.__name__
+
+    @property
+    def trace_startup(self) -> dict[str, Any] | None:
+        """The group's start-up report as a trace keeps it (``None``: in-process ranks start at once)."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.worker_cls.__name__}, {self.mesh}, methods={len(self._table.methods)})"
@@ -388,11 +426,11 @@ class WorkerGroup:
         installed too, this group's calls in the block go to this file instead of that one.
         """
         recorder = Recorder(path)
-        previous, self._recorder = self._recorder, recorder
+        previous, self._observer = self._observer, recorder
         try:
             yield recorder
         finally:
-            self._recorder = previous
+            self._observer = previous
             write_trace(recorder, path)
 
     # ----- lifetime ----------------------------------------------------------------------------
@@ -413,12 +451,13 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Stop the ranks (on Ray: kill the processes, every role spawned from them too)."""
-        if KEPT:  # a trace recording: collect what the ranks keep of non-blocking calls first
-            drain_kept(self)
+        observer = self._observer or TRACING.recorder
+        if observer is not None:  # a trace recording: it collects what the ranks still hold for it first
+            observer.closing(self)
         self._executor.close()
 
     def drain_rank_timings(self) -> list[tuple[int, list[Any], int, int, int]]:
-        """Per rank, the timings it keeps of traced non-blocking calls (``rankmesh.tracing.recorder.drain_kept``)."""
+        """Per rank, the timings it keeps of traced non-blocking calls (``rankmesh.tracing.recorder.TraceSlot.drain``)."""
         drain = getattr(self._executor, "drain_timings", None)
         return [] if drain is None else drain()
 
@@ -427,21 +466,20 @@ class WorkerGroup:
     def _call(
         self, binding: Binding, args: Args, kwargs: Kwargs, timeout: float | None = None, stall_warn_s: float | None = None
     ) -> Any:
-        # Tracing off costs this one attribute read; on, `ct` records the call's phases.
-        rec = self._recorder or TRACING.recorder
-        ct = None if rec is None else rec.begin(self, binding.name, binding.method.blocking)
-        if isinstance(binding.entry, UserMode):
-            return self._call_user(binding, binding.entry, args, kwargs, timeout, ct, stall_warn_s)
+        # Tracing off costs this one read of the observer; on, `seen` hears the call's life
+        # (rankmesh.tracing.observer: begin, phases, shipped objects, outputs, end).
+        observer = self._observer or TRACING.recorder
+        seen = None if observer is None else observer.begin(self, binding.name, binding.method.blocking, args, kwargs)
+        if isinstance(binding.entry, (UserMode, PerRank)):
+            return self._call_user(binding, binding.entry, args, kwargs, timeout, seen, stall_warn_s)
         spec, site = binding.entry, binding.site
         plan = binding.plan if binding.plan is not None else self._registered_plan(spec.mesh, site)
-        if ct is not None:
-            ct.consumes(args, kwargs)
         split = split_call(spec, plan.n_pieces, args, kwargs, site, binding.method.padding)
         per_rank = [split.pieces[0 if split.broadcast else plan.piece_of_rank[r]] for r in plan.run_ranks]
         collect = set(plan.collect_ranks)
-        if ct is not None:
-            ct.mark("split")
-        pending = self._submit(binding, plan.run_ranks, per_rank, collect, ct)
+        if seen is not None:
+            seen.phase("split")
+        pending = self._submit(binding, plan.run_ranks, per_rank, collect, seen)
         where = {r: i for i, r in enumerate(plan.run_ranks)}
         order = [where[r] for r in plan.collect_ranks]
 
@@ -452,30 +490,44 @@ class WorkerGroup:
             # concat writes every collected tensor into a fresh batch: borrow them as read-only
             # views, so the controller copies each byte once (not on receive and again in concat).
             outputs = self._executor.fetch(pending, timeout=timeout, borrow=spec.output == "concat", stall_warn_s=stall_warn_s)
-            return finish(outputs) if ct is None else self._finish_traced(ct, finish, outputs, plan.run_ranks)
+            return finish(outputs) if seen is None else seen.end(finish(seen.received(outputs, plan.run_ranks)))
         if spec.output == "concat" and not split.tensordicts:  # TensorDicts join in finish()
             future: Any = output_future(split, [pending[i] for i in order], self._executor.fetcher(timeout, stall_warn_s))
         else:
             future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s)
-        return future if ct is None else ct.finish(future)
-
-    @staticmethod
-    def _finish_traced(ct: CallTrace, finish: Callable[[list[Any]], Any], outputs: list[Any], ranks: Sequence[int]) -> Any:
-        """A traced blocking call's last phases: the ranks' timings stripped (wait, fetch), then the join."""
-        result = finish(ct.unwrap(outputs, ranks))
-        ct.mark("concat")
-        return ct.finish(result)
+        return future if seen is None else seen.end(future)
 
     def _call_user(
         self,
         binding: Binding,
-        mode: UserMode,
+        mode: UserMode | PerRank,
         args: Args,
         kwargs: Kwargs,
         timeout: float | None = None,
-        ct: CallTrace | None = None,
+        seen: ObservedCall | None = None,
         stall_warn_s: float | None = None,
     ) -> Any:
+        if isinstance(mode, PerRank):
+            ranks, per_rank = args  # call_ranks: the ranks and each one's (args, kwargs), checked there
+        else:
+            ranks, per_rank = self._user_pieces(binding, mode, args, kwargs)
+        if seen is not None:
+            seen.phase("split")
+        pending = self._submit(binding, ranks, per_rank, set(ranks), seen)
+
+        def finish(outputs: list[Any]) -> Any:
+            return mode.collect_fn(self, list(outputs))
+
+        if binding.method.blocking:
+            outputs = self._executor.fetch(pending, timeout=timeout, stall_warn_s=stall_warn_s)
+            return finish(outputs) if seen is None else seen.end(finish(seen.received(outputs, ranks)))
+        future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s)
+        return future if seen is None else seen.end(future)
+
+    def _user_pieces(
+        self, binding: Binding, mode: UserMode, args: Args, kwargs: Kwargs
+    ) -> tuple[tuple[int, ...], list[tuple[Args, Kwargs]]]:
+        """A user mode's ranks and each one's (args, kwargs), from its ``dispatch_fn``."""
         world, site = self.world_size, binding.site
         result = mode.dispatch_fn(self, *args, **kwargs)
         if not (isinstance(result, (tuple, list)) and len(result) == 2):
@@ -488,20 +540,7 @@ class WorkerGroup:
                 got = f"{len(value)} items" if isinstance(value, (list, tuple)) else type(value).__name__
                 raise site.error(f"dispatch_fn returned {got} for {site.arg(key)}; need a list of {world} (world size)")
         ranks = (0,) if binding.method.execute_mode is Execute.RANK_ZERO else tuple(range(world))
-        per_rank = [(tuple(a[r] for a in arg_lists), {k: v[r] for k, v in kwarg_lists.items()}) for r in ranks]
-        if ct is not None:
-            ct.consumes(args, kwargs)
-            ct.mark("split")
-        pending = self._submit(binding, ranks, per_rank, set(ranks), ct)
-
-        def finish(outputs: list[Any]) -> Any:
-            return mode.collect_fn(self, list(outputs))
-
-        if binding.method.blocking:
-            outputs = self._executor.fetch(pending, timeout=timeout, stall_warn_s=stall_warn_s)
-            return finish(outputs) if ct is None else self._finish_traced(ct, finish, outputs, ranks)
-        future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s)
-        return future if ct is None else ct.finish(future)
+        return ranks, [(tuple(a[r] for a in arg_lists), {k: v[r] for k, v in kwarg_lists.items()}) for r in ranks]
 
     def _submit(
         self,
@@ -509,13 +548,13 @@ class WorkerGroup:
         ranks: Sequence[int],
         per_rank: Sequence[tuple[Args, Kwargs]],
         collect: set[int],
-        ct: CallTrace | None = None,
+        seen: ObservedCall | None = None,
     ) -> list[Any]:
         """Ship every distinct non-trivial object once, then submit one RankCall per rank.
 
-        Traced (``ct``), every rank times itself: in a blocking call it sends its timing back with
-        its output; in a non-blocking one, whose outputs travel on inside a future, it keeps it
-        for the controller to collect later (``RankCall.keep``).
+        Observed (``seen``), every rank times itself (``RankCall.trace``); the observer says
+        whether it sends its timing back with its output or keeps it under a key
+        (``RankCall.keep``: a non-blocking call, whose outputs travel on inside a future).
         """
         shared: dict[int, Shared] = {}
 
@@ -525,22 +564,22 @@ class WorkerGroup:
             handle = shared.get(id(value))
             if handle is None:
                 handle = shared[id(value)] = self._executor.share(value)
-                if ct is not None:
-                    ct.shipped(value)
+                if seen is not None:
+                    seen.shipped(value)
             return handle
 
-        timed = ct is not None
-        keep = ct.keep(len(ranks)) if timed and not ct.blocking else 0
+        timed = seen is not None
+        keep = 0 if seen is None else seen.timed(len(ranks))
         receive = self._receive or binding.method.receive
         calls = [
             RankCall(rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect, timed, receive, keep)
             for rank, (args, kwargs) in zip(ranks, per_rank)
         ]
-        if ct is None:
+        if seen is None:
             return self._executor.submit(binding.role, binding.target, calls)
-        ct.mark("put")
+        seen.phase("put")
         pending = self._executor.submit(binding.role, binding.target, calls)
-        ct.mark("submit")
+        seen.phase("submit")
         return pending
 
     def _registered_plan(self, mesh_name: str, site: CallSite) -> DispatchPlan:
@@ -577,6 +616,64 @@ class WorkerGroup:
                 raise DispatchError(f"{self.worker_cls.__name__} has no method {method!r}")
             spec = MethodSpec(_EXECUTE_ALL, execute, blocking)
             binding = self._adhoc[key] = self._table.resolve(method, spec, ())
+        return binding
+
+    def call_ranks(
+        self,
+        method: str,
+        args: Sequence[Sequence[Any]],
+        ranks: Sequence[int] | None = None,
+        *,
+        kwargs: Sequence[Mapping[str, Any]] | None = None,
+        blocking: bool = True,
+        timeout_s: float | None = None,
+        stall_warn_s: float | None = None,
+    ) -> Any:
+        """Run worker method ``method`` on ``ranks`` (default: every rank), ``ranks[i]`` with ``*args[i], **kwargs[i]``.
+
+        For calls no dispatch mode describes: a feature that computes each rank's arguments
+        itself (a reshard's per-rank jobs) or talks to a few ranks only.  It takes the path every
+        registered call takes (:meth:`_call`): arguments are shipped once each, the call is
+        traced, bounded by ``timeout_s`` (``None``: the group's ``call_timeout_s``) with a hang
+        report, warned about after ``stall_warn_s``, and on Ray a blocking call is retried once
+        after replacing dead ranks when the group has ``on_rank_death="replace"``.
+
+        ``method`` is a ``@register`` method (its inputs received as it declares) or any other
+        method of the worker class.  Blocking: the outputs, in ``ranks`` order.
+        ``blocking=False``: a :class:`GroupFuture` whose ``get()`` returns them and whose
+        :attr:`~GroupFuture.handles` another group's call may take as an argument.
+        """
+        binding = self._rank_binding(method, blocking)
+        site = binding.site
+        ranks = tuple(range(self.world_size)) if ranks is None else tuple(ranks)
+        bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.world_size]
+        if bad or not ranks:
+            raise site.error(f"ranks must name ranks of this group (0..{self.world_size - 1}), got {list(ranks)}")
+        if len(set(ranks)) != len(ranks):
+            raise site.error(f"ranks {list(ranks)} name a rank twice; each rank runs one call")
+        kwargs = [{}] * len(ranks) if kwargs is None else kwargs
+        for what, given in (("args", args), ("kwargs", kwargs)):
+            if not isinstance(given, (list, tuple)) or len(given) != len(ranks):
+                got = f"{len(given)} items" if isinstance(given, (list, tuple)) else type(given).__name__
+                raise site.error(f"{what} needs one entry per rank of {list(ranks)} ({len(ranks)}), got {got}")
+        if not all(isinstance(a, (list, tuple)) for a in args) or not all(isinstance(k, Mapping) for k in kwargs):
+            raise site.error("each entry of args must be a tuple of positional arguments and each of kwargs a dict")
+        per_rank = [(tuple(a), dict(k)) for a, k in zip(args, kwargs)]
+        return self._call(binding, (ranks, per_rank), {}, timeout_s, stall_warn_s)
+
+    def _rank_binding(self, method: str, blocking: bool) -> Binding:
+        """The binding of ``call_ranks(method, ...)``: the method's route and receive declaration, a PerRank entry."""
+        key = (method, f"per_rank/{blocking}")
+        binding = self._adhoc.get(key)
+        if binding is None:
+            bound = self._table.methods.get(method)
+            if bound is None and (not isinstance(method, str) or not callable(getattr(self.worker_cls, method, None))):
+                raise DispatchError(f"{self.worker_cls.__name__} has no method {method!r}")
+            role, target = (bound.binding.role, bound.binding.target) if bound else self._table.route(method)
+            receive = bound.binding.method.receive if bound else "cow"
+            spec = MethodSpec(_EXECUTE_ALL, Execute.ALL, blocking, receive=receive)
+            site = CallSite(f"{self.worker_cls.__name__}.{method}", (), "per rank")
+            binding = self._adhoc[key] = Binding(method, spec, PerRank(), None, site, role, target)
         return binding
 
     def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
@@ -28,6 +29,9 @@ AXES: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 
 DENSE_AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+
+#: The expert view's coordinate names -> the axis of the expert grid that carries them.
+EXPERT_VIEW: Mapping[str, str] = MappingProxyType({"ep": "ep", "etp": "tp", "edp": "dp"})
 
 
 def parse_order(order: str, sizes: Mapping[str, int]) -> tuple[str, ...]:
@@ -141,11 +145,10 @@ class RankGrid:
         return self.groups_array(token).tolist()
 
     @cached_property
-    def coord_table(self) -> np.ndarray:
-        """(world_size, 5) int array: column i is the coordinate along ``AXES[i]`` of each rank."""
+    def coord_table(self) -> dict[str, np.ndarray]:
+        """Every rank's coordinates by axis name: ``table["dp"][r]`` is local rank ``r``'s dp coordinate."""
         ranks = np.arange(self.world_size, dtype=np.int64)
-        columns = [(ranks // self.strides[a]) % self.sizes[a] for a in AXES]
-        return np.stack(columns, axis=1)
+        return {a: (ranks // self.strides[a]) % self.sizes[a] for a in AXES}
 
     def check_rank(self, rank: int, name: str = "rank") -> int:
         """``rank`` relative to the grid's first rank; :class:`MeshError` if it is not in the grid."""
@@ -171,6 +174,51 @@ class RankGrid:
                 raise MeshError(f"rank_of: {axis}={value} is out of range [0, {self.sizes[axis]})")
             rank += value * self.strides[axis]
         return rank
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where one rank sits in its mesh, as every error, report, trace track and check names it.
+
+    One record, so that two lines about the same rank never disagree.  :meth:`label` prints the
+    coordinates in one fixed order, ``tp cp ep dp pp``: megatron-core's default order string
+    (:data:`DEFAULT_ORDER`), which megatron users read in every config and log, from the
+    innermost axis (tp, fastest-varying, the first to share a node) out to the pipeline stage.
+    It is fixed, not the mesh's own order string, so that groups built with another order still
+    print alike.  Axes of size 1 are left out (their coordinate is 0 on every rank and tells
+    nothing): a rank of a tp2·pp2·dp2 mesh reads ``tp1 dp0 pp1``, one of a dp-only group
+    ``dp3``, and the rank of a group of one has an empty label.  :meth:`to_dict` is the JSON form
+    and always has all five axes.  Build one with :meth:`RankMesh.rank_coords`; ``ep`` is the
+    expert view's coordinate (megatron's ``get_expert_model_parallel_rank``), the others the dense
+    view's.
+    """
+
+    tp: int = 0
+    cp: int = 0
+    ep: int = 0
+    dp: int = 0
+    pp: int = 0
+    shown: tuple[str, ...] = AXES  # the axes of size > 1 in the rank's mesh
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            non_negative_int(getattr(self, axis), f"RankCoords {axis}", MeshError)
+        unknown = [a for a in self.shown if a not in AXES]
+        if unknown:
+            raise MeshError(f"RankCoords shown={self.shown!r}: unknown axis {unknown[0]!r} (known axes: {', '.join(AXES)})")
+
+    def label(self) -> str:
+        """``tp1 dp0 pp1``: the coordinates along the shown axes, in :data:`AXES` order."""
+        return " ".join(f"{a}{getattr(self, a)}" for a in AXES if a in self.shown)
+
+    def rank_text(self, rank: int) -> str:
+        """``rank 5 (tp1 dp0 pp1)``, or ``rank 0`` when the label is empty: how messages name a rank."""
+        label = self.label()
+        return f"rank {rank} ({label})" if label else f"rank {rank}"
+
+    def to_dict(self) -> dict[str, int]:
+        """``{"tp": 1, "cp": 0, "ep": 0, "dp": 0, "pp": 1}``: every axis, in :data:`AXES` order (for JSON)."""
+        return {a: getattr(self, a) for a in AXES}
 
 
 @dataclass(frozen=True)
@@ -281,11 +329,10 @@ class RankMesh:
 
     def size(self, axis: str) -> int:
         """Size of a dense axis, or of ``ep``/``etp``/``edp`` for the expert view."""
-        if axis in ("tp", "cp", "dp", "pp"):
+        if axis in DENSE_AXES:
             return self.dense.sizes[axis]
-        expert = {"ep": "ep", "etp": "tp", "edp": "dp"}
-        if axis in expert:
-            return self.expert.sizes[expert[axis]]
+        if axis in EXPERT_VIEW:
+            return self.expert.sizes[EXPERT_VIEW[axis]]
         raise MeshError(f"unknown axis {axis!r} (known: tp, cp, dp, pp, ep, etp, edp)")
 
     @property
@@ -328,29 +375,32 @@ class RankMesh:
 
     def coords(self, rank: int) -> DistRankInfo:
         self.dense.check_rank(rank)
-        dense, expert = self.dense.coord_table[rank], self.expert.coord_table[rank]
+        table = self.coord_table()
         return DistRankInfo(
-            tp_rank=int(dense[0]),
-            dp_rank=int(dense[3]),
-            pp_rank=int(dense[4]),
-            cp_rank=int(dense[1]),
-            ep_rank=int(expert[2]),
-            etp_rank=int(expert[0]),
-            edp_rank=int(expert[3]),
+            tp_rank=int(table["tp"][rank]),
+            dp_rank=int(table["dp"][rank]),
+            pp_rank=int(table["pp"][rank]),
+            cp_rank=int(table["cp"][rank]),
+            ep_rank=int(table["ep"][rank]),
+            etp_rank=int(table["etp"][rank]),
+            edp_rank=int(table["edp"][rank]),
         )
 
+    def rank_coords(self, rank: int) -> RankCoords:
+        """``rank``'s coordinates as every message prints them (see :class:`RankCoords`)."""
+        self.dense.check_rank(rank)
+        table = self.coord_table()
+        shown = tuple(a for a in AXES if self.size(a) > 1)
+        return RankCoords(**{a: int(table[a][rank]) for a in AXES}, shown=shown)
+
     def coord_table(self) -> dict[str, np.ndarray]:
-        """Every rank's coordinates at once: axis name -> int array indexed by rank (vectorized)."""
+        """Every rank's coordinates at once: axis name -> int array indexed by rank (vectorized).
+
+        The dense axes come from the dense grid; ``ep``, ``etp`` and ``edp`` from the expert
+        grid (:data:`EXPERT_VIEW`).
+        """
         dense, expert = self.dense.coord_table, self.expert.coord_table
-        return {
-            "tp": dense[:, 0],
-            "cp": dense[:, 1],
-            "dp": dense[:, 3],
-            "pp": dense[:, 4],
-            "ep": expert[:, 2],
-            "etp": expert[:, 0],
-            "edp": expert[:, 3],
-        }
+        return {**{a: dense[a] for a in DENSE_AXES}, **{name: expert[axis] for name, axis in EXPERT_VIEW.items()}}
 
     def rank_of(self, tp: int = 0, pp: int = 0, cp: int = 0, dp: int = 0) -> int:
         """The global rank at the given dense coordinates."""
@@ -441,8 +491,18 @@ class RankMesh:
         ``device_mesh["tp"]`` then spans exactly ``self.group_of(rank, "tp")``.
         """
         import torch
+        import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
+        if not (dist.is_available() and dist.is_initialized()):
+            raise MeshError(
+                "to_device_mesh() builds process groups, so it needs torch.distributed's default group: call it on "
+                "every rank after torch.distributed.init_process_group(...) (in a rankmesh worker, after "
+                "init_torch_distributed()); on the controller, device_mesh_shape() gives the names and ranks"
+            )
+        if dist.get_world_size() != self.world_size:
+            raise MeshError(f"to_device_mesh(): the default process group has {dist.get_world_size()} ranks, "
+                            f"the mesh {self.world_size}; build the mesh for the group's world size")
         names, ranks = self.device_mesh_shape()
         return DeviceMesh(device_type, torch.from_numpy(ranks), mesh_dim_names=names)
 

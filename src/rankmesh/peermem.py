@@ -16,15 +16,19 @@ The three pieces:
   :class:`PeerReadError` with the errno and what to do.
 * :func:`coalesce`: fewer, longer remote runs for a view with small gaps between its rows (the
   kernel's cost is per remote run, not per byte, below a few KiB).
-* :func:`allow_peer_reads`: ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``, so that under Yama's
-  ``ptrace_scope=1`` (Ubuntu's default) processes of the same user may read this one.
+* :func:`allow_peer_reads`: ``prctl(PR_SET_PTRACER, tracer_pid)``, so that under Yama's
+  ``ptrace_scope=1`` (Ubuntu's default) the process ``tracer_pid`` and its descendants may read
+  this one, and no other process: Yama admits a declared tracer *and every descendant of it*.
+  The caller names the tracer; the Ray backend passes the node's raylet, the parent of every
+  worker process on that node, so exactly Ray's workers on the node may read.  (``PR_SET_PTRACER_ANY`` would admit every process of the user
+  on the machine.)
 
 When the kernel refuses a read (``process_vm_readv`` needs the rights of ``ptrace`` attach,
 ``PTRACE_MODE_ATTACH_REALCREDS``, on the process read):
 
 * **another user** (uid/gid differ) -> ``EPERM``, unless the reader has ``CAP_SYS_PTRACE``;
 * **Yama** (``/proc/sys/kernel/yama/ptrace_scope``): 0 classic; 1 only a descendant, or a process
-  the target allowed with ``PR_SET_PTRACER`` (what :func:`allow_peer_reads` does); 2 only with
+  of the tracer the target declared with ``PR_SET_PTRACER`` (what :func:`allow_peer_reads` does); 2 only with
   ``CAP_SYS_PTRACE``; 3 never -> ``EPERM``;
 * **not dumpable** (setuid programs, ``prctl(PR_SET_DUMPABLE, 0)``) -> ``EPERM`` without ``CAP_SYS_PTRACE``;
 * **seccomp** (container runtimes' default profiles on old kernels, gVisor, a filter the process
@@ -61,7 +65,6 @@ IOV_MAX = 1024
 REFUSED_ERRNOS = frozenset({errno.EPERM, errno.EACCES, errno.ENOSYS, errno.ESRCH})  # as PeerReadError.refused
 
 _PR_SET_PTRACER = 0x59616D61  # "Yama"
-_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
 _libc: Any = None
 
@@ -92,21 +95,26 @@ def available() -> bool:
     return True
 
 
-def allow_peer_reads() -> bool:
-    """Let any process of this user read this one under Yama ``ptrace_scope=1`` (``PR_SET_PTRACER_ANY``).
+def allow_peer_reads(tracer_pid: int) -> bool:
+    """Let process ``tracer_pid`` and its descendants read this one under Yama ``ptrace_scope=1``.
 
-    Returns True when set, False where Yama is absent (``EINVAL``: nothing to allow) or the call
-    is refused; never raises.  Idempotent and cheap (one ``prctl``).
+    Yama keeps one declared tracer per process; this replaces any earlier one.  Pass the common
+    ancestor of the processes that should read (on Ray: the node's raylet), or this process's own
+    pid to admit its descendants.  Returns True when set, False where Yama is absent or
+    ``tracer_pid`` does not exist (both ``EINVAL``) or the call is refused; raises only for a
+    ``tracer_pid`` that is not a positive int.  Idempotent and cheap (one ``prctl``).
     """
+    if isinstance(tracer_pid, bool) or not isinstance(tracer_pid, int) or tracer_pid <= 0:
+        raise ValueError(f"allow_peer_reads(tracer_pid) needs the pid of the reading processes' ancestor, got {tracer_pid!r}")
     try:
         lib = _c()
     except OSError:
         return False
-    if lib.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) == 0:
+    if lib.prctl(_PR_SET_PTRACER, tracer_pid, 0, 0, 0) == 0:
         return True
     err = ctypes.get_errno()
     if err != errno.EINVAL:
-        logger.debug("prctl(PR_SET_PTRACER, ANY) failed: %s", os.strerror(err))
+        logger.debug("prctl(PR_SET_PTRACER, %d) failed: %s", tracer_pid, os.strerror(err))
     return False
 
 
@@ -285,7 +293,8 @@ def read_process(pid: int, remote: Any, local: Any) -> int:
 
 def _error(err: int, pid: int) -> PeerReadError:
     why = {
-        errno.EPERM: "the kernel refused: another user, Yama ptrace_scope 2/3 (or 1 without PR_SET_PTRACER), "
+        errno.EPERM: "the kernel refused: another user, Yama ptrace_scope 2/3 (or 1, and this process is not a "
+                     "descendant of the tracer the source declared with PR_SET_PTRACER), "
                      "a non-dumpable process, or a seccomp filter (containers) - see rankmesh.peermem",
         errno.EACCES: "a security module (AppArmor/SELinux) denies ptrace read access",
         errno.ENOSYS: "process_vm_readv is not allowed here (seccomp, gVisor, or an old kernel)",

@@ -20,6 +20,15 @@ functions get the buffer object exactly as the unpickler supplies it and decide:
   where the platform allows it (no bytes copied until the receiver writes, then only the pages
   it writes), else one private copy.
 
+How a receive treats those possibly-shared buffers is one choice, :data:`REBUILDS`, made by
+whoever runs the receive and set around it with :func:`receiving`: ``"cow"`` (the default,
+above), ``"copy"`` (one private copy now: the worker's call path for a method or group that
+declares ``receive="copy"``) or ``"borrow"`` (read-only views, no copy: the controller's fetch
+of outputs it concatenates into a fresh batch anyway).  It is a context variable, not an
+argument, for one reason: the unpickler (``pickle.loads`` here, ``ray.get`` in the Ray
+backend) calls the rebuild functions with the pickled state alone.  It is the only per-receive
+state of this module and of :mod:`rankmesh.sharedmem`, which is handed the choice explicitly.
+
 This module imports nothing from the package except :mod:`rankmesh.errors` and
 :mod:`rankmesh.sharedmem`.
 """
@@ -27,13 +36,14 @@ This module imports nothing from the package except :mod:`rankmesh.errors` and
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import pickle
-import threading
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Union
 
 import numpy as np
@@ -51,7 +61,7 @@ INBAND_MAX_BYTES = 16 * 1024
 #: Pickle protocol used by :func:`dumps` (the first one with out-of-band buffers).
 PROTOCOL = 5
 
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INT_OF_WIDTH = MappingProxyType({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
 
 
 def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
@@ -92,28 +102,40 @@ def _is_private(buf: Any) -> bool:
     return type(buf) is bytearray
 
 
-_BORROW = threading.local()
+#: How a receive rebuilds a buffer that may be shared (see the module docstring): ``"cow"``
+#: private, copy-on-write where possible; ``"copy"`` one private copy now; ``"borrow"`` a
+#: read-only view, for a caller that copies every rebuilt tensor and array itself.
+REBUILDS: tuple[str, ...] = ("cow", "copy", "borrow")
+
+#: Why a ``"copy"`` receive copied (what :func:`rankmesh.sharedmem.receive_info` reports).
+COPY_DECLARED = "the method or group declares receive='copy'"
+
+#: The rebuild of the receive running in this context; set only by :func:`receiving`.
+_RECEIVE: contextvars.ContextVar[str] = contextvars.ContextVar("rankmesh_receive", default="cow")
 
 
 @contextlib.contextmanager
-def borrowed_buffers() -> Iterator[None]:
-    """Within this block (this thread only), rebuilds keep shared buffers instead of copying.
+def receiving(how: str) -> Iterator[None]:
+    """Within the block (this thread or task), receives rebuild shared buffers as ``how`` says.
 
-    Only for a caller that copies every rebuilt tensor and array itself before anyone sees it:
-    the controller's concat of collected outputs, which writes them into a fresh batch anyway.
-    Without it the fetched outputs would be copied twice (rebuild, then concat).  The borrowed
-    tensors are read-only views (of the object store, or of the sender's memory).
+    ``how`` is one of :data:`REBUILDS`.  ``"borrow"`` only for a caller that copies every rebuilt
+    tensor and array itself before anyone sees it (the controller's concat of collected
+    outputs, which writes them into a fresh batch anyway): without it the fetched outputs would
+    be copied twice (rebuild, then concat).  Borrowed tensors are read-only views (of the object
+    store, or of the sender's memory).
     """
-    before = getattr(_BORROW, "on", False)
-    _BORROW.on = True
+    if how not in REBUILDS:
+        raise ValueError(f"receiving(how) must be one of {REBUILDS}, got {how!r}")
+    token = _RECEIVE.set(how)
     try:
         yield
     finally:
-        _BORROW.on = before
+        _RECEIVE.reset(token)
 
 
-def _borrowing() -> bool:
-    return getattr(_BORROW, "on", False)
+def _copy_reason() -> str | None:
+    """What to hand :func:`rankmesh.sharedmem.private_bytes` under the current receive."""
+    return COPY_DECLARED if _RECEIVE.get() == "copy" else None
 
 
 def _borrowed_tensor(arr: np.ndarray, dtype: torch.dtype | None) -> torch.Tensor:
@@ -147,20 +169,22 @@ def tensor_from_buffer(
 
     ``writable_copy=True`` (or a read-only ``arr``, as ``ray.get`` returns) makes the tensor's
     memory private and writable: copy-on-write over shared memory where possible, else a copy
-    (:func:`rankmesh.sharedmem.private_bytes`).  ``dtype`` views the result back to a torch
-    dtype numpy lacks (bf16, float8, ...), carried as a same-width integer array.
+    (:func:`rankmesh.sharedmem.private_bytes`; one private copy inside ``receiving("copy")``).
+    ``dtype`` views the result back to a torch dtype numpy lacks (bf16, float8, ...), carried as
+    a same-width integer array.
     """
     if writable_copy or not arr.flags.writeable:
-        arr = _private(arr)
+        arr = _private(arr, _copy_reason())
     t = torch.from_numpy(arr)
     if dtype is not None and t.dtype != dtype:
         t = t.view(dtype)
     return t
 
 
-def _private(arr: np.ndarray) -> np.ndarray:
-    """``arr``'s bytes, writable and shared with no one (copy-on-write where possible)."""
-    return private_bytes(arr.reshape(-1).view(np.uint8)).view(arr.dtype).reshape(arr.shape)
+def _private(arr: np.ndarray, copy_reason: str | None) -> np.ndarray:
+    """``arr``'s bytes, writable and shared with no one (copy-on-write where possible, unless
+    ``copy_reason`` asks for a copy)."""
+    return private_bytes(arr.reshape(-1).view(np.uint8), copy_reason).view(arr.dtype).reshape(arr.shape)
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -254,7 +278,7 @@ class TensorBytes:
     def rebuild(self) -> torch.Tensor:
         """Copies once unless the buffer is private (see the module docstring) or borrowed."""
         arr = np.frombuffer(self.carrier, dtype=self.np_dtype)
-        if _borrowing() and not _is_private(self.carrier):
+        if not _is_private(self.carrier) and _RECEIVE.get() == "borrow":
             t = _borrowed_tensor(arr, self.dtype)
         else:
             t = tensor_from_buffer(arr, writable_copy=not _is_private(self.carrier), dtype=self.dtype)
@@ -296,8 +320,8 @@ class ArrayBytes:
     def rebuild(self) -> np.ndarray:
         """Copies once unless the buffer is private (see the module docstring) or borrowed."""
         arr = np.frombuffer(self.carrier, dtype=self.dtype)
-        if (not _is_private(self.carrier) or not arr.flags.writeable) and not _borrowing():
-            arr = _private(arr)
+        if (not _is_private(self.carrier) or not arr.flags.writeable) and _RECEIVE.get() != "borrow":
+            arr = _private(arr, _copy_reason())
         return arr.reshape(self.shape)
 
 

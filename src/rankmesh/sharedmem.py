@@ -15,20 +15,26 @@ How the file is reached (the mapping's own fd is closed by Ray's plasma client):
 2. ``/proc/<pid>/fd/<n>`` of a process of the same user that keeps the file open, looked up
    once per file and checked by device and inode against ``/proc/self/maps``.  Only this
    process (``/proc/self/fd``: an in-process :class:`SharedFile`; Ray's plasma client closes
-   the store's fd after mapping it, so a Ray worker holds none) and the raylet that owns the
-   store are looked at: a worker's parent when its name is ``raylet``, and the raylet pids the
-   Ray backend registers in the controller (:func:`register_store_processes`).  No other
-   process is scanned.
+   the store's fd after mapping it, so a Ray worker holds none) and the processes the backend
+   says own the store are looked at (:func:`register_store_processes`: the Ray backend names,
+   in a worker, the node process that started it and owns the store, and in the controller the
+   ones it started).  This module knows no backend's process names; no other process is scanned.
 
 Where neither works (another OS, an object store that is not a file mapping, an in-band
-buffer, ``RANKMESH_RECEIVE=copy`` in the environment) :func:`private_bytes` makes a private copy,
-as before.  The first fallback in a process is logged once, with its reason;
-:func:`receive_info` says which path this process took.
+buffer, ``RANKMESH_RECEIVE=copy`` in the environment), or where the caller asks for one
+(``private_bytes(buf, copy_reason=...)``: a method declaring ``receive="copy"``),
+:func:`private_bytes` makes a private copy, as before.  The first fallback in a process is
+logged once, with its reason; :func:`receive_info` says which path this process took.
 
 A trap this module closes: a private mapping snapshots nothing.  Pages not yet written still
 show whatever the file holds later, so if the store freed the object and reused the region, a
 kept tensor would silently change.  Every view therefore holds the original buffer (Ray's own
 zero-copy view, which pins the object) for as long as the view lives.
+
+State: what this module keeps is this process's address space as the receive path sees it
+(its file mappings, the fds it opened, its live copy-on-write views, the store processes it was
+told of, its counters), one :class:`_State` per process, as ``/proc/self`` is one per process.
+It holds no per-call setting: how one call receives is the caller's argument.
 
 This module imports nothing from the package.
 """
@@ -36,14 +42,13 @@ This module imports nothing from the package.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 import mmap
 import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +85,7 @@ class _PinnedMap(mmap.mmap):
 
 
 class _State:
-    """Per-process state: mode, cached regions and fds, counters, the first fallback's reason."""
+    """Per-process state: mode, cached regions and fds, live views, store processes, counters."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()  # re-entered by SharedFile finalizers run by GC
@@ -101,43 +106,14 @@ class _State:
         self.sent_shared = 0  # outputs serialized from the shared original (unwritten views)
         self.sent_shared_bytes = 0
         self.pagemap: tuple[int, int] | None = None  # (pid, fd of /proc/self/pagemap)
+        #: Live copy-on-write views: data address -> (end address, weak reference to the mapping).
+        self.views: dict[int, tuple[int, "weakref.ref[_PinnedMap]"]] = {}
+        #: Processes the backend said keep the object store's file open (:func:`register_store_processes`).
+        self.store_pids: set[int] = set()
 
 
+#: This process's receive state (see the module docstring, "State").
 _STATE = _State()
-
-#: Receive choice of the call running in this thread (``receiving``), over the process mode.
-_CALL = threading.local()
-
-#: Live copy-on-write views: data address -> (end address, weak reference to the mapping).
-_VIEWS: dict[int, tuple[int, "weakref.ref[_PinnedMap]"]] = {}
-
-#: Per-call receive choices a method or group can declare (``@register(receive=...)``).
-#: ``"cow"``: copy-on-write views (the default); ``"copy"``: one private copy up front, for
-#: methods that overwrite most of their input (a page fault per written 4 KiB page costs more
-#: than one memcpy into fresh memory).
-CALL_RECEIVE = ("cow", "copy")
-
-
-def check_receive(value: Any, what: str = "receive") -> str | None:
-    """``value`` if it is ``None`` or one of :data:`CALL_RECEIVE`, else a ``ValueError`` naming ``what``."""
-    if value is None or value in CALL_RECEIVE:
-        return value
-    raise ValueError(f"{what} must be one of {CALL_RECEIVE} (or None for the default), got {value!r}")
-
-
-@contextlib.contextmanager
-def receiving(receive: str | None) -> Iterator[None]:
-    """Within the block, in this thread, receive as ``receive`` says (``"copy"``: private copies).
-
-    ``None`` or ``"cow"`` leaves the process's mode (:data:`RECEIVE_ENV`) in charge.
-    """
-    check_receive(receive)
-    before = getattr(_CALL, "receive", None)
-    _CALL.receive = receive
-    try:
-        yield
-    finally:
-        _CALL.receive = before
 
 
 def set_receive_mode(mode: str) -> None:
@@ -240,32 +216,22 @@ def _open_map_files(region: Region) -> int | None:
     return None
 
 
-#: Processes known to keep the object store's file open (the raylet), told by the backend.
-_STORE_PIDS: set[int] = set()
-
-#: ``/proc/<pid>/comm`` of the process that owns Ray's object store.
-STORE_PROCESS_NAME = "raylet"
-
-
 def register_store_processes(pids: Any) -> None:
-    """Tell this module which processes hold the object store's file (the Ray backend tells it
-    the raylet's pid in the controller; a worker finds its parent raylet itself)."""
-    _STORE_PIDS.update(int(p) for p in pids)
+    """Tell this module which processes hold the object store's file.
+
+    The backend knows them, this module does not: the Ray backend registers, in a worker's host,
+    the node process that started the worker and owns the store, and in the controller the ones
+    it started.
+    """
+    with _STATE.lock:
+        _STATE.store_pids.update(int(p) for p in pids)
 
 
 def _store_pids() -> list[int]:
-    """Where to look for the store's fd: this process, then the raylet that started it (its
-    parent, checked by name) and the raylets the backend registered; never any other process."""
-    pids = [os.getpid()]
-    try:
-        ppid = os.getppid()
-        with open(f"/proc/{ppid}/comm") as f:
-            if f.read().strip() == STORE_PROCESS_NAME:
-                pids.append(ppid)
-    except OSError:
-        pass
-    pids += sorted(_STORE_PIDS - set(pids))
-    return pids
+    """Where to look for the store's fd: this process, then the store processes the backend
+    registered; never any other process."""
+    own = os.getpid()
+    return [own, *sorted(_STATE.store_pids - {own})]
 
 
 def _open_other_fd(region: Region) -> tuple[int, int] | None:
@@ -367,15 +333,16 @@ def _file_fd(region: Region) -> int | None:
     return fd
 
 
-def private_bytes(buf: Any) -> np.ndarray:
+def private_bytes(buf: Any, copy_reason: str | None = None) -> np.ndarray:
     """A writable ``uint8`` array with ``buf``'s bytes that nobody else sees: the receive copy.
 
     Copy-on-write over the object store's file where possible (nothing copied now; a write
     copies the written pages only; the view keeps ``buf`` alive), else one private copy,
-    counted, with the first reason logged once per process.
+    counted, with the first reason logged once per process.  ``copy_reason``: the caller wants
+    a private copy, for this reason (a method declaring ``receive="copy"``).
     """
     src = np.frombuffer(buf, dtype=np.uint8)
-    view = _cow_view(buf, src)
+    view = _cow_view(buf, src, copy_reason)
     if isinstance(view, np.ndarray):
         _STATE.cow_views += 1
         _STATE.cow_bytes += src.nbytes
@@ -384,13 +351,13 @@ def private_bytes(buf: Any) -> np.ndarray:
     return src.copy()
 
 
-def _cow_view(buf: Any, src: np.ndarray) -> np.ndarray | str:
+def _cow_view(buf: Any, src: np.ndarray, copy_reason: str | None = None) -> np.ndarray | str:
     """The copy-on-write view of ``src`` (``buf``'s bytes), or why there is none."""
     s = _STATE
     if s.mode == "copy":
         return f"{RECEIVE_ENV}=copy"
-    if getattr(_CALL, "receive", None) == "copy":
-        return "the method or group declares receive='copy'"
+    if copy_reason is not None:
+        return copy_reason
     size = src.nbytes
     if size < COW_MIN_BYTES:
         return "small buffer"
@@ -428,9 +395,10 @@ def _cow_view(buf: Any, src: np.ndarray) -> np.ndarray | str:
 
 def _remember(addr: int, size: int, mm: _PinnedMap) -> None:
     with _STATE.lock:
-        for start in [a for a, (_, ref) in _VIEWS.items() if ref() is None]:
-            del _VIEWS[start]
-        _VIEWS[addr] = (addr + size, weakref.ref(mm))
+        views = _STATE.views
+        for start in [a for a, (_, ref) in views.items() if ref() is None]:
+            del views[start]
+        views[addr] = (addr + size, weakref.ref(mm))
 
 
 def original_bytes(addr: int, size: int) -> np.ndarray | None:
@@ -441,7 +409,7 @@ def original_bytes(addr: int, size: int) -> np.ndarray | None:
     faulted in for this process, rather than the private mapping (a read fault per 64 KiB).
     """
     with _STATE.lock:
-        for start, (end, ref) in _VIEWS.items():
+        for start, (end, ref) in _STATE.views.items():
             if start <= addr and addr + size <= end:
                 mm = ref()
                 if mm is None:
@@ -502,7 +470,7 @@ def unwritten_original(addr: int, size: int) -> np.ndarray | None:
     Checking costs one ``pread`` of 8 bytes per page (~0.4 ms per 64 MiB).  A range with any
     written page is read from the private mapping, as before: the written bytes live only there.
     """
-    if size < COW_MIN_BYTES or not _VIEWS:
+    if size < COW_MIN_BYTES or not _STATE.views:
         return None
     src = original_bytes(addr, size)
     if src is None or written_pages(addr, size) != 0:

@@ -27,10 +27,11 @@ from rankmesh.dispatch.modes import Dispatch
 from rankmesh.dispatch.register import register
 from rankmesh.dispatch.spec import DEFAULT_MESH
 from rankmesh.errors import DispatchError, WorkerError
-from rankmesh.backend import Shared
-from rankmesh.mesh import DistRankInfo, RankMesh
+from rankmesh.backend import ObjectTransport, Shared, check_receive
+from rankmesh.mesh import DistRankInfo, RankCoords, RankMesh
 from rankmesh.data.receive import own_copies
-from rankmesh.sharedmem import receive_info, receiving
+from rankmesh.serialization import receiving
+from rankmesh.sharedmem import receive_info
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ class WorkerContext:
     """Everything a rank knows about its place in the group, set by the backend.
 
     ``meshes`` holds the group's extra named meshes (all over the same ranks); ``"default"`` is
-    always ``mesh``.
+    always ``mesh``.  ``objects`` is the backend's object transport for this process
+    (:class:`~rankmesh.backend.ObjectTransport`; ``None`` outside a backend).
     """
 
     rank: int
@@ -55,6 +57,7 @@ class WorkerContext:
     local_world_size: int = 1
     node: str = "localhost"
     role: str | None = None
+    objects: ObjectTransport | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mesh.world_size != self.world_size:
@@ -78,10 +81,9 @@ class WorkerContext:
     def rank_info(self) -> DistRankInfo:
         return self.mesh.coords(self.rank)
 
-    def coords(self) -> dict[str, int]:
-        """Dense coordinates of this rank, for messages."""
-        info = self.rank_info
-        return {"tp": info.tp_rank, "cp": info.cp_rank, "dp": info.dp_rank, "pp": info.pp_rank}
+    def coords(self) -> RankCoords:
+        """This rank's place in the mesh, as every message names it (``coords().label()``: ``tp1 dp0``)."""
+        return self.mesh.rank_coords(self.rank)
 
 
 _CURRENT: contextvars.ContextVar[WorkerContext | None] = contextvars.ContextVar("rankmesh_worker_context", default=None)
@@ -223,11 +225,11 @@ class Worker:
 # ----- the worker-side call path ---------------------------------------------------------------
 
 
-def _describe(worker: Any) -> tuple[int, dict[str, int], str | None]:
+def _describe(worker: Any) -> tuple[int, RankCoords | None, str | None]:
     ctx = getattr(worker, "_rankmesh_context", None)
     if isinstance(ctx, WorkerContext):
         return ctx.rank, ctx.coords(), ctx.node
-    return -1, {}, None
+    return -1, None, None
 
 
 def _fail(worker: Any, method: str, exc: BaseException) -> WorkerError:
@@ -285,11 +287,12 @@ def invoke(
     ``resolve`` turns a :class:`Shared` handle into this rank's private copy of the object.
     ``receive="copy"``: inputs that arrived as copy-on-write views become private copies before
     the method runs, and whatever the method fetches itself (futures) arrives copied
-    (:mod:`rankmesh.data.receive`).  Returns the output, or ``None`` when ``return_output`` is
-    false.  Raises :class:`WorkerError`.
+    (:mod:`rankmesh.data.receive`; the call runs inside :func:`rankmesh.serialization.receiving`,
+    the one per-call receive setting).  Returns the output, or ``None`` when ``return_output``
+    is false.  Raises :class:`WorkerError`.
     """
     try:
-        with receiving(receive):
+        with receiving(check_receive(receive) or "cow"):
             fn, args, call_kwargs = _prepare(worker, method, args, kwargs or {}, resolve)
             if receive == "copy":
                 args, call_kwargs = own_copies(args), own_copies(call_kwargs)

@@ -76,9 +76,17 @@ def test_from_dict_num_batch_dims_mismatch_is_an_assertion():
         DataProto.from_dict(tensors={"a": torch.zeros(2, 3)}, non_tensors={"u": [1, 2]}, num_batch_dims=2)
 
 
-def test_from_dict_num_batch_dims_with_shared_leading_dims_builds_the_batch():
-    data = DataProto.from_dict(tensors={"a": torch.zeros(2, 3, 4), "b": torch.ones(2, 3)}, num_batch_dims=2)
-    assert len(data) == 2 and tuple(data.batch["a"].shape) == (2, 3, 4)
+def test_from_dict_refuses_more_than_one_batch_dim_as_verl_does():
+    # verl 0.9.1's test_tensor_dict_constructor: leading dims agree, and still an AssertionError
+    # (its check_consistency: "only support num_batch_dims=1").
+    obs, act = torch.randn(100, 10), torch.randn(100, 10, 3)
+    assert DataProto.from_dict(tensors={"obs": obs, "act": act}).batch.batch_size == torch.Size([100])
+    with pytest.raises(AssertionError, match="only support num_batch_dims=1"):
+        DataProto.from_dict(tensors={"obs": obs, "act": act}, num_batch_dims=2)
+    with pytest.raises(AssertionError):
+        DataProto.from_dict(tensors={"obs": obs, "act": act}, num_batch_dims=3)
+    # without tensors there is no batch to have dims: verl builds it
+    assert len(DataProto.from_dict(non_tensors=None, tensors={}, num_batch_dims=2)) == 0
 
 
 # --- in-place unions ---------------------------------------------------------------------------
@@ -112,11 +120,24 @@ def test_union_numpy_dict_updates_its_first_argument_and_compares_nan_and_object
     # element-wise over n-dimensional arrays
     grid = {"g": np.arange(6).reshape(2, 3)}
     union_numpy_dict(grid, {"g": np.arange(6).reshape(2, 3)})
-    with pytest.raises(AssertionError, match="'g'"):
+    with pytest.raises(AssertionError, match="`g` in tensor_dict1 and tensor_dict2 are not the same object."):
         union_numpy_dict(grid, {"g": np.array([[0, 1, 2], [3, 4, 9]])})
     # a float NaN is not the string "nan"
-    with pytest.raises(AssertionError, match="'obj'"):
+    with pytest.raises(AssertionError, match="`obj` in tensor_dict1"):
         union_numpy_dict({"obj": np.array([np.nan], dtype=object)}, {"obj": np.array(["nan"], dtype=object)})
+
+
+def test_union_numpy_dict_compares_cycles_without_recursing_forever():
+    # verl 0.9.1's test_union_numpy_dict, case 5: two cycles of one shape are equal, a cycle is
+    # not a non-cycle; and its exact message for a differing key.
+    circ_1, circ_2, flat = (np.array([None], dtype=object) for _ in range(3))
+    circ_1[0], circ_2[0] = circ_1, circ_2
+    union_numpy_dict({"data": circ_1}, {"data": circ_2})
+    with pytest.raises(AssertionError):
+        union_numpy_dict({"data": circ_1}, {"data": flat})
+    arr = np.arange(24, dtype=np.int32).reshape((2, 3, 4))
+    with pytest.raises(AssertionError, match="`nd_array` in tensor_dict1 and tensor_dict2 are not the same object."):
+        union_numpy_dict({"nd_array": arr}, {"nd_array": arr + 1})
 
 
 # --- padding, unfolding, repeating ---------------------------------------------------------------
@@ -141,6 +162,21 @@ def test_unfold_column_chunks_splits_dim_one_and_repeats_the_rest():
     assert out.batch["resp"].tolist() == [[1, 2], [3, 4], [5, 6], [7, 8]]
     assert out.batch["score"].tolist() == [10, 10, 20, 20]
     assert out.non_tensor_batch["uid"].tolist() == ["a", "a", "b", "b"]
+
+
+def test_unfold_column_chunks_splits_each_rows_list_in_a_non_tensor_column():
+    # verl 0.9.1's test_dataproto_unfold_column_chunks, second case: rows of equal-length lists.
+    data = DataProto.from_dict(
+        tensors={"obs1": torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])},
+        non_tensors={"labels": [["a1", "a2"], ["b1", "b2"], ["c1", "c2"]]},
+        meta_info={"name": "abc"},
+    )
+    ret = data.unfold_column_chunks(2, split_keys=["obs1", "labels"])
+    assert ret.batch["obs1"].tolist() == [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]]
+    assert (ret.non_tensor_batch["labels"] == [["a1"], ["a2"], ["b1"], ["b2"], ["c1"], ["c2"]]).all()
+    assert ret.meta_info == {"name": "abc"}
+    with pytest.raises(AssertionError, match="'labels'"):  # lists of odd lengths do not split in two
+        DataProto.from_dict(non_tensors={"labels": [["a"], ["b"]]}).unfold_column_chunks(2, split_keys=["labels"])
 
 
 def test_sample_level_repeat_and_from_tensordict_as_verl_spells_them():

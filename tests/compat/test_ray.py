@@ -6,12 +6,15 @@ Each group has 2 ranks on one node; the expected values follow from that placeme
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from tensordict import TensorDict
 
 from rankmesh.compat.verl import DataProto, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-from tests.compat.workers import EnvWorker, HybridWorker
+from rankmesh.errors import FetchTimeoutError
+from tests.compat.workers import EnvWorker, HybridWorker, SlowStartWorker
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -99,3 +102,16 @@ def test_fused_workers_reach_roles_as_attributes():
         assert group.both(1) == [(101, 1, ["actor", "critic"]), (102, 0, ["actor", "critic"])]
     finally:
         group.shutdown()
+
+
+def test_the_register_center_timeout_bounds_the_start():
+    # verl's ray_wait_register_center_timeout is how long the workers may take to come up
+    # (rankmesh's start_timeout): a worker that builds for 45 s fails after ~3 s, not after 300 s.
+    start = time.monotonic()
+    with pytest.raises(FetchTimeoutError):
+        RayWorkerGroup(
+            RayResourcePool([1], use_gpu=False),
+            RayClassWithInitArgs(cls=SlowStartWorker, seconds=45.0),
+            ray_wait_register_center_timeout=3,
+        )
+    assert time.monotonic() - start < 40

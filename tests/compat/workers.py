@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from tensordict import TensorDict
 
 from rankmesh.compat.verl import DataProto, Dispatch, Worker, create_colocated_worker_raw_cls, register
 from rankmesh.compat.verl import RayClassWithInitArgs
+
+
+class SlowStartWorker(Worker):
+    """Takes ``seconds`` to build (longer than a short start timeout)."""
+
+    def __init__(self, seconds: float = 45.0) -> None:
+        super().__init__()
+        time.sleep(seconds)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def ping(self) -> str:
+        return "pong"
 
 
 class EnvWorker(Worker):

@@ -116,6 +116,41 @@ def store_object(obj: Any) -> Any:
     return StoredObject(inband, SharedFile(buffers))
 
 
+@dataclass(frozen=True, eq=False)
+class LocalObject:
+    """An object put in-process: a reference, shared by every rank (never copied by ``deepcopy``)."""
+
+    value: Any
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "LocalObject":
+        return self
+
+    def __reduce__(self) -> Any:  # never leaves the process: storing an argument that holds one deep-copies it
+        raise TypeError("a LocalObject is a reference inside this process and cannot be pickled")
+
+
+class LocalObjects:
+    """:class:`~rankmesh.backend.ObjectTransport` in-process: ``put`` keeps a reference, calls are done already.
+
+    One per group (its ranks share the controller's process), so ``outbox`` is keyed by rank.
+    """
+
+    def __init__(self) -> None:
+        self.outbox: dict[Any, Any] = {}
+
+    def put(self, value: Any) -> LocalObject:
+        return LocalObject(value)
+
+    def get(self, handles: Sequence[Any]) -> list[Any]:
+        return [h.value if isinstance(h, LocalObject) else fetch_local([h])[0] for h in handles]
+
+    def wait_any(self, handles: Sequence[Any]) -> list[int]:
+        return list(range(len(handles)))  # every call ran before its submit returned
+
+    def peer_tracer(self) -> int | None:
+        return None  # every rank is in this process: none reads another's memory
+
+
 def _private(shared: Shared) -> Any:
     """This rank's own copy of a shared argument (already deep-copied unless stored)."""
     ref = shared.ref
@@ -215,7 +250,7 @@ class LocalExecutor:
             except WorkerError as exc:
                 pending.append(LocalPending(call.rank, error=exc))
             except Exception as exc:  # copying the arguments failed: still the rank's failure
-                err = WorkerError.from_exception(exc, call.rank, {}, method)
+                err = WorkerError.from_exception(exc, call.rank, None, method)
                 err.__cause__ = exc
                 pending.append(LocalPending(call.rank, error=err))
         return pending
@@ -256,6 +291,7 @@ class LocalWorkerGroup(WorkerGroup):
         meshes: Mapping[str, RankMesh] | None = None,
     ) -> None:
         mesh = _default_mesh(mesh, world_size)
+        objects = LocalObjects()
         contexts = [
             WorkerContext(
                 rank=rank,
@@ -264,6 +300,7 @@ class LocalWorkerGroup(WorkerGroup):
                 meshes=dict(meshes or {}),
                 local_rank=rank,
                 local_world_size=mesh.world_size,
+                objects=objects,
             )
             for rank in range(mesh.world_size)
         ]

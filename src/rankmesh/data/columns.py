@@ -135,29 +135,51 @@ def tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
     """Same dtype, shape and values; NaN equals NaN; object arrays compared element by element."""
+    return _arrays_equal(a, b, set())
+
+
+def values_equal(a: Any, b: Any) -> bool:
+    """Equality for meta_info values and object-array cells; never raises.
+
+    Containers that hold themselves (an object array whose cell is the array) compare without
+    recursing forever: a pair of containers already being compared counts as equal, so two
+    cycles of the same shape are equal and a cycle never equals a non-cycle.
+    """
+    return _values_equal(a, b, set())
+
+
+def _arrays_equal(a: np.ndarray, b: np.ndarray, seen: set[tuple[int, int]]) -> bool:
     if a is b:
         return True
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.dtype.hasobject:
-        return all(values_equal(x, y) for x, y in zip(a.reshape(-1), b.reshape(-1)))
+        pair = (id(a), id(b))
+        if pair in seen:
+            return True
+        seen.add(pair)
+        return all(_values_equal(x, y, seen) for x, y in zip(a.reshape(-1), b.reshape(-1)))
     if a.dtype.kind in "fc":
         return bool(np.array_equal(a, b, equal_nan=True))
     return bool(np.array_equal(a, b))
 
 
-def values_equal(a: Any, b: Any) -> bool:
-    """Equality for meta_info values and object-array cells; never raises."""
+def _values_equal(a: Any, b: Any, seen: set[tuple[int, int]]) -> bool:
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tensors_equal(a, b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and arrays_equal(a, b)
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and _arrays_equal(a, b, seen)
+    if isinstance(a, (Mapping, list, tuple)):
+        pair = (id(a), id(b))
+        if pair in seen:
+            return True
+        seen.add(pair)
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_values_equal(a[k], b[k], seen) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(values_equal, a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(_values_equal(x, y, seen) for x, y in zip(a, b))
     if isinstance(a, (float, np.floating)) and isinstance(b, (float, np.floating)):
         if math.isnan(a) and math.isnan(b):
             return True

@@ -20,6 +20,7 @@ import torch
 
 from rankmesh import sharedmem
 from rankmesh.data.proto import DataProto
+from rankmesh.serialization import COPY_DECLARED
 
 
 def own_copies(value: Any) -> Any:
@@ -73,7 +74,7 @@ def _own_tensor(t: torch.Tensor, done: dict[int, torch.UntypedStorage]) -> None:
         if src is None:
             return
         copy = src.copy()
-        sharedmem.note_copy(size, "the method or group declares receive='copy'")
+        sharedmem.note_copy(size, COPY_DECLARED)
         private = done[ptr] = torch.from_numpy(copy).untyped_storage()
     with torch.no_grad():
         t.set_(private, t.storage_offset(), t.size(), t.stride())
@@ -85,5 +86,5 @@ def _own_array(arr: np.ndarray) -> np.ndarray:
     src = sharedmem.original_bytes(arr.ctypes.data, arr.nbytes) if arr.flags.c_contiguous else None
     if src is None:
         return arr
-    sharedmem.note_copy(arr.nbytes, "the method or group declares receive='copy'")
+    sharedmem.note_copy(arr.nbytes, COPY_DECLARED)
     return src.copy().view(arr.dtype).reshape(arr.shape)

@@ -17,7 +17,7 @@ from rankmesh.data import DataProtoFuture
 from rankmesh.dispatch.modes import Dispatch, DispatchMode, Execute, ModeLike, UserMode
 from rankmesh.dispatch.spec import MeshSpec
 from rankmesh.errors import DispatchError
-from rankmesh.sharedmem import CALL_RECEIVE
+from rankmesh.backend import CALL_RECEIVE
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -31,7 +31,7 @@ class MethodSpec:
 
     ``padding``: ``True`` pads uneven batches for this method, ``False`` never pads (even when the
     batch or ``DataProtoConfig`` asks for it), ``None`` leaves it to the spec and the batch.
-    ``receive``: how each rank receives its inputs (:data:`rankmesh.sharedmem.CALL_RECEIVE`):
+    ``receive``: how each rank receives its inputs (:data:`rankmesh.backend.CALL_RECEIVE`):
     ``"cow"`` copy-on-write views of the shared bytes (the default: nothing copied until the
     worker writes, then only the written pages), ``"copy"`` one private copy up front, for methods
     that overwrite most of their input.  A group's ``set_receive`` overrides it.

@@ -13,6 +13,7 @@ collected, in output order.  Plans are pure integer arithmetic over the mesh's c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal, Mapping, Sequence
 
 import numpy as np
@@ -26,7 +27,7 @@ from rankmesh.validate import integer, is_int
 SPEC_AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp", "ep", "etp", "edp", "rank")
 
 #: Megatron's collect rule: the first tp rank of the last pipeline stage of the first cp rank.
-MEGATRON_COLLECT: Mapping[str, int] = {"tp": 0, "pp": -1, "cp": 0}
+MEGATRON_COLLECT: Mapping[str, int] = MappingProxyType({"tp": 0, "pp": -1, "cp": 0})
 
 DEFAULT_MESH = "default"
 

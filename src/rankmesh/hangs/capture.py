@@ -22,7 +22,7 @@ import sysconfig
 import threading
 from dataclasses import dataclass
 from itertools import combinations
-from types import FrameType
+from types import FrameType, MappingProxyType
 from typing import Any
 
 from rankmesh.mesh import DENSE_AXES, RankMesh
@@ -35,7 +35,7 @@ MAX_FRAMES = 64
 C10D_MODULE = "torch.distributed.distributed_c10d"
 
 #: Point-to-point operations: the report names the peer rank too (their ``dst``/``src`` local).
-P2P_PEER = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src", "send_object_list": "dst", "recv_object_list": "src"}
+P2P_PEER = MappingProxyType({"send": "dst", "recv": "src", "isend": "dst", "irecv": "src", "send_object_list": "dst", "recv_object_list": "src"})
 
 
 @dataclass(frozen=True)

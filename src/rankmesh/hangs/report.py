@@ -11,7 +11,9 @@ read as one line, and the one rank elsewhere stands out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
+
+from rankmesh.mesh import RankCoords
 
 from .capture import Collective, Frame, ProcessStacks, collective_text, is_library_file, library_roots
 
@@ -27,12 +29,13 @@ SHOWN_FRAMES = 12
 class RankHang:
     """One unfinished rank: who and where it runs, and what it was doing when asked.
 
+    ``coords`` is the rank's :class:`~rankmesh.mesh.RankCoords` (``None`` if unknown);
     ``state`` is :data:`STUCK` (``stacks`` holds every thread's stack), :data:`DEAD` or
     :data:`NO_ANSWER` (``detail`` says why there are no stacks).
     """
 
     rank: int
-    coords: Mapping[str, int]
+    coords: RankCoords | None
     node: str | None
     state: str
     stacks: ProcessStacks | None = None
@@ -89,11 +92,6 @@ def group_by_place(hangs: Sequence[RankHang]) -> list[list[RankHang]]:
     return list(groups.values())
 
 
-def coords_text(coords: Mapping[str, int], axes: Sequence[str] | None = None) -> str:
-    """``tp1 pp0 dp1``: the coordinates along ``axes`` (default: all of them)."""
-    return " ".join(f"{a}{coords[a]}" for a in (coords if axes is None else axes) if a in coords)
-
-
 def _ranks_text(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
@@ -103,7 +101,6 @@ class HangReport:
     """Where every unfinished rank of one call was, asked ``after_s`` seconds into the call.
 
     ``hangs``: one record per unfinished rank, by rank; ``finished``: the ranks that finished;
-    ``axes``: the mesh axes shown in coordinates (those with more than one rank);
     ``gather_s``: how long asking took.
     """
 
@@ -111,7 +108,6 @@ class HangReport:
     after_s: float
     hangs: tuple[RankHang, ...]
     finished: tuple[int, ...]
-    axes: tuple[str, ...] = ()
     gather_s: float = 0.0
 
     @property
@@ -131,13 +127,14 @@ class HangReport:
         """The report as the error and the warning print it: one entry per place, then the finished."""
         total = len(self.hangs) + len(self.finished)
         lines = [f"{len(self.hangs)} of {total} ranks unfinished after {self.after_s:.3g} s; where they are (asked in {self.gather_s:.2f} s):"]
-        axes = self.axes or None
         roots = library_roots()
         for group in self.places():
             first = group[0]
             nodes = sorted({h.node for h in group if h.node})
             on = f" on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}" if nodes else ""
-            who = f"{_ranks_text([h.rank for h in group])} ({', '.join(coords_text(h.coords, axes) for h in group)}){on}"
+            labels = [h.coords.label() if h.coords is not None else "" for h in group]
+            at = f" ({', '.join(labels)})" if any(labels) else ""
+            who = f"{_ranks_text([h.rank for h in group])}{at}{on}"
             where = _where(group)
             lines.append(f"  {who}: {where}")
             lines.extend(f"      {frame}" for frame in _shown(first.call_frames, roots))

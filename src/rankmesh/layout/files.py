@@ -66,11 +66,13 @@ def _looks_like_path(text: str) -> bool:
 def find_layout(name_or_path: str | os.PathLike[str]) -> Path:
     """The file for a layout name (``cpu_demo`` or ``cpu-demo``) or a path to a YAML file."""
     text = os.fspath(name_or_path)
-    if isinstance(name_or_path, os.PathLike) or _looks_like_path(text) or Path(text).is_file():
+    if isinstance(name_or_path, os.PathLike) or _looks_like_path(text) or Path(text).exists():
         path = Path(text)
         if path.is_file():
             return path
-        if len(path.parts) != 1 or path.suffix not in SUFFIXES:
+        if path.is_dir():
+            raise LayoutNotFoundError(f"{text}: is a directory, not a layout file (give a .yaml file in it, or a layout name)")
+        if isinstance(name_or_path, os.PathLike) or "/" in text or os.sep in text or path.suffix not in SUFFIXES:
             raise LayoutNotFoundError(f"{text}: no such layout file")
         text = path.stem  # a bare file name such as cpu_demo.yaml: look it up like a name
     wanted = _normalize(text)

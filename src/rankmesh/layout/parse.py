@@ -19,11 +19,11 @@ from rankmesh.mesh import AXES
 from rankmesh.validate import is_int, node_labels
 
 # The fields each part of a layout file may have (anything else is a typo, reported as such).
-_TOP_FIELDS = {"name", "description", "cluster", "pools", "roles", "intra_node"}
-_CLUSTER_FIELDS = {"nodes", "devices_per_node", "process_on_nodes"}
-_POOL_FIELDS = {"process_on_nodes", "devices_per_node", "nodes", "node_labels"}
-_ROLE_FIELDS = {"pool", "mesh", "colocate_with"}
-_MESH_FIELDS = {"tp", "pp", "cp", "dp", "ep", "etp", "order"}
+_TOP_FIELDS = frozenset({"name", "description", "cluster", "pools", "roles", "intra_node"})
+_CLUSTER_FIELDS = frozenset({"nodes", "devices_per_node", "process_on_nodes"})
+_POOL_FIELDS = frozenset({"process_on_nodes", "devices_per_node", "nodes", "node_labels"})
+_ROLE_FIELDS = frozenset({"pool", "mesh", "colocate_with"})
+_MESH_FIELDS = frozenset({"tp", "pp", "cp", "dp", "ep", "etp", "order"})
 
 
 class _Reader:

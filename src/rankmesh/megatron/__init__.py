@@ -8,11 +8,15 @@ controller-side pieces (``check``, ``group``, ``reference``) never do.
 * :func:`start_megatron_group` / :func:`verify_group` -- start a group and cross-check every rank.
 * :func:`compare_reports` / :func:`check_reports` -- the pure comparison behind the check.
 * :class:`TinyConfig`, :class:`ReferenceModel` -- the demo model, unsharded.
+* :class:`MegatronReshardWorker`, :func:`layouts_from_module`, :func:`global_parameter_names` --
+  megatron-core's parameter conventions for :mod:`rankmesh.reshard` (:mod:`.layouts`).
 """
 
 from __future__ import annotations
 
 import warnings
+from types import MappingProxyType
+from typing import Mapping
 
 from rankmesh.lazy import lazy_exports
 
@@ -24,7 +28,7 @@ warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
 warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
 
-_EXPORTS: dict[str, str] = {
+_EXPORTS: Mapping[str, str] = MappingProxyType({
     "MegatronWorker": "rankmesh.megatron.worker",
     "build_report": "rankmesh.megatron.worker",
     "RankReport": "rankmesh.megatron.check",
@@ -39,10 +43,13 @@ _EXPORTS: dict[str, str] = {
     "TinyConfig": "rankmesh.megatron.reference",
     "ReferenceModel": "rankmesh.megatron.reference",
     "full_weights": "rankmesh.megatron.reference",
+    "MegatronReshardWorker": "rankmesh.megatron.layouts",
+    "global_parameter_names": "rankmesh.megatron.layouts",
+    "layouts_from_module": "rankmesh.megatron.layouts",
     "ActorWorker": "rankmesh.megatron.roles",
     "RefWorker": "rankmesh.megatron.roles",
     "CriticWorker": "rankmesh.megatron.roles",
-}
+})
 
 __all__ = sorted(_EXPORTS)
 

@@ -10,16 +10,18 @@ whose coordinates, group members or all-reduce results differ from what the mesh
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Sequence
 
 from rankmesh.errors import MeshMismatchError
-from rankmesh.mesh import RankMesh
+from rankmesh.mesh import AXES, EXPERT_VIEW, RankCoords, RankMesh
 
-#: Coordinate names, in report order (dense axes, then the expert view).
-COORDS: tuple[str, ...] = ("tp", "pp", "cp", "dp", "ep", "etp", "edp")
+#: Coordinate names, in report order: the order every message prints (:class:`RankCoords`),
+#: then the expert view's tp and dp.
+COORDS: tuple[str, ...] = (*AXES, *(name for name in EXPERT_VIEW if name not in AXES))
 
 #: Group name -> (mesh token, expert view?).  "dp-cp" is the group gradients are reduced over.
-GROUPS: dict[str, tuple[str, bool]] = {
+GROUPS: Mapping[str, tuple[str, bool]] = MappingProxyType({
     "tp": ("tp", False),
     "pp": ("pp", False),
     "cp": ("cp", False),
@@ -28,7 +30,7 @@ GROUPS: dict[str, tuple[str, bool]] = {
     "ep": ("ep", True),
     "etp": ("tp", True),
     "edp": ("dp", True),
-}
+})
 
 
 @dataclass
@@ -59,24 +61,28 @@ class RankReport:
 
 @dataclass(frozen=True)
 class Mismatch:
-    """One disagreement: ``what`` (e.g. ``"coord dp"``, ``"group tp"``) on ``rank``."""
+    """One disagreement: ``what`` (e.g. ``"coord dp"``, ``"group tp"``) on ``rank``.
+
+    ``coords`` is where the mesh puts ``rank`` (``None`` for a rank outside it); it only names
+    the rank in the text, so two mismatches are equal whatever it holds.
+    """
 
     rank: int
     what: str
     expected: Any
     actual: Any
+    coords: RankCoords | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
-        return f"rank {self.rank}: {self.what}: mesh says {self.expected}, workers say {self.actual}"
+        who = f"rank {self.rank}" if self.coords is None else self.coords.rank_text(self.rank)
+        return f"{who}: {self.what}: mesh says {self.expected}, workers say {self.actual}"
 
 
 def expected_report(mesh: RankMesh, rank: int) -> RankReport:
     """The report a correct worker at ``rank`` must produce, derived from the mesh alone."""
-    info = mesh.coords(rank)
-    coords = {
-        "tp": info.tp_rank, "pp": info.pp_rank, "cp": info.cp_rank, "dp": info.dp_rank,
-        "ep": info.ep_rank, "etp": info.etp_rank, "edp": info.edp_rank,
-    }
+    mesh.dense.check_rank(rank)
+    table = mesh.coord_table()
+    coords = {name: int(table[name][rank]) for name in COORDS}
     groups = {name: mesh.group_of(rank, token, expert=expert) for name, (token, expert) in GROUPS.items()}
     return RankReport(
         rank=rank,
@@ -94,10 +100,10 @@ def compare_report(mesh: RankMesh, report: RankReport) -> list[Mismatch]:
     rank = report.rank
     if not 0 <= rank < mesh.world_size:
         return [Mismatch(rank, "rank", f"0..{mesh.world_size - 1}", rank)]
-    want = expected_report(mesh, rank)
+    want, at = expected_report(mesh, rank), mesh.rank_coords(rank)
     out: list[Mismatch] = []
     if report.world_size != want.world_size:
-        out.append(Mismatch(rank, "world size", want.world_size, report.world_size))
+        out.append(Mismatch(rank, "world size", want.world_size, report.world_size, at))
     for section in ("sizes", "coords", "groups", "allreduce"):
         got_map: dict[str, Any] = getattr(report, section)
         label = {"sizes": "size", "coords": "coord", "groups": "group", "allreduce": "all-reduce"}[section]
@@ -106,7 +112,7 @@ def compare_report(mesh: RankMesh, report: RankReport) -> list[Mismatch]:
                 continue  # all-reduce results are optional
             actual = got_map.get(key, "<missing>")
             if actual != expected:
-                out.append(Mismatch(rank, f"{label} {key}", expected, actual))
+                out.append(Mismatch(rank, f"{label} {key}", expected, actual, at))
     return out
 
 
@@ -120,7 +126,7 @@ def compare_reports(mesh: RankMesh, reports: Iterable[RankReport]) -> list[Misma
         out.extend(compare_report(mesh, report))
     for rank in range(mesh.world_size):
         if seen.get(rank, 0) != 1:
-            out.append(Mismatch(rank, "reports", 1, seen.get(rank, 0)))
+            out.append(Mismatch(rank, "reports", 1, seen.get(rank, 0), mesh.rank_coords(rank)))
     return out
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class TinyConfig:
-    """Sizes of the tiny causal LM (defaults fit a 2-core CPU box running 12 processes)."""
+    """Sizes of the tiny causal LM (defaults fit a 2-core CPU box running the demo's 16 processes)."""
 
     vocab_size: int = 64
     hidden_size: int = 32

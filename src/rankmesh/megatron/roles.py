@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
@@ -191,8 +192,8 @@ class ActorWorker(TinyModelWorker):
 
     # ----- the demo's --hang-rank (rankmesh.demo_hang) ---------------------------------------
 
-    _HANG_GROUPS = {"dp": ps.get_data_parallel_group, "tp": ps.get_tensor_model_parallel_group,
-                    "pp": ps.get_pipeline_model_parallel_group}
+    _HANG_GROUPS = MappingProxyType({"dp": ps.get_data_parallel_group, "tp": ps.get_tensor_model_parallel_group,
+                                     "pp": ps.get_pipeline_model_parallel_group})
 
     @register(Dispatch.ONE_TO_ALL)
     def hang_in_barrier(self, rank: int, axis: str) -> bool:

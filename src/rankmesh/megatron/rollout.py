@@ -2,9 +2,9 @@
 
 It stands in for an inference engine: every rank holds the whole tiny model, unsharded, in plain
 PyTorch (:class:`~rankmesh.megatron.reference.ReferenceModel`), and samples its share of the
-prompts.  After every actor update the controller refits it with :func:`rankmesh.backends.ray.reshard.reshard`
+prompts.  After every actor update the controller refits it with :func:`rankmesh.reshard.reshard`
 from the actor's tp2·pp2·dp2 shards: the weights go from the actor's processes straight into these
-ones, through the object store, never through the controller.  No megatron-core import here: a
+ones (read directly on one node, else through the object store), never through the controller.  No megatron-core import here: a
 rollout process starts without it.
 """
 
@@ -17,10 +17,10 @@ import torch
 from rankmesh.data.proto import DataProto
 from rankmesh.dispatch import Dispatch, register
 from rankmesh.megatron.reference import ReferenceModel, TinyConfig, sample, token_log_probs
-from rankmesh.backends.ray.reshard import ReshardWorker
+from rankmesh.megatron.layouts import MegatronReshardWorker
 
 
-class RolloutWorker(ReshardWorker):
+class RolloutWorker(MegatronReshardWorker):
     """Samples responses with this rank's full copy of the policy; ``self.model`` is what a refit writes."""
 
     def __init__(self, model: dict | None = None, cpu_threads: int = 1, **_: Any) -> None:

@@ -33,7 +33,7 @@ from rankmesh.dispatch.modes import Dispatch
 from rankmesh.dispatch.register import register
 from rankmesh.megatron.check import RankReport
 from rankmesh.mesh import DistGlobalInfo, DistRankInfo, RankMesh
-from rankmesh.backends.ray.reshard import ReshardWorker
+from rankmesh.megatron.layouts import MegatronReshardWorker
 
 logger = logging.getLogger(__name__)
 
@@ -151,45 +151,64 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> No
     init_torch_distributed(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-_PS_STATE: dict[str, Any] = {"users": 0, "kwargs": None}
-"""parallel_state is process-global: colocated roles (actor + reference in one process) share it."""
+class _ParallelStateUsers:
+    """The roles of this process that use megatron-core's parallel_state, and what built it.
+
+    parallel_state is process-global, and colocated roles (actor + reference in one process)
+    share it, so its users are counted per process too: the first builds it, the others must
+    ask for the same mesh, the last one destroys it.
+    """
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.kwargs: dict[str, Any] | None = None
+
+    def acquire(self, kwargs: dict[str, Any]) -> None:
+        if self.users:
+            if self.kwargs != kwargs:
+                raise RuntimeError(
+                    f"colocated roles need identical meshes: parallel_state was built with {self.kwargs}, "
+                    f"this role asks for {kwargs}"
+                )
+        else:
+            if ps.model_parallel_is_initialized():  # left over by code outside rankmesh
+                ps.destroy_model_parallel()
+            ps.initialize_model_parallel(**kwargs)
+            self.kwargs = dict(kwargs)
+        self.users += 1
+
+    def release(self) -> None:
+        self.users = max(0, self.users - 1)
+        if self.users:
+            return
+        self.kwargs = None
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        # megatron-core 0.16's destroy_model_parallel leaves _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP
+        # set (the dp-cp group itself): a group still referenced keeps its gloo sockets open, and a
+        # peer blocked in a dp all-reduce with this rank stays blocked (see rankmesh.backends.ray.rejoin).
+        for name, value in list(vars(ps).items()):
+            if isinstance(value, dist.ProcessGroup):
+                setattr(ps, name, None)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+#: One per process, as parallel_state is (docs/architecture.md, "Process-global state").
+_PARALLEL_STATE = _ParallelStateUsers()
 
 
 def acquire_parallel_state(kwargs: dict[str, Any]) -> None:
     """Initialize parallel_state with ``kwargs``, or join the identical one a colocated role built."""
-    if _PS_STATE["users"]:
-        if _PS_STATE["kwargs"] != kwargs:
-            raise RuntimeError(
-                f"colocated roles need identical meshes: parallel_state was built with {_PS_STATE['kwargs']}, "
-                f"this role asks for {kwargs}"
-            )
-    else:
-        if ps.model_parallel_is_initialized():  # left over by code outside rankmesh
-            ps.destroy_model_parallel()
-        ps.initialize_model_parallel(**kwargs)
-        _PS_STATE["kwargs"] = dict(kwargs)
-    _PS_STATE["users"] += 1
+    _PARALLEL_STATE.acquire(kwargs)
 
 
 def release_parallel_state() -> None:
     """Drop one user; the last one destroys parallel_state and the default process group."""
-    _PS_STATE["users"] = max(0, _PS_STATE["users"] - 1)
-    if _PS_STATE["users"]:
-        return
-    _PS_STATE["kwargs"] = None
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    # megatron-core 0.16's destroy_model_parallel leaves _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP
-    # set (the dp-cp group itself): a group still referenced keeps its gloo sockets open, and a
-    # peer blocked in a dp all-reduce with this rank stays blocked (see rankmesh.backends.ray.rejoin).
-    for name, value in list(vars(ps).items()):
-        if isinstance(value, dist.ProcessGroup):
-            setattr(ps, name, None)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    _PARALLEL_STATE.release()
 
 
-class MegatronWorker(ReshardWorker):
+class MegatronWorker(MegatronReshardWorker):
     """A worker of a Megatron-parallel group: torch.distributed + parallel_state from the mesh.
 
     Subclasses (actor, critic, reference) build their model after ``super().__init__()``;

@@ -30,6 +30,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -39,10 +40,10 @@ from rankmesh.mesh import RankMesh
 from rankmesh.validate import is_int, non_negative_int, positive_int
 
 #: Bytes per element of the dtypes a parameter may have (torch names, without ``torch.``).
-ITEMSIZE: dict[str, int] = {
+ITEMSIZE: Mapping[str, int] = MappingProxyType({
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-}
+})
 
 Interval = tuple[int, int]
 Box = tuple[Interval, ...]

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .recorder import CallTrace, Recorder
+if TYPE_CHECKING:  # the recorder writes itself through this module (Recorder.write)
+    from .recorder import CallTrace, Recorder
 
 CONTROLLER_PID = 1
 FORMAT_VERSION = 1

@@ -14,6 +14,7 @@ import os
 import statistics
 from collections import defaultdict
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from rankmesh.errors import RankMeshError
@@ -21,8 +22,8 @@ from rankmesh.tracing.recorder import PHASES
 from rankmesh.tracing.summary import calls_of, load_trace
 
 MAX_CALLS = 40
-PHASE_COLOURS = {"split": "#8dd3c7", "put": "#80b1d3", "submit": "#bebada", "wait": "#fb8072", "fetch": "#b3de69",
-                 "concat": "#fdb462"}
+PHASE_COLOURS = MappingProxyType({"split": "#8dd3c7", "put": "#80b1d3", "submit": "#bebada", "wait": "#fb8072",
+                                  "fetch": "#b3de69", "concat": "#fdb462"})
 
 
 def _cell(coords: dict[str, int], mesh: dict[str, int]) -> tuple[int, int]:

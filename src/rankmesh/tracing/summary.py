@@ -110,6 +110,10 @@ def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
             doc = json.load(f)
     except FileNotFoundError:
         raise RankMeshError(f"no trace file at {path}; record one with RANKMESH_TRACE={path} or rankmesh.trace(...)") from None
+    except IsADirectoryError:
+        raise RankMeshError(f"{path}: is a directory, not a trace file (give the .json file a trace wrote)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RankMeshError(f"{path}: cannot read the trace ({exc})") from None
     except json.JSONDecodeError as exc:
         raise RankMeshError(f"{path} is not JSON ({exc}); is it a trace written by rankmesh?") from None
     if not isinstance(doc, dict) or "traceEvents" not in doc:

@@ -19,11 +19,12 @@ lives in it), and most workers never need the controller-side modules (and their
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from rankmesh.lazy import lazy_exports
 
-_EXPORTS = {
+_EXPORTS = MappingProxyType({
     "ColocatedClassWithInitArgs": "rankmesh.backends.ray.classes",
     "create_colocated_worker_cls": "rankmesh.backends.ray.classes",
     "RayClassWithInitArgs": "rankmesh.backends.ray.classes",
@@ -34,12 +35,14 @@ _EXPORTS = {
     "ensure_ray": "rankmesh.backends.ray.runtime",
     "RayExecutor": "rankmesh.backends.ray.executor",
     "fetch_refs": "rankmesh.backends.ray.waiting",
-    "ReshardWorker": "rankmesh.backends.ray.reshard",
-    "reshard": "rankmesh.backends.ray.reshard",
-    "plan_between": "rankmesh.backends.ray.reshard",
-    "layouts_from_module": "rankmesh.backends.ray.reshard",
+    # Reshard's names as they were exported here before reshard left the Ray backend (it runs
+    # on any backend now: rankmesh.reshard; megatron's parameter conventions: rankmesh.megatron).
+    "ReshardWorker": "rankmesh.reshard.worker",
+    "reshard": "rankmesh.reshard.run",
+    "plan_between": "rankmesh.reshard.run",
+    "layouts_from_module": "rankmesh.megatron.layouts",
     "RendezvousError": "rankmesh.errors",
-}
+})
 
 __all__ = sorted(_EXPORTS)
 

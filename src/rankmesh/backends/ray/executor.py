@@ -2,7 +2,8 @@
 
 * ``share`` is one ``ray.put`` per distinct object.  Tensors inside a DataProto pickle out of band
   as numpy views, so the put is one memcpy into plasma, and every reader maps it without a copy;
-  the data layer's rebuild then makes the single private, writable copy per rank.
+  the data layer's rebuild then gives each rank copy-on-write views (only the pages a rank
+  writes are copied; a private copy up front with ``receive="copy"``).
 * ``submit`` encodes each rank's call (:mod:`.wire`) and runs it on the rank's host.  Ranks
   outside the collect set run with ``return_output=False`` and send back ``None``.
 * ``fetch`` waits fail-fast (:func:`.waiting.fetch_outputs`).  A dead process fails the whole
@@ -28,6 +29,7 @@ import ray
 
 from rankmesh.backend import RankCall, Shared
 from rankmesh.errors import BackendError, RankMeshError, WorkerDiedError
+from rankmesh.mesh import RankCoords
 from rankmesh.validate import optional_seconds
 
 from rankmesh.sharedmem import register_store_processes
@@ -55,10 +57,6 @@ class CallStats:
             self.calls += calls
 
 
-#: Executors of this process by token, so that a fetcher (which travels inside futures) can
-#: fail its group when it finds a dead rank in the controller.
-_EXECUTORS: "weakref.WeakValueDictionary[str, RayExecutor]" = weakref.WeakValueDictionary()
-
 #: What a group does when a rank's process dies: ``fail`` (stop the others, refuse later calls),
 #: ``keep`` (keep the survivors for ``replace_dead_ranks()``), ``replace`` (replace and retry once).
 ON_RANK_DEATH: tuple[str, ...] = ("fail", "keep", "replace")
@@ -69,22 +67,31 @@ class GroupFetcher:
     """The picklable fetch function of one group's futures (:meth:`RayExecutor.fetcher`).
 
     Equal for one group (futures of one call merge flat); ``timeout_s`` bounds each fetch.
-    In the controller it fails the group on a dead rank, as a blocking call does; in any other
-    process it just raises.
+    Where its group's executor lives (the controller that made it) it fails the group on a dead
+    rank and reports hangs, as a blocking call does: it holds the executor by weak reference
+    (a future must not keep a shut-down group alive).  The reference does not travel: a fetcher
+    unpickled in another process (a worker fetching a future's parts) just raises.
     """
 
     token: str
     timeout_s: float | None = None
     stall_warn_s: float | None = None
+    executor: "weakref.ref[RayExecutor] | None" = field(default=None, compare=False, repr=False)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return GroupFetcher, (self.token, self.timeout_s, self.stall_warn_s)
+
+    def _executor(self) -> "RayExecutor | None":
+        return None if self.executor is None else self.executor()
 
     def __call__(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
-        executor = _EXECUTORS.get(self.token)
+        executor = self._executor()
         inspect = None if executor is None else executor.inspect
         return fetch_outputs(handles, self.timeout_s if timeout is None else timeout, self.died, False, self.stall_warn_s, inspect)
 
     def died(self, err: WorkerDiedError) -> None:
         """Fail the group this fetcher belongs to, when it lives in this process."""
-        executor = _EXECUTORS.get(self.token)
+        executor = self._executor()
         if executor is not None:
             executor.fail(err)
 
@@ -92,7 +99,7 @@ class GroupFetcher:
 class RayExecutor:
     """:class:`rankmesh.backend.Backend` over the processes of ``hosts`` (one per rank).
 
-    ``coords[r]`` (optional) names rank ``r``'s mesh coordinates in error messages.
+    ``coords[r]`` (optional) is rank ``r``'s :class:`~rankmesh.mesh.RankCoords`, for error messages.
     ``call_timeout_s`` bounds every fetch that gives no timeout of its own (``None``: wait as long
     as the ranks run); ``stall_warn_s`` logs where the unfinished ranks are, once per call, when
     a call runs that long (``None``: never).  Role groups spawned from one group share its
@@ -103,7 +110,7 @@ class RayExecutor:
     def __init__(
         self,
         hosts: HostSet,
-        coords: Sequence[dict[str, int]] | None = None,
+        coords: Sequence[RankCoords] | None = None,
         call_timeout_s: float | None = None,
         stall_warn_s: float | None = None,
         on_rank_death: str = "fail",
@@ -123,7 +130,6 @@ class RayExecutor:
         self._failed: RankMeshError | None = None
         self.dead: set[int] = set()  # ranks seen dead since the last replacement
         self.token = uuid.uuid4().hex
-        _EXECUTORS[self.token] = self
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
         register_store_processes(raylet_pids())
 
@@ -239,6 +245,7 @@ class RayExecutor:
             self.token,
             self.call_timeout_s if timeout is None else timeout,
             self.stall_warn_s if stall_warn_s is None else stall_warn_s,
+            weakref.ref(self),
         )
 
     def drain_timings(self, timeout_s: float = 10.0) -> list[tuple[int, list[Any], int, int, int]]:

@@ -5,10 +5,12 @@ in-process backend; this module only starts the processes (:mod:`.hosts`), wires
 :class:`.executor.RayExecutor` to them and adds what only Ray has: placement, detached groups,
 colocated roles (:meth:`RayWorkerGroup.spawn`) and shutdown.
 
-Every way to get a group ends in one core, :meth:`RayWorkerGroup._attach` (hosts + resolved
-methods + executor): ``RayWorkerGroup(pool, cls)`` (verl's signature) starts hosts first,
+Every way to get a group ends in one core, :meth:`RayWorkerGroup._attach`, the one place a
+group's attributes are set (hosts, resolved methods, executor, recovery state, start-up record),
+each passed explicitly: ``RayWorkerGroup(pool, cls)`` (verl's signature) starts hosts first,
 :meth:`~RayWorkerGroup.from_detached` finds them, :meth:`~RayWorkerGroup.on_hosts` builds new
-workers in running ones, and :meth:`~RayWorkerGroup.spawn` shares a group's hosts and executor.
+workers in running ones (these three drive them with a new executor, :meth:`~RayWorkerGroup._drive`),
+and :meth:`~RayWorkerGroup.spawn` passes a group's hosts, executor, recovery and start-up on.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ from typing import Any, Mapping, Sequence
 
 from rankmesh.dispatch.modes import DispatchRegistry
 from rankmesh.errors import BackendError, WorkerDiedError, WorkerError
-from rankmesh.group import ROLES_ATTR, MethodTable, WorkerGroup
+from rankmesh.group import MethodTable, WorkerGroup
 from rankmesh.mesh import RankMesh
 from rankmesh.placement import Placement, RankPlace
-from rankmesh.tracing import TRACING
 from rankmesh.validate import optional_seconds, positive_seconds
 
 from .classes import RayClassWithInitArgs, fused_worker_class, unwrap_actor_class
@@ -40,10 +41,22 @@ DEFAULT_START_TIMEOUT = 300.0
 """Seconds to wait for every rank's process to start and its worker to be built."""
 
 
-def rank_coords(mesh: RankMesh, rank: int) -> dict[str, int]:
-    """Dense mesh coordinates of ``rank``, for error messages."""
-    info = mesh.coords(rank)
-    return {"tp": info.tp_rank, "cp": info.cp_rank, "dp": info.dp_rank, "pp": info.pp_rank}
+def check_bin_pack(bin_pack: Any) -> None:
+    """verl's ``bin_pack``: true (the default) is what every pool does; false is refused.
+
+    In verl ``bin_pack`` picks the strategy of the pool's placement groups: true ``STRICT_PACK``
+    (each node entry's bundles on one node), false ``PACK`` (best effort: an entry may spread
+    over several nodes).  A :class:`.pool.RayResourcePool` always uses ``STRICT_PACK``: its rank
+    order, LOCAL_RANK and LOCAL_WORLD_SIZE count one node per entry.
+    """
+    if not bin_pack:
+        raise BackendError(
+            f"bin_pack={bin_pack!r} is not supported: verl's bin_pack=False asks for PACK placement groups "
+            "(a node entry's processes may spread over several nodes), but a RayResourcePool places each "
+            "process_on_nodes entry on ONE node (STRICT_PACK), which its rank order and local ranks rely on. "
+            "Leave bin_pack=True; to spread processes over nodes, give one entry per node, "
+            "e.g. RayResourcePool([4, 4]) instead of RayResourcePool([8])."
+        )
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -65,6 +78,7 @@ class RayWorkerGroup(WorkerGroup):
     the other ranks and refuses later calls; ``"keep"`` keeps the survivors until
     :meth:`replace_dead_ranks`; ``"replace"`` replaces the dead ranks and retries the failed
     blocking call once (see :mod:`.recovery` and the recovery model in docs/ray_backend.md).
+    ``bin_pack`` is verl's; only ``True`` is supported (:func:`check_bin_pack`).
     """
 
     def __init__(
@@ -92,8 +106,7 @@ class RayWorkerGroup(WorkerGroup):
             raise BackendError(f"resource_pool must be a RayResourcePool, got {type(resource_pool).__name__}")
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
             ray_cls_with_init = RayClassWithInitArgs(ray_cls_with_init)
-        if not bin_pack:
-            logger.warning("bin_pack=False is not supported: ranks always fill nodes in order")
+        check_bin_pack(bin_pack)
         env = check_worker_env(worker_env)
         world = resource_pool.world_size
         # Resolve every method's plan before any process starts: bad meshes and modes fail here.
@@ -118,11 +131,9 @@ class RayWorkerGroup(WorkerGroup):
             )
         finally:
             startup.close()
-        self._startup: StartupProgress | None = startup
-        if TRACING.recorder is not None:
-            TRACING.recorder.startup(prefix, startup.report.to_json())
         try:
-            self._attach(hosts, table, None, call_timeout_s, stall_warn_s, on_rank_death)
+            executor, recovery = self._drive(hosts, table, call_timeout_s, stall_warn_s, on_rank_death)
+            self._attach(hosts, table, executor, recovery, startup)
         except BaseException:
             hosts.shutdown()
             raise
@@ -140,28 +151,48 @@ class RayWorkerGroup(WorkerGroup):
         self,
         hosts: HostSet,
         table: MethodTable,
-        executor: RayExecutor | None,
+        executor: RayExecutor,
+        recovery: Recovery,
+        startup: StartupProgress | None,
+    ) -> None:
+        """The core of every constructor, and the one place a group's attributes are set.
+
+        Drives ``hosts`` with ``table``'s methods through ``executor``.  A group of its own gets a
+        new executor and recovery state (:meth:`_drive`); a spawned role group gets its parent's,
+        so that all roles share one closed flag, one failure, one set of stats, one recovery
+        policy and one set of checks.  ``startup``: the record of how the processes started
+        (shared by the role groups; ``None`` for a group over processes started elsewhere).
+        """
+        self._hosts = hosts
+        self._recovery = recovery
+        self._startup = startup
+        self._install(executor, table)
+
+    @staticmethod
+    def _drive(
+        hosts: HostSet,
+        table: MethodTable,
         call_timeout_s: float | None = None,
         stall_warn_s: float | None = None,
         on_rank_death: str = "fail",
-    ) -> None:
-        """The core of every constructor: drive ``hosts`` with ``table``'s methods.
-
-        ``executor=None`` makes a new one (a group of its own); a spawned role group passes its
-        parent's, so that all roles share one closed flag, one failure and one set of stats.
-        """
-        if executor is None:
-            coords = [rank_coords(table.mesh, r) for r in range(len(hosts.actors))]
-            executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s, on_rank_death)
-            self._recovery = Recovery(on_rank_death)
-        self._hosts = hosts
-        self._install(executor, table)
+    ) -> tuple[RayExecutor, Recovery]:
+        """A new executor over ``hosts`` and the recovery state of its ``on_rank_death`` policy."""
+        coords = [table.mesh.rank_coords(r) for r in range(len(hosts.actors))]
+        executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s, on_rank_death)
+        return executor, Recovery(on_rank_death)
 
     @classmethod
-    def _over(cls, hosts: HostSet, table: MethodTable, executor: RayExecutor | None = None) -> "RayWorkerGroup":
+    def _over(
+        cls,
+        hosts: HostSet,
+        table: MethodTable,
+        executor: RayExecutor,
+        recovery: Recovery,
+        startup: StartupProgress | None = None,
+    ) -> "RayWorkerGroup":
         """A group over already running ``hosts`` (:meth:`_attach` without starting anything)."""
         group = cls.__new__(cls)
-        group._attach(hosts, table, executor)
+        group._attach(hosts, table, executor, recovery, startup)
         return group
 
     @classmethod
@@ -181,7 +212,7 @@ class RayWorkerGroup(WorkerGroup):
         """
         table = MethodTable.build(ray_cls_with_init.cls, len(hosts.actors), mesh, meshes, group_type=cls)
         build_workers(hosts, ray_cls_with_init.roles, table.mesh, table.extra_meshes, check_worker_env(worker_env), timeout)
-        return cls._over(hosts, table)
+        return cls._over(hosts, table, *cls._drive(hosts, table))
 
     @classmethod
     def from_detached(
@@ -215,7 +246,7 @@ class RayWorkerGroup(WorkerGroup):
         if meshes is None:
             meshes = {k: v for k, v in built["meshes"].items() if k != "default"}
         table = MethodTable.build(unwrap_actor_class(worker_cls), len(hosts.actors), built["mesh"], meshes, group_type=cls)
-        return cls._over(hosts, table)
+        return cls._over(hosts, table, *cls._drive(hosts, table))
 
     # ----- verl's accessors and placement -------------------------------------------------------
 
@@ -266,14 +297,12 @@ class RayWorkerGroup(WorkerGroup):
 
     def startup_report(self) -> StartupReport | None:
         """Seconds each start-up stage took to end, per rank (``None`` for an attached group)."""
-        startup = getattr(self, "_startup", None)
-        return None if startup is None else startup.report
+        return None if self._startup is None else self._startup.report
 
     def record_startup(self, stage: str) -> None:
         """Mark a controller-side start-up stage as ended now (``cross-checked``, by megatron's start)."""
-        startup = getattr(self, "_startup", None)
-        if startup is not None:
-            startup.controller_stage(stage)
+        if self._startup is not None:
+            self._startup.controller_stage(stage)
 
     @property
     def node_labels(self) -> list[str]:
@@ -284,6 +313,16 @@ class RayWorkerGroup(WorkerGroup):
     def trace_name(self) -> str:
         """The group's name in traces: its role, else its name prefix."""
         return self.role or self.name_prefix
+
+    @property
+    def trace_startup(self) -> dict[str, Any] | None:
+        """The start-up report a trace keeps (stage times per rank; ``None`` for an attached group).
+
+        A recorder asks for it on the group's first traced call (roles spawned from one group
+        share one report, kept once).
+        """
+        report = self.startup_report()
+        return None if report is None else report.to_json()
 
     def node_of(self, rank: int) -> str:
         """Ray node id of ``rank``."""
@@ -297,7 +336,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def spawn(self, prefix_set: Sequence[str]) -> dict[str, "RayWorkerGroup"]:
         """Role name -> a group over the same processes whose methods are that role's."""
-        roles: Mapping[str, type] = getattr(self.worker_cls, ROLES_ATTR, {})
+        roles = self._table.roles
         if isinstance(prefix_set, str):
             prefix_set = [prefix_set]
         unknown = [p for p in prefix_set if p not in roles]
@@ -309,9 +348,7 @@ class RayWorkerGroup(WorkerGroup):
             table = MethodTable.build(
                 unwrap_actor_class(roles[role]), self.world_size, self.mesh, extra, role, self.registry, type(self)
             )
-            groups[role] = type(self)._over(self._hosts, table, self.executor)
-            groups[role]._startup = getattr(self, "_startup", None)  # one start-up for all roles
-            groups[role]._recovery = self._recovery  # one recovery policy, one set of checks
+            groups[role] = type(self)._over(self._hosts, table, self.executor, self._recovery, self._startup)
         return groups
 
     def fuse(self, prefix_set: Sequence[str]) -> dict[str, "RayWorkerGroup"]:

@@ -41,7 +41,7 @@ def gather_hangs(
     ready_set = set(ready)
     hangs, died = [], {}
     for p in sorted(unfinished, key=lambda p: p.rank):
-        coords = dict(p.coords or {})
+        coords = p.coords
         ref = asks[p.rank]
         if ref not in ready_set:
             hangs.append(RankHang(p.rank, coords, p.node, NO_ANSWER, detail=f"did not answer within {budget_s:g} s"))
@@ -54,14 +54,11 @@ def gather_hangs(
             hangs.append(RankHang(p.rank, coords, p.node, DEAD, detail=first[:200]))
         except Exception as exc:  # noqa: BLE001 - the host could not say; report why
             hangs.append(RankHang(p.rank, coords, p.node, NO_ANSWER, detail=f"{type(exc).__name__}: {exc}"[:200]))
-    everyone = [dict(p.coords or {}) for p in (*unfinished, *finished)]
-    axes = tuple(a for a in (everyone[0] if everyone else {}) if any(c.get(a, 0) for c in everyone))
     report = HangReport(
         method=unfinished[0].method if unfinished else "",
         after_s=after_s,
         hangs=tuple(hangs),
         finished=tuple(sorted(p.rank for p in finished)),
-        axes=axes,
         gather_s=time.monotonic() - start,
     )
     return report, died

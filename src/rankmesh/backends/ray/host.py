@@ -32,13 +32,15 @@ import ray
 from rankmesh.errors import BackendError
 from rankmesh.hangs import ProcessStacks, capture_process
 from rankmesh.mesh import RankMesh
+from rankmesh.sharedmem import register_store_processes
 from rankmesh.devices import unify_visible_devices
 from rankmesh.tracing.recorder import FETCH_MARK, KEEP_MAX, timed_call
 from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
 
 from .rejoin import exit_on_call, leave, rejoin, restore
 from .rendezvous import reserve_port
-from .runtime import node_ip_address
+from .reshard import RayObjects
+from .runtime import node_ip_address, worker_raylet_pid
 from .wire import BARE_SLOT_METHODS, SLOT_METHODS, CallHeader, decode_call, fill_call
 
 logger = logging.getLogger(__name__)
@@ -47,8 +49,14 @@ logger = logging.getLogger(__name__)
 #: answers while a call blocks the default one.  Calls keep the default group, one at a time and
 #: in order (Ray runs an actor's tasks in order unless told otherwise, whatever its groups).
 CONTROL_GROUP = "control"
-#: ``ray.remote`` options every WorkerHost actor class is made with (before ``.options``).
-HOST_ACTOR_OPTIONS: dict[str, Any] = {"concurrency_groups": {CONTROL_GROUP: 1}}
+
+
+def host_actor_options() -> dict[str, Any]:
+    """``ray.remote`` options every WorkerHost actor class is made with (before ``.options``).
+
+    A fresh dict per call: Ray adds its own system groups to the ``concurrency_groups`` it is given.
+    """
+    return {"concurrency_groups": {CONTROL_GROUP: 1}}
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,10 @@ class WorkerHost:
         self._left_backend: str | None = None  # the default group's backend, between leave and rejoin
         self._slots: dict[int, bytes] = {}  # call slot -> installed header (see wire.HeaderCache)
         self._decoded: dict[int, CallHeader] = {}  # call slot -> its header, decoded once
+        # Inputs received here map copy-on-write through the node raylet's fd of the object store.
+        raylet = worker_raylet_pid()
+        register_store_processes([] if raylet is None else [raylet])
+        self._objects = RayObjects()  # the process's object transport, shared by its roles (reshard)
 
     # ----- creation ----------------------------------------------------------------------------
 
@@ -147,6 +159,7 @@ class WorkerHost:
                 local_world_size=setup.local_world_size,
                 node=node,
                 role=role,
+                objects=self._objects,
             )
             self._workers[role] = construct(spec.cls, ctx, tuple(spec.args), dict(spec.kwargs))
         self._setup = setup

@@ -26,7 +26,7 @@ from rankmesh.errors import BackendError, WorkerEnvError
 from rankmesh.mesh import RankMesh
 from rankmesh.placement import RankPlace
 
-from .host import HOST_ACTOR_OPTIONS, HostSetup, RoleInit, WorkerHost
+from .host import HostSetup, RoleInit, WorkerHost, host_actor_options
 from .rendezvous import RESERVED_ENV
 from .runtime import DETACHED_NAMESPACE
 from .startup import StartupProgress
@@ -149,10 +149,10 @@ def ordered_calls(options: Mapping[str, Any]) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def remote_host_class() -> Any:
-    """``ray.remote(WorkerHost)`` with its control thread (:data:`.host.HOST_ACTOR_OPTIONS`), made once
+    """``ray.remote(WorkerHost)`` with its control thread (:func:`.host.host_actor_options`), made once
     per process: every group's options differ per actor, and concurrency groups cannot be set
     through ``.options()``."""
-    return ray.remote(**HOST_ACTOR_OPTIONS)(WorkerHost)
+    return ray.remote(**host_actor_options())(WorkerHost)
 
 
 def launch_hosts(

@@ -40,12 +40,21 @@ from rankmesh.errors import PlacementError, ResourcePoolError
 from rankmesh.placement import Placement, RankPlace
 from rankmesh.validate import node_labels as validate_labels
 
-from .runtime import RayConnection, alive_nodes, ensure_ray
+from .runtime import RayConnection, alive_nodes, ensure_ray, raylet_pids
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_READY_TIMEOUT = 60.0
 """Seconds a pool waits for Ray to place its placement groups before failing."""
+
+FIT_CHECK_S = 1.0
+"""Seconds after which a pool on a Ray this process started checks whether it can fit at all.
+
+Such a Ray (the embedded one, or the caller's own ``ray.init()``) has no autoscaler and no other
+driver, so a pool that does not fit its free resources then never will: it fails at once with
+what is free and how to size the Ray, instead of after :data:`DEFAULT_READY_TIMEOUT`.  A pool on
+a cluster joined by address waits the whole timeout (nodes may join).
+"""
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,7 @@ class RayResourcePool:
         self._slots: list[Slot] | None = None
         self._pgs: list[Any] = []
         self._users = 0
+        self._groups_on = [0] * sum(self._counts)  # worker groups on each bundle (root pools only)
         # Views made by split_resource_pool point at their root and a slice of its slots.
         self._root: RayResourcePool = self
         self._start = 0
@@ -242,10 +252,15 @@ class RayResourcePool:
             for i, count in enumerate(self._counts)
         ]
         readies = [pg.ready() for pg in pgs]
-        done, _ = ray.wait(readies, num_returns=len(readies), timeout=timeout)
+        done, _ = ray.wait(readies, num_returns=len(readies), timeout=min(timeout, FIT_CHECK_S))
+        # A Ray this process started has no autoscaler and no other driver: what does not fit now
+        # never will, so say so at once instead of after the whole ready_timeout.
+        never = len(done) < len(readies) and bool(raylet_pids()) and not self._fits_now(set(done), readies)
+        if len(done) < len(readies) and not never:
+            done, _ = ray.wait(readies, num_returns=len(readies), timeout=max(0.0, timeout - FIT_CHECK_S))
         done_set = set(done)
         if len(done) < len(readies):
-            message = self._unplaced_message(pgs, [r in done_set for r in readies], timeout)
+            message = self._unplaced_message(pgs, [r in done_set for r in readies], timeout, never)
             for pg in pgs:
                 _remove_pg(pg)
             raise ResourcePoolError(message)
@@ -266,10 +281,26 @@ class RayResourcePool:
         logger.info("resource pool %s placed: %s", self.name_prefix, [(s.node_ip, s.node_id[:8]) for s in slots])
         return slots
 
-    def _unplaced_message(self, pgs: list[Any], ready: list[bool], timeout: float) -> str:
+    def _fits_now(self, done: set[Any], readies: list[Any]) -> bool:
+        """Whether every unplaced entry fits the free resources of some live node right now."""
+        try:
+            free = ray._private.state.available_resources_per_node()  # noqa: SLF001 - no public per-node view
+        except Exception:  # noqa: BLE001 - cannot tell: wait the whole timeout as before
+            return True
+        for count, ready in zip(self._counts, readies):
+            if ready in done:
+                continue
+            need = {k: v * count for k, v in self.bundle.items()}
+            if not any(all(node.get(k, 0) >= v for k, v in need.items()) for node in free.values()):
+                return False
+        return True
+
+    def _unplaced_message(self, pgs: list[Any], ready: list[bool], timeout: float, never: bool = False) -> str:
+        why = ("does not fit the free resources of the Ray this process started (nothing there frees up or joins)"
+               if never else f"could not be placed within {timeout:g} s")
         parts = [
-            f"resource pool {self.name_prefix!r} (process_on_nodes={list(self._counts)}) could not be "
-            f"placed within {timeout:g} s; each node entry needs its bundles on ONE node (STRICT_PACK)."
+            f"resource pool {self.name_prefix!r} (process_on_nodes={list(self._counts)}) {why}; "
+            "each node entry needs its bundles on ONE node (STRICT_PACK)."
         ]
         for entry, (pg, ok, count) in enumerate(zip(pgs, ready, self._counts)):
             need = {k: v * count for k, v in self.bundle.items()}
@@ -296,23 +327,42 @@ class RayResourcePool:
             parts.append(f"    {ip} {node_id[:8]}: {res}")
         parts.append(
             "  to fix: ask for fewer processes per node entry; or declare more logical CPUs (Ray counts CPUs as "
-            "scheduling tokens: `ray start --num-cpus N` on a cluster; for the embedded Ray, "
-            "`rankmesh.backends.ray.ensure_ray(num_cpus=N)` before the first pool); GPUs must exist "
-            "(use_gpu=False runs on CPU)."
+            "scheduling tokens: `ray start --num-cpus N` on a cluster; for the embedded Ray, which the first pool "
+            "sizes for itself, `rankmesh.backends.ray.ensure_ray(num_cpus=N)` before the first pool, N = the "
+            "processes of all pools together); GPUs must exist (use_gpu=False runs on CPU)."
         )
         return "\n".join(parts)
 
     # ----- lifetime ----------------------------------------------------------------------------
 
     def acquire(self) -> None:
-        """Note one more worker group using this pool's placement groups."""
-        with self._root._lock:
-            self._root._users += 1
+        """Note one more worker group on this pool's bundles; refuse one that would not fit them.
+
+        Each group's actor takes 1 CPU (and ``1 / max_colocate_count`` GPU) of its bundle, so a
+        bundle holds ``max_colocate_count`` groups; one more would wait for its actors forever.
+        """
+        root = self._root
+        with root._lock:
+            span = range(self._start, self._start + self.world_size)
+            held = max((root._groups_on[i] for i in span), default=0)
+            if held >= root.max_colocate_count:
+                raise ResourcePoolError(
+                    f"resource pool {root.name_prefix!r}: its bundles already hold {held} worker group(s), as many as "
+                    f"max_colocate_count={root.max_colocate_count} allows (each group's actor takes 1 CPU"
+                    f"{' and 1/' + str(root.max_colocate_count) + ' GPU' if root.use_gpu else ''} of a bundle); create "
+                    f"the pool with max_colocate_count={held + 1} or more to run another group on the same bundles "
+                    "(verl's default is 10), or put the roles into one process with create_colocated_worker_cls"
+                )
+            for i in span:
+                root._groups_on[i] += 1
+            root._users += 1
 
     def release(self) -> None:
         """A worker group stopped using the pool; the last one out removes the placement groups."""
         root = self._root
         with root._lock:
+            for i in range(self._start, self._start + self.world_size):
+                root._groups_on[i] = max(0, root._groups_on[i] - 1)
             root._users = max(0, root._users - 1)
             if root._users == 0:
                 root.remove()

@@ -5,7 +5,7 @@ when a rank dies; :func:`replace_dead_ranks` then rebuilds the group around them
 :class:`ReplacementReport` times:
 
 1. **find the lost shards first**: each dead rank needs a live rank with the same
-   (tp, pp, cp, ep) coordinates (a dp peer) to copy its state from; if one has none (dp = 1, or
+   (tp, cp, ep, pp) coordinates (a dp peer) to copy its state from; if one has none (dp = 1, or
    its whole dp group died) nothing is started and :class:`~rankmesh.errors.ShardLostError`
    names the shard, so the user falls back to a checkpoint;
 2. **drain**: every survivor leaves torch.distributed once its own call has ended (the call
@@ -40,7 +40,7 @@ import ray
 import ray.exceptions as rex
 
 from rankmesh.errors import RecoveryError, ShardLostError, WorkerDiedError
-from rankmesh.mesh import RankMesh
+from rankmesh.mesh import RankCoords, RankMesh
 
 from .executor import RayExecutor
 from .hosts import HostSet, start_host
@@ -60,6 +60,7 @@ class ReplacementReport:
 
     ranks: list[int]
     peers: dict[int, int] = field(default_factory=dict)  # new rank -> live peer its state came from
+    coords: dict[int, RankCoords] = field(default_factory=dict)  # each replaced rank's place in the mesh
     old_nodes: dict[int, str | None] = field(default_factory=dict)  # node address, before and after
     new_nodes: dict[int, str | None] = field(default_factory=dict)
     moved: dict[int, bool] = field(default_factory=dict)  # the new process runs on another Ray node
@@ -75,10 +76,13 @@ class ReplacementReport:
     total_s: float = 0.0
 
     def format(self) -> str:
+        def who(r: int) -> str:
+            return f"rank {r}" if r not in self.coords else self.coords[r].rank_text(r)
+
         where = ", ".join(
-            f"rank {r}: {self.old_nodes.get(r)} -> {self.new_nodes.get(r)}{' (another node)' if self.moved.get(r) else ''} "
+            f"{who(r)}: {self.old_nodes.get(r)} -> {self.new_nodes.get(r)}{' (another node)' if self.moved.get(r) else ''} "
             f"(pid {self.new_pids.get(r)}, "
-            f"restored from rank {self.peers[r]})" if r in self.peers else f"rank {r}"
+            f"restored from rank {self.peers[r]})" if r in self.peers else who(r)
             for r in self.ranks
         )
         detected = "" if self.detected_s is None else f"detected in {self.detected_s:.2f}s; "
@@ -105,10 +109,9 @@ class Recovery:
     replacing: bool = False
 
 
-def shard_coords(mesh: RankMesh, rank: int) -> dict[str, int]:
-    """The coordinates that say which shard ``rank`` holds: tp, pp, cp and ep (dp says which copy)."""
-    info = mesh.coords(rank)
-    return {"tp": info.tp_rank, "pp": info.pp_rank, "cp": info.cp_rank, "ep": info.ep_rank}
+def shard_of(mesh: RankMesh, rank: int) -> RankCoords:
+    """Which shard ``rank`` holds: its coordinates with dp set to 0 (dp only says which copy)."""
+    return dataclasses.replace(mesh.rank_coords(rank), dp=0)
 
 
 def restore_peers(mesh: RankMesh, dead: Sequence[int]) -> dict[int, int]:
@@ -119,17 +122,17 @@ def restore_peers(mesh: RankMesh, dead: Sequence[int]) -> dict[int, int]:
     dead_set = set(dead)
     peers, lost = {}, {}
     for rank in sorted(dead_set):
-        want = shard_coords(mesh, rank)
-        live = [p for p in range(mesh.world_size) if p not in dead_set and shard_coords(mesh, p) == want]
+        want = shard_of(mesh, rank)
+        live = [p for p in range(mesh.world_size) if p not in dead_set and shard_of(mesh, p) == want]
         if live:
             peers[rank] = live[0]
         else:
-            lost[rank] = want
+            lost[rank] = mesh.rank_coords(rank)
     if lost:
-        shards = "; ".join(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in c.items()) for r, c in lost.items())
+        shards = ", ".join(c.rank_text(r) for r, c in lost.items())
         why = "dp = 1" if mesh.size("dp") == 1 else "every dp copy of it died"
         raise ShardLostError(
-            f"cannot replace ranks {sorted(lost)}: no live rank holds their shard ({shards}; {why}), so its "
+            f"cannot replace ranks {sorted(lost)}: no live rank holds the shard of {shards} ({why}), so its "
             "parameters and optimizer state are lost; restart the group from a checkpoint",
             ranks=sorted(lost),
             shards=lost,
@@ -191,8 +194,8 @@ def drain(hosts: HostSet, survivors: Sequence[int], dead: set[int], mesh: RankMe
         now = time.monotonic()
         busy = {refs[r] for r in pending}
         if busy and now - last >= STUCK_GRACE_S:
-            want = {r: shard_coords(mesh, r) for r in busy}
-            if all(any(shard_coords(mesh, p) == c for p in free) for c in want.values()):
+            want = {r: shard_of(mesh, r) for r in busy}
+            if all(any(shard_of(mesh, p) == c for p in free) for c in want.values()):
                 stuck = busy
                 break
         if busy and now - start >= timeout:
@@ -288,7 +291,9 @@ def replace_dead_ranks(
                 dead |= more | stuck
                 peers = restore_peers(mesh, sorted(dead))
                 survivors = [r for r in survivors if r not in dead]
-            report = ReplacementReport(sorted(dead), peers, old_nodes={r: hosts.nodes[r] for r in dead})
+            report = ReplacementReport(
+                sorted(dead), peers, {r: mesh.rank_coords(r) for r in dead}, old_nodes={r: hosts.nodes[r] for r in dead}
+            )
             report.stuck = sorted(stuck)
             old_ids = {r: hosts.info[r].get("node_id") for r in dead}
             t1 = time.monotonic()

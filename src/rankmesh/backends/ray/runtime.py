@@ -17,11 +17,13 @@ own configuration decides where its processes listen.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Iterator, Mapping
 
 import ray
 from ray._private import ray_constants
@@ -35,10 +37,10 @@ DETACHED_NAMESPACE = "rankmesh"
 """Namespace of named (detached) actors, fixed so another driver can find them by name alone."""
 
 #: Environment a *local* Ray needs so that every process it spawns stays on loopback.
-LOCAL_RAY_ENV: dict[str, str] = {
+LOCAL_RAY_ENV: Mapping[str, str] = MappingProxyType({
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
-}
+})
 
 
 @dataclass(frozen=True)
@@ -100,16 +102,54 @@ def ensure_ray(
     init_kwargs.setdefault("include_dashboard", False)
     if init_kwargs["include_dashboard"]:
         init_kwargs.setdefault("dashboard_host", LOOPBACK)
-    ray.init(  # binds 127.0.0.1 only (LOOPBACK)
-        address="local",
-        _node_ip_address=LOOPBACK,
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        object_store_memory=object_store_memory,
-        namespace=namespace,
-        **init_kwargs,
-    )
+    with quiet_embedded_ray(num_cpus, init_kwargs):
+        ray.init(  # binds 127.0.0.1 only (LOOPBACK)
+            address="local",
+            _node_ip_address=LOOPBACK,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            object_store_memory=object_store_memory,
+            namespace=namespace,
+            **init_kwargs,
+        )
     return RayConnection(address=_current_address(), started_here=True)
+
+
+class _DropTokenNotice(logging.Filter):
+    """Drops Ray's "Token authentication is enabled" notice, which says only that its default holds."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+#: The logger Ray's notice comes from (Ray 2.5x-2.6x); another name only lets the notice through.
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextlib.contextmanager
+def quiet_embedded_ray(num_cpus: int | None, init_kwargs: dict[str, Any]) -> Iterator[None]:
+    """Around an embedded Ray's ``ray.init``: no notices about Ray's own defaults, the defaults kept.
+
+    * Token authentication stays on (Ray's default for a new local cluster, unless the caller set
+      ``RAY_AUTH_MODE``) because it protects something even on loopback: another user of this
+      machine can reach 127.0.0.1's ports, and the token (``~/.ray/auth_token``, readable by us
+      alone) keeps them out.  Only the warning that says it is on is dropped, during this start.
+    * ``worker_maximum_startup_concurrency = num_cpus``: Ray warns once a node has started more
+      worker processes than a few times its *physical* cores, but a group starts one actor per
+      scheduling slot at once by design (the slots are what ``num_cpus`` declares), so the
+      warning would fire on every start of a group bigger than the machine.  Counting the
+      declared slots silences it for exactly the workers that were asked for.
+    """
+    if num_cpus:
+        config = dict(init_kwargs.get("_system_config") or {})
+        config.setdefault("worker_maximum_startup_concurrency", int(num_cpus))
+        init_kwargs["_system_config"] = config
+    notice, drop = logging.getLogger(RAY_AUTH_LOGGER), _DropTokenNotice()
+    notice.addFilter(drop)
+    try:
+        yield
+    finally:
+        notice.removeFilter(drop)
 
 
 def _is_loopback_address(address: str) -> bool:
@@ -152,6 +192,45 @@ def alive_nodes() -> dict[str, dict[str, Any]]:
     return {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
 
 
+#: ``/proc/<pid>/comm`` of Ray's per-node daemon, the process that starts a node's workers.
+RAYLET_NAME = "raylet"
+
+
+def _parent_and_name(pid: int) -> tuple[int, str] | None:
+    """``(ppid, comm)`` of ``pid`` from ``/proc/<pid>/stat`` (comm may hold spaces and parentheses)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    return int(stat[stat.rindex(")") + 2 :].split()[1]), name
+
+
+def worker_raylet_pid() -> int | None:
+    """Pid of the raylet that started this worker process (its node's raylet), else ``None``.
+
+    Ray tells its workers in ``RAY_RAYLET_PID``; that pid is used only if it is an ancestor of
+    this process named ``raylet``, and without it the nearest such ancestor is (workers are the
+    raylet's children; a runtime-env setup process may sit between).  Every Ray worker process
+    of the node descends from it: the tracer to declare with
+    :func:`rankmesh.peermem.allow_peer_reads` so that exactly they may read this process.
+    """
+    told = os.environ.get("RAY_RAYLET_PID", "")
+    pid = os.getpid()
+    for _ in range(16):  # a worker sits one or two levels below its raylet
+        found = _parent_and_name(pid)
+        if found is None or found[0] <= 0:
+            return None
+        pid = found[0]
+        parent = _parent_and_name(pid)
+        if parent is None:
+            return None
+        if parent[1] == RAYLET_NAME and (not told.isdigit() or int(told) == pid):
+            return pid
+    return None
+
+
 def raylet_pids() -> list[int]:
     """Pids of the raylets this driver started (they own the object store's file), else ``[]``.
 
@@ -167,3 +246,4 @@ def raylet_pids() -> list[int]:
         if isinstance(pid, int):
             pids.append(pid)
     return pids
+

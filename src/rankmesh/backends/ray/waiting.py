@@ -24,7 +24,8 @@ import ray
 import ray.exceptions as rex
 
 from rankmesh.errors import FetchTimeoutError, HangError, RemoteTraceback, WorkerDiedError, WorkerError
-from rankmesh.serialization import borrowed_buffers
+from rankmesh.mesh import RankCoords
+from rankmesh.serialization import receiving
 from rankmesh.tracing.recorder import FETCH
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class Pending:
     rank: int
     method: str
     node: str | None = None
-    coords: Any = None  # mesh coordinates of the rank (a dict), for error messages
+    coords: RankCoords | None = None  # the rank's place in the mesh, for error messages
 
 
 #: ``inspect(unfinished, finished, after_s)``: where each unfinished call's rank is (a
@@ -59,7 +60,7 @@ Inspect = Callable[[Sequence[Pending], Sequence[Pending], float], "tuple[Any, di
 
 def translate_error(pending: Pending, exc: BaseException) -> BaseException:
     """Turn a Ray error of one rank call into rankmesh's error, keeping the remote traceback."""
-    coords = dict(pending.coords or {})
+    coords = pending.coords
     if isinstance(exc, rex.RayTaskError):
         cause = getattr(exc, "cause", None)
         text = getattr(exc, "traceback_str", "") or str(exc)
@@ -79,7 +80,7 @@ def translate_error(pending: Pending, exc: BaseException) -> BaseException:
         return err
     if isinstance(exc, PROCESS_DIED):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        err = WorkerDiedError(pending.rank, pending.method, first, pending.node, coords={pending.rank: coords} if coords else None)
+        err = WorkerDiedError(pending.rank, pending.method, first, pending.node, coords={pending.rank: coords} if coords is not None else None)
         err.__cause__ = exc
         return err
     return exc
@@ -92,7 +93,7 @@ def combine_errors(failures: Sequence[tuple[Pending, BaseException]]) -> BaseExc
     died = [(p, e) for p, e in translated if isinstance(e, WorkerDiedError)]
     if died:
         p0, e0 = died[0]
-        coords = {p.rank: dict(p.coords) for p, _ in died if p.coords}
+        coords = {p.rank: p.coords for p, _ in died if p.coords is not None}
         nodes = sorted({p.node for p, _ in died if p.node})
         err = WorkerDiedError(
             p0.rank, p0.method, e0.detail, ", ".join(nodes) or None, ranks=[p.rank for p, _ in died], coords=coords
@@ -119,13 +120,13 @@ def fetch_outputs(
     so a failure among them is raised at once (after :data:`FAIL_GRACE` to gather ranks that
     fail together).  ``on_died`` is told about dead processes before the error is raised.
     ``borrow=True`` rebuilds tensors as read-only views of the object store instead of private
-    copies (:func:`rankmesh.serialization.borrowed_buffers`; see :meth:`rankmesh.backend.Backend.fetch`).
+    copies (``rankmesh.serialization.receiving("borrow")``; see :meth:`rankmesh.backend.Backend.fetch`).
     With ``inspect``, running past ``timeout`` raises :class:`HangError` (where each unfinished
     rank is stuck) and running past ``stall_warn_s`` logs that report once as a warning.
     """
     if not pending:
         return []
-    with borrowed_buffers() if borrow else contextlib.nullcontext():
+    with receiving("borrow") if borrow else contextlib.nullcontext():
         return _wait(pending, timeout, on_died, stall_warn_s, inspect)
 
 

@@ -19,7 +19,7 @@ data layer when Ray unpickles it) in the worker's arguments.
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ray import cloudpickle
@@ -178,19 +178,14 @@ def decode_call(header: bytes, values: tuple[Any, ...]) -> CallHeader:
 
 
 def fill_call(call: CallHeader, values: tuple[Any, ...]) -> CallHeader:
-    """``call`` (a decoded header) with every :class:`SharedSlot` replaced by its value."""
+    """``call`` (a decoded header) with every :class:`SharedSlot` replaced by its value.
+
+    Only ``args`` and ``kwargs`` change; every other field is kept as sent (``dataclasses.replace``).
+    """
     if not values:
         return call
 
     def fill(value: Any) -> Any:
         return values[value.index] if isinstance(value, SharedSlot) else value
 
-    return CallHeader(
-        call.role,
-        call.method,
-        tuple(fill(a) for a in call.args),
-        {k: fill(v) for k, v in call.kwargs.items()},
-        call.return_output,
-        call.trace,
-        call.receive,
-    )
+    return replace(call, args=tuple(fill(a) for a in call.args), kwargs={k: fill(v) for k, v in call.kwargs.items()})

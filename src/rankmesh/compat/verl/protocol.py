@@ -74,8 +74,12 @@ def union_numpy_dict(tensor_dict1: dict[str, np.ndarray], tensor_dict2: Mapping[
     Shared keys must hold equal arrays: element-wise for n-dimensional and object arrays, NaN
     equal to NaN (a float NaN is not the string ``"nan"``).
     """
-    with as_assertions():
-        columns.union_numpy_dict(tensor_dict1, tensor_dict2)
+    for key, val in tensor_dict2.items():
+        if key in tensor_dict1:
+            check(isinstance(val, np.ndarray), f"`{key}` in tensor_dict2 is not a numpy array")
+            check(isinstance(tensor_dict1[key], np.ndarray), f"`{key}` in tensor_dict1 is not a numpy array")
+            # verl's own words: its tests match them
+            check(columns.arrays_equal(tensor_dict1[key], val), f"`{key}` in tensor_dict1 and tensor_dict2 are not the same object.")
     tensor_dict1.update(tensor_dict2)
     return tensor_dict1
 
@@ -105,9 +109,9 @@ class DataProto(core.DataProto):
     ) -> DataProto:
         """verl's ``from_dict``: ``num_batch_dims`` leading dimensions must agree across tensors.
 
-        rankmesh batches have one batch dimension: with ``num_batch_dims > 1`` the check is
-        verl's, and the first dimension is the batch (fold the others in with
-        ``unfold_batch_dim`` if rows are meant).
+        Like verl 0.9.1, a batch of tensors has exactly one batch dimension: ``num_batch_dims > 1``
+        fails verl's own consistency assert ("only support num_batch_dims=1") once the leading
+        dimensions agree; fold the other dimensions into the rows first (``unfold_batch_dim``).
         """
         check(isinstance(num_batch_dims, int) and num_batch_dims > 0, "num_batch_dims must be greater than zero")
         if non_tensors is not None:
@@ -123,6 +127,7 @@ class DataProto(core.DataProto):
                     f"Not all the tensor in tensors have the same batch size with batch_dims={num_batch_dims}. "
                     f"Got {pivot} has {lead}, {key} has {shape}",
                 )
+        check(num_batch_dims == 1 or not tensors, "only support num_batch_dims=1")  # verl's check_consistency
         with as_assertions():
             return super().from_dict(tensors, non_tensors, meta_info, auto_padding=auto_padding)
 
@@ -209,6 +214,11 @@ class DataProto(core.DataProto):
                 if isinstance(value, torch.Tensor):
                     return torch.repeat_interleave(value, n_split, dim=0)
                 return np.repeat(value, n_split, axis=0)
+            if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype == object and len(value):
+                # verl stores a column of equal-length lists as a 2-D array: split each row's list the same way
+                rows = [list(row) if isinstance(row, (list, tuple, np.ndarray)) else row for row in value]
+                if all(isinstance(row, list) for row in rows) and len({len(row) for row in rows}) == 1:
+                    value = np.array(rows)
             check(value.ndim >= 2 and value.shape[1] % n_split == 0,
                   f"key {key!r} of shape {tuple(value.shape)}: dim 1 does not divide into {n_split}")
             return value.reshape(value.shape[0] * n_split, value.shape[1] // n_split, *value.shape[2:])

@@ -26,7 +26,7 @@ from rankmesh.backends.ray import RayResourcePool as CoreRayResourcePool
 from rankmesh.backends.ray import RayWorkerGroup as CoreRayWorkerGroup
 from rankmesh.backends.ray.classes import unwrap_actor_class
 from rankmesh.dispatch import Dispatch, Execute, register
-from rankmesh.errors import DispatchAssertionError
+from rankmesh.errors import BackendError, DispatchAssertionError
 from rankmesh.group import ROLES_ATTR
 from rankmesh.worker import FUSED_ROLES_ATTR
 from rankmesh.worker import Worker as CoreWorker
@@ -143,6 +143,81 @@ def create_colocated_worker_raw_cls(class_dict: Mapping[str, Any]) -> type:
     return type(name, (Worker,), attrs)
 
 
+#: verl's default ``ray_wait_register_center_timeout`` (seconds).
+VERL_REGISTER_TIMEOUT = 300
+
+
+def verl_group_options(
+    resource_pool: Any,
+    worker_names: Sequence[str] | None,
+    worker_handles: Any,
+    register_timeout: float,
+    kwargs: Mapping[str, Any],
+) -> dict[str, Any]:
+    """rankmesh's ``RayWorkerGroup`` keywords for verl 0.9.1's constructor arguments.
+
+    Each verl argument is honoured with verl's meaning where rankmesh can, else refused with a
+    :class:`~rankmesh.errors.BackendError` (a value rankmesh cannot honour) or ``TypeError``
+    (two arguments that say different things), naming the argument and what to use instead:
+
+    * ``ray_wait_register_center_timeout``: how long verl waits for the workers to come up;
+      rankmesh's ``start_timeout`` (one of the two, or both equal);
+    * ``use_gpu`` (verl: the pool's by default; ``True`` on a CPU pool is an error): must match
+      the pool's, since each process gets its bundle's resources;
+    * ``device_name``: ``"cuda"`` (Ray's GPU resource, what pools reserve), or ``"cpu"`` for a
+      ``use_gpu=False`` pool;
+    * ``profile_steps``, ``worker_nsight_options`` (nsight profiling), ``master_port_range``,
+      ``master_addr``/``master_port``: refused unless unset, the error naming rankmesh's way;
+    * ``worker_names``/``worker_handles`` (verl attaches to running workers with them):
+      :class:`~rankmesh.errors.DispatchAssertionError`, use :meth:`RayWorkerGroup.from_detached`.
+    """
+    out = dict(kwargs)
+    if worker_names is not None or worker_handles is not None:
+        given = "worker_names" if worker_names is not None else "worker_handles"
+        raise DispatchAssertionError(  # verl asserts too (its constructor attaches only without a pool)
+            f"{given} attaches to running workers, which this constructor does not do: "
+            "use RayWorkerGroup.from_detached(name_prefix) for a detached group, or wg.spawn(roles) for role groups"
+        )
+    if isinstance(register_timeout, bool) or not isinstance(register_timeout, (int, float)) or register_timeout <= 0:
+        raise BackendError(f"ray_wait_register_center_timeout must be a positive number of seconds, got {register_timeout!r}")
+    if register_timeout != VERL_REGISTER_TIMEOUT:
+        if "start_timeout" in out and out["start_timeout"] != register_timeout:
+            raise TypeError(
+                f"ray_wait_register_center_timeout={register_timeout!r} and start_timeout={out['start_timeout']!r} "
+                "both set how long the workers may take to start: give one"
+            )
+        out["start_timeout"] = float(register_timeout)
+    pool_gpu = resource_pool.use_gpu if isinstance(resource_pool, CoreRayResourcePool) else None
+    use_gpu = out.pop("use_gpu", pool_gpu)
+    if pool_gpu is not None and bool(use_gpu) != pool_gpu:
+        if use_gpu:
+            raise BackendError("use_gpu is True but resource_pool.use_gpu is False: use RayResourcePool(..., use_gpu=True)")
+        raise BackendError(
+            "use_gpu=False on a use_gpu=True pool is not supported: each rank gets its bundle's GPU; "
+            "for CPU workers use RayResourcePool(..., use_gpu=False)"
+        )
+    device = out.pop("device_name", "cuda")
+    if device != "cuda" and not (device == "cpu" and pool_gpu is False):
+        raise BackendError(
+            f"device_name={device!r} is not supported: pools reserve Ray's GPU resource (device_name='cuda'), "
+            "or no accelerator (device_name='cpu' with RayResourcePool(..., use_gpu=False))"
+        )
+    profile_steps, nsight = out.pop("profile_steps", None), out.pop("worker_nsight_options", None)
+    if profile_steps or nsight is not None:
+        given = f"profile_steps={profile_steps!r}" if profile_steps else "worker_nsight_options"
+        raise BackendError(
+            f"{given}: nsight profiling of the workers is not supported; record the group's calls with "
+            "`with wg.trace('trace.json'):` (a Chrome trace of every rank's phases; see the README)"
+        )
+    for name in ("master_port_range", "master_addr", "master_port"):
+        if out.pop(name, None) is not None:
+            raise BackendError(
+                f"{name} is not supported: rankmesh reserves a free MASTER_PORT on rank 0's node and gives every "
+                "rank MASTER_ADDR and MASTER_PORT; read them as wg.master_address and wg.master_port"
+            )
+    return out
+
+
 class RayWorkerGroup(CoreRayWorkerGroup):
     """rankmesh's RayWorkerGroup with verl 0.9.1's extra names (``master_address``, ``spawn_fused`` ...)."""
 
@@ -160,17 +235,15 @@ class RayWorkerGroup(CoreRayWorkerGroup):
         detached: bool = False,
         worker_names: Sequence[str] | None = None,
         worker_handles: Any = None,
-        ray_wait_register_center_timeout: int = 300,
+        ray_wait_register_center_timeout: float = VERL_REGISTER_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         """verl's argument order; rankmesh's ``mesh``, ``meshes``, ``worker_env``, ``call_timeout_s``
-        ... as keywords.  ``worker_names`` attaches to a detached group (see :meth:`from_detached`)."""
+        ... as keywords.  Every verl argument is honoured with verl's meaning or refused
+        (:func:`verl_group_options`); none is dropped."""
         self.fused_worker_used = bool(getattr(ray_cls_with_init, "fused_worker_used", False))
         self.sub_cls_name = ""
-        if worker_names is not None and not self.fused_worker_used:
-            raise DispatchAssertionError("worker_names attaches to detached workers: use RayWorkerGroup.from_detached")
-        for ignored in ("use_gpu", "device_name", "profile_steps", "worker_nsight_options", "master_port_range"):
-            kwargs.pop(ignored, None)
+        kwargs = verl_group_options(resource_pool, worker_names, worker_handles, ray_wait_register_center_timeout, kwargs)
         super().__init__(resource_pool, ray_cls_with_init, name_prefix=name_prefix, detached=detached, bin_pack=bin_pack, **kwargs)
         self.ray_cls_with_init = ray_cls_with_init
 
@@ -208,13 +281,17 @@ class RayResourcePool(CoreRayResourcePool):
         process_on_nodes: Sequence[int] | None = None,
         use_gpu: bool = True,
         name_prefix: str | None = None,
-        max_colocate_count: int = 1,
+        max_colocate_count: int = 10,
         detached: bool = False,
         accelerator_type: str | None = None,
         **kwargs: Any,
     ) -> None:
-        """verl's positional order; rankmesh's ``ready_timeout`` as a keyword.  ``max_colocate_count``
-        keeps rankmesh's default (1: colocate roles with ``create_colocated_worker_cls``)."""
+        """verl's positional order and defaults; rankmesh's ``ready_timeout`` as a keyword.
+
+        ``max_colocate_count=10``, as in verl: up to 10 worker groups (actor, critic, reference ...)
+        can share each bundle, each of its actors taking 1 CPU and 1/10 of the bundle's GPU, so
+        verl's hybrid-engine pattern of several groups on one pool places as it does in verl.
+        Each bundle then reserves 10 logical CPUs (verl's accounting too)."""
         super().__init__(
             list(process_on_nodes or []),
             use_gpu=use_gpu,

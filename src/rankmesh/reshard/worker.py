@@ -1,0 +1,444 @@
+"""The worker side of a reshard: :class:`ReshardWorker` describes, sends and receives parameters, on any backend.
+
+Why it knows no backend: a send puts regions into "the backend's objects" and a receive gets
+them back, and that is all it asks of where it runs.  The backend hands each worker an
+:class:`~rankmesh.backend.ObjectTransport` in its context (``self.context.objects``: ``ray.put`` /
+``ray.get`` / ``ray.wait`` on Ray, plain references in-process), one per process, so colocated
+roles of one process share it and its outbox.  Regions whose source and destination run on one
+node are read straight from the source process with ``process_vm_readv``
+(:mod:`rankmesh.peermem`), which needs no transport at all.
+
+What travels between the controller and the ranks are the typed records below:
+:class:`SendJob` / :class:`SendResult` for a source rank, :class:`RecvJob` / :class:`RecvResult`
+for a destination rank.  The controller side (planning the jobs, running them through the
+groups' one call path, the stats) is :mod:`rankmesh.reshard.run`.
+
+Parameter names and layouts come from two hooks, :meth:`ReshardWorker.reshard_names` and
+:meth:`ReshardWorker.reshard_layouts`; megatron-core's conventions (global layer numbers,
+``tensor_model_parallel`` attributes) are supplied by :class:`rankmesh.megatron.layouts.MegatronReshardWorker`.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from rankmesh.backend import ObjectTransport
+from rankmesh.dispatch import Dispatch, register
+from rankmesh.errors import PeerReadError, ReshardError
+from rankmesh.mesh import RankMesh
+from rankmesh.peermem import allow_peer_reads, coalesce, namespace_id, read_process, segments, strided_segments
+from rankmesh.reshard.plan import ParamLayout
+from rankmesh.serialization import numpy_view
+from rankmesh.worker import Worker
+
+#: Largest piece a region is put as.  Ray copies a buffer above 1 MiB into the object store with
+#: six threads it starts for that one copy (``parallel_memcopy``); on a machine whose cores are all
+#: busy (every rank of both groups copying at once) waiting for the last of those threads cost
+#: several times the copy itself; pieces of at most 1 MiB are copied by the putting thread alone.
+#: Sender and receiver cut a region the same way (:func:`row_blocks`), on every backend.
+PIECE_BYTES = 1 << 20
+
+#: One region of a parameter: (global parameter name, slices of its tensor).
+Region = tuple[str, tuple[slice, ...]]
+
+
+# ----- the records between the controller and the ranks ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendJob:
+    """What one source rank sends in reshard ``token``.
+
+    ``objects``: each entry is the regions put together as one object (read by the same
+    destinations); ``direct``: regions destinations on this node read straight from this process;
+    ``local``: regions the colocated destination role of this very process copies (left in the
+    process's outbox).
+    """
+
+    token: str
+    objects: tuple[tuple[Region, ...], ...] = ()
+    direct: tuple[Region, ...] = ()
+    local: tuple[Region, ...] = ()
+
+
+@dataclass(frozen=True)
+class PeerTensor:
+    """Where one CPU tensor of a source process lives: what a direct reader needs to find a region's bytes."""
+
+    data_ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """A source rank's answer: its objects and where its direct regions' tensors live.
+
+    ``objects``: one transport handle per :attr:`SendJob.objects` entry.  ``pid``/``namespace``:
+    the process direct readers read (a pid names it only inside its pid namespace).
+    ``tensors``: the CPU tensors of the job's direct regions (kept referenced by the worker until
+    its next send).  ``fallback``: index of a direct region whose tensor is not on the CPU -> a
+    handle of an object holding it (``fallback_bytes`` in all).  ``start``/``end`` are wall-clock
+    times, ``put_s`` the seconds spent putting; ``put_bytes`` the bytes put, fallbacks included.
+    """
+
+    objects: tuple[Any, ...]
+    pid: int
+    namespace: int
+    tensors: Mapping[str, PeerTensor]
+    fallback: Mapping[int, Any]
+    fallback_bytes: int
+    start: float
+    end: float
+    put_s: float
+    put_bytes: int = 0
+    direct_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this send made readable (put, or published for direct reads): what a trace shows for it."""
+        return self.put_bytes + self.direct_bytes
+
+
+@dataclass(frozen=True)
+class ObjectRead:
+    """Object ``index`` of source rank ``src_rank``: fetch it and copy its pieces into ``regions``."""
+
+    src_rank: int
+    index: int
+    regions: tuple[Region, ...]
+
+
+@dataclass(frozen=True)
+class DirectRead:
+    """Direct region ``index`` of source rank ``src_rank`` (``src_slices`` of its tensor ``name``),
+    read from that process into ``dst_slices`` of this rank's tensor ``name``."""
+
+    src_rank: int
+    index: int
+    src_slices: tuple[slice, ...]
+    name: str
+    dst_slices: tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class RecvJob:
+    """What one destination rank receives in reshard ``token``: objects to fetch, regions to read
+    directly, and ``local`` regions the colocated send of its own process left in the outbox."""
+
+    token: str
+    objects: tuple[ObjectRead, ...] = ()
+    direct: tuple[DirectRead, ...] = ()
+    local: tuple[Region, ...] = ()
+
+
+@dataclass(frozen=True)
+class RecvResult:
+    """A destination rank's answer.
+
+    ``received``: bytes written into place (objects and direct reads; ``bytes_direct`` of them
+    read directly).  ``refused``: source rank -> why the kernel refused its direct reads (those
+    regions are left unwritten, for the controller to send by the store).  Wall-clock
+    ``start``/``end``; ``copy_s``/``copy_cpu_s``: seconds spent copying into place (wall-clock
+    and this thread's CPU).
+    """
+
+    received: int
+    bytes_direct: int
+    refused: Mapping[int, str]
+    start: float
+    end: float
+    copy_s: float
+    copy_cpu_s: float
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this receive wrote into place: what a trace shows for it."""
+        return self.received
+
+
+# ----- regions -------------------------------------------------------------------------------------
+
+
+def row_blocks(shape: tuple[int, ...], itemsize: int, limit: int = PIECE_BYTES) -> list[tuple[int, int]]:
+    """``[lo, hi)`` runs of the first dimension of a region of ``shape``, each at most ``limit`` bytes
+    (or one row, when a row alone is larger).  Sender and receiver cut a region the same way."""
+    if not shape:
+        return [(0, 1)]
+    row = math.prod(shape[1:]) * itemsize
+    step = max(1, limit // max(1, row))
+    return [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
+
+
+def copy_into(dst: torch.Tensor, src: np.ndarray) -> None:
+    """``dst[...] = src`` in place, one copy (``src`` may be a read-only object-store view)."""
+    if dst.device.type == "cpu":
+        np.copyto(numpy_view(dst), src.reshape(dst.shape), casting="no")
+        return
+    with warnings.catch_warnings():  # a read-only view is fine: it is copied, never written
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(src)
+    if source.dtype != dst.dtype:
+        source = source.view(dst.dtype)
+    dst.copy_(source.reshape(dst.shape), non_blocking=False)
+
+
+def region_pieces(tensors: Mapping[str, torch.Tensor], regions: Sequence[Region]) -> list[np.ndarray]:
+    """The pieces of ``regions`` (whole-row runs of at most PIECE_BYTES each), as one object holds them."""
+    arrays = []
+    for name, sl in regions:
+        region = tensors[name][sl].detach().cpu()
+        if region.dim() == 0:
+            arrays.append(np.ascontiguousarray(numpy_view(region)))
+            continue
+        for lo, hi in row_blocks(tuple(region.shape), region.element_size()):
+            # A piece that is already contiguous (whole rows) is not copied before the put.
+            arrays.append(np.ascontiguousarray(numpy_view(region[lo:hi])))
+    return arrays
+
+
+def copy_object(tensors: Mapping[str, torch.Tensor], arrays: Sequence[np.ndarray], regions: Sequence[Region]) -> int:
+    """Copy the pieces of one fetched object into ``regions`` of ``tensors``; returns the bytes."""
+    received = 0
+    pieces = iter(arrays)
+    for name, sl in regions:
+        view = tensors[name][sl]
+        if view.dim() == 0:
+            blocks = [view]
+        else:
+            blocks = [view[lo:hi] for lo, hi in row_blocks(tuple(view.shape), view.element_size())]
+        for block in blocks:
+            array = next(pieces)
+            copy_into(block, array)
+            received += array.nbytes
+    return received
+
+
+def region_bytes(tensors: Mapping[str, torch.Tensor], regions: Sequence[Region]) -> int:
+    return sum(tensors[name][sl].numel() * tensors[name].element_size() for name, sl in regions)
+
+
+def read_direct(tensors: Mapping[str, torch.Tensor], peer: SendResult, reads: Sequence[DirectRead]) -> int:
+    """Read ``reads`` from the source process ``peer`` describes straight into ``tensors``, one
+    ``process_vm_readv`` batch for all.
+
+    Raises :class:`PeerReadError` (``refused`` when the kernel says no, or when the source runs in
+    another pid namespace, where its pid names another process).
+    """
+    if not reads:
+        return 0
+    if peer.namespace != namespace_id():
+        raise PeerReadError(errno.ESRCH, f"source pid {peer.pid} runs in another pid namespace "
+                                         f"({peer.namespace} vs {namespace_id()}): its memory cannot be read by pid")
+    remote, local, staged = [], [], []
+    wanted = 0  # bytes of the regions (the reads also fill scratch with the gaps they skip)
+    for read in reads:
+        src = peer.tensors[read.name]
+        offset = sum(sl.start * st for sl, st in zip(read.src_slices, src.strides)) * src.itemsize
+        runs = strided_segments(src.data_ptr + offset, [sl.stop - sl.start for sl in read.src_slices], src.strides,
+                                src.itemsize)
+        view = tensors[read.name][read.dst_slices]
+        if view.device.type != "cpu":  # read into host memory, then copy to the device
+            host = torch.empty(tuple(view.shape), dtype=view.dtype)
+            staged.append((view, host))
+            view = host
+        if view.element_size() != src.itemsize:
+            raise ReshardError(f"parameter {read.name!r}: source elements are {src.itemsize} bytes, "
+                               f"destination {view.element_size()}")
+        wanted += view.numel() * src.itemsize
+        # Columns of a tp split along dim 1 are short runs: read the rows whole, the gaps into scratch.
+        runs, into = coalesce(runs, segments(view))
+        remote.append(runs)
+        local.append(into)
+    read_process(peer.pid, np.concatenate(remote), np.concatenate(local))
+    for view, host in staged:
+        view.copy_(host)
+    return wanted
+
+
+# ----- the worker ----------------------------------------------------------------------------------
+
+
+class ReshardWorker(Worker):
+    """Worker methods that describe, send and receive parameters for :func:`rankmesh.reshard.reshard`.
+
+    Subclasses say where their parameters are by overriding :meth:`reshard_module` (default:
+    ``self.model``), how they are named and laid out by :meth:`reshard_names` and
+    :meth:`reshard_layouts` (megatron modules: derive from
+    :class:`rankmesh.megatron.layouts.MegatronReshardWorker`, which reads megatron-core's own
+    attributes), or, for full control, :meth:`reshard_tensors`.
+    """
+
+    def reshard_module(self) -> torch.nn.Module:
+        """The module whose parameters are resharded (override; the default is ``self.model``)."""
+        model = getattr(self, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise ReshardError(
+                f"{type(self).__name__} has no torch module at self.model: override reshard_module() to return "
+                "the module whose parameters are resharded"
+            )
+        return model
+
+    def reshard_mesh(self) -> RankMesh:
+        """The mesh this role's parameters are laid out by (default: the group's; a colocated role
+        with a layout of its own returns one of ``self.meshes``)."""
+        return self.mesh
+
+    def reshard_names(self, module: torch.nn.Module) -> dict[str, str]:
+        """Local parameter name -> its name in the whole model (default: the module's own names)."""
+        return {name: name for name, _ in module.named_parameters()}
+
+    def reshard_layouts(self) -> list[ParamLayout]:
+        """This rank's parameters as ParamLayouts (override, or derive from a class that knows the model's conventions)."""
+        raise ReshardError(
+            f"{type(self).__name__} does not say how its parameters are laid out: override reshard_layouts() "
+            "(ParamLayout per parameter), or derive from rankmesh.megatron.layouts.MegatronReshardWorker for "
+            "modules built from megatron-core's parallel layers"
+        )
+
+    def reshard_tensors(self) -> dict[str, torch.Tensor]:
+        """Global parameter name -> this rank's tensor (read by sends, written in place by receives)."""
+        module = self.reshard_module()
+        names = self.reshard_names(module)
+        return {names[n]: p.data for n, p in module.named_parameters()}
+
+    def reshard_objects(self) -> ObjectTransport:
+        """The backend's objects as this process reaches them (``self.context.objects``)."""
+        objects = self.context.objects
+        if objects is None:
+            raise ReshardError(f"{type(self).__name__} (rank {self.rank}) was built without a backend's objects "
+                               "(WorkerContext.objects): build it through a worker group to reshard")
+        return objects
+
+    @register(Dispatch.ONE_TO_ALL)
+    def param_layouts(self) -> list[ParamLayout]:
+        """This rank's parameters (one list per rank; merge them with :func:`~rankmesh.reshard.merge_layouts`)."""
+        return self.reshard_layouts()
+
+    @register(Dispatch.ALL_TO_ALL)
+    def reshard_send(self, job: SendJob) -> SendResult:
+        """Put each of ``job.objects`` into the backend's objects, and publish where the tensors of
+        ``job.direct`` (regions read straight from this process) live.
+
+        The published tensors stay referenced by this worker until its next send, so their
+        addresses stay valid while the blocking reshard runs.  A direct region whose tensor is
+        not on the CPU has no address another process can read: it is put as an object instead
+        (:attr:`SendResult.fallback`).
+        """
+        start = time.time()
+        objects = self.reshard_objects()
+        tensors = self.reshard_tensors()
+        handles = []
+        put_s = 0.0
+        for regions in job.objects:
+            t = time.perf_counter()
+            handles.append(objects.put(region_pieces(tensors, regions)))
+            put_s += time.perf_counter() - t
+        published: dict[str, PeerTensor] = {}
+        fallback, fallback_bytes, direct_bytes = {}, 0, 0
+        tracer = objects.peer_tracer() if job.direct else None
+        if tracer is not None:  # the node's peers (on Ray: the raylet's descendants) may read this process
+            allow_peer_reads(tracer)
+        for i, (name, sl) in enumerate(job.direct):
+            tensor = tensors[name]
+            if tensor.device.type == "cpu":
+                published[name] = PeerTensor(tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()),
+                                             tensor.element_size())
+                direct_bytes += region_bytes(tensors, [(name, sl)])
+            else:
+                t = time.perf_counter()
+                fallback[i] = objects.put(region_pieces(tensors, [(name, sl)]))
+                put_s += time.perf_counter() - t
+                fallback_bytes += region_bytes(tensors, [(name, sl)])
+        # Keep what was published alive until this worker's next send (reshard_tensors() may build
+        # new tensors on every call): destinations read them after this call has returned.
+        self._reshard_published = {name: tensors[name] for name in published}
+        if job.local:
+            objects.outbox[(job.token, self.rank)] = [tensors[name][sl] for name, sl in job.local]
+        put_bytes = sum(region_bytes(tensors, regions) for regions in job.objects) + fallback_bytes
+        return SendResult(tuple(handles), os.getpid(), namespace_id(), published, fallback, fallback_bytes,
+                          start, time.time(), put_s, put_bytes, direct_bytes)
+
+    @register(Dispatch.ALL_TO_ALL)
+    def reshard_recv(self, job: RecvJob, sends: Sequence[Any]) -> RecvResult:
+        """Fetch or read this rank's regions and copy each into place, source by source as they finish.
+
+        ``sends`` are the pending handles of the source ranks' :meth:`reshard_send` calls (passed
+        unresolved, so this call starts at once, not after every source).  A source whose memory
+        the kernel will not let this process read is reported in :attr:`RecvResult.refused` (its
+        direct regions left unwritten) for the controller to send through the store.
+        """
+        start = time.time()
+        objects = self.reshard_objects()
+        tensors = self.reshard_tensors()
+        received, direct_bytes, copy_s, copy_cpu = 0, 0, 0.0, 0.0
+        refused: dict[int, str] = {}
+        by_source: dict[int, list[tuple[Any, tuple[Region, ...]]]] = {}  # source -> (object handle or index, regions)
+        for read in job.objects:
+            by_source.setdefault(read.src_rank, []).append((read.index, read.regions))
+        direct_by_source: dict[int, list[DirectRead]] = {}
+        for d in job.direct:
+            direct_by_source.setdefault(d.src_rank, []).append(d)
+        waiting = sorted(set(by_source) | set(direct_by_source))
+        while waiting:
+            # Whichever sources have put their objects: copy theirs while the others still put.
+            done = objects.wait_any([sends[r] for r in waiting])
+            sources = [waiting[i] for i in done]
+            waiting = [r for r in waiting if r not in sources]
+            outputs: list[SendResult] = objects.get([sends[r] for r in sources])
+            t, c = time.perf_counter(), time.thread_time()
+            wanted: list[tuple[Any, tuple[Region, ...]]] = []
+            for r, out in zip(sources, outputs):
+                wanted += [(out.objects[i], regions) for i, regions in by_source.get(r, ())]
+                reads = direct_by_source.get(r)
+                if not reads:
+                    continue
+                kept = [d for d in reads if d.index not in out.fallback]
+                try:
+                    direct_bytes += read_direct(tensors, out, kept)
+                except PeerReadError as exc:
+                    if not exc.refused:
+                        raise ReshardError(f"reading source rank {r} (pid {out.pid}) directly: {exc}") from exc
+                    refused[r] = str(exc)  # the controller sends every region of this pair by the store
+                    continue
+                # Regions whose source tensor was not on the CPU came as objects: fetch them below.
+                wanted += [(out.fallback[d.index], ((d.name, d.dst_slices),)) for d in reads if d.index in out.fallback]
+            copy_s += time.perf_counter() - t
+            copy_cpu += time.thread_time() - c
+            if not wanted:  # every region of these sources was read directly
+                continue
+            fetched = objects.get([handle for handle, _ in wanted])
+            t, c = time.perf_counter(), time.thread_time()
+            for arrays, (_, regions) in zip(fetched, wanted):
+                received += copy_object(tensors, arrays, regions)
+            copy_s += time.perf_counter() - t
+            copy_cpu += time.thread_time() - c
+            del fetched
+        if job.local:
+            views = objects.outbox.pop((job.token, self.rank), None)
+            if views is None:
+                raise ReshardError(f"rank {self.rank}: the colocated send of reshard {job.token} left no regions in this "
+                                   "process (was it replaced since?): run the reshard again")
+            for view, (name, sl) in zip(views, job.local):
+                tensors[name][sl].copy_(view)
+        return RecvResult(received + direct_bytes, direct_bytes, refused, start, time.time(), copy_s, copy_cpu)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reshard_drop(self, token: str) -> int:
+        """Forget the regions a colocated send of reshard ``token`` left in this process (after a failure)."""
+        return len(self.reshard_objects().outbox.pop((token, self.rank), ()))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reshard_pending(self) -> int:
+        """How many colocated sends left regions in this process that no receive has taken (0 when idle)."""
+        return sum(rank == self.rank for _, rank in self.reshard_objects().outbox)
