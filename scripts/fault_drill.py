@@ -51,6 +51,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
+from tests.drivers import DriverError, run_module  # noqa: E402  (after sys.path: the node-loss drivers)
+
 logger = logging.getLogger("fault_drill")
 
 #: Seconds each scenario may take before it counts as hung.
@@ -260,23 +262,12 @@ class HangDrill:
 
 def node_loss() -> Probe:
     """Simulated two-node cluster in a subprocess driver; one node removed mid-call."""
-    env = {**os.environ}
-    env.pop("RAY_ADDRESS", None)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.reliability_node_loss"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=SCENARIO_LIMIT_S + 30,
-        )
+        report = run_module("tests.reliability_node_loss", timeout=SCENARIO_LIMIT_S + 30)
     except subprocess.TimeoutExpired:
         return Probe(TimeoutError("node-loss driver hung"), None, False, False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
-    if not lines:
-        return Probe(RuntimeError(f"driver failed: {proc.stderr.strip().splitlines()[-1:]}"), None, False, False)
-    report = json.loads(lines[-1][len("REPORT ") :])
+    except DriverError as exc:
+        return Probe(RuntimeError(f"driver failed: {str(exc).strip().splitlines()[-1:]}"), None, False, False)
     shown = f"{report.get('error')}: {report.get('message', '')}"[:120]
     good = report.get("error") == "WorkerDiedError" and report.get("ranks") == report.get("ranks_on_victim")
     return Probe(None, report.get("seconds"), True, good and (report.get("seconds") or 99) < 10, shown=shown)
@@ -368,17 +359,12 @@ def replacement_impossible() -> Probe:
 
 def node_removed_and_replaced() -> Probe:
     """Simulated three-node cluster in a subprocess driver: a node removed, its ranks re-placed on the spare one."""
-    env = {**os.environ}
-    env.pop("RAY_ADDRESS", None)
     try:
-        proc = subprocess.run([sys.executable, "-m", "tests.recovery_node_loss"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=RECOVERY_LIMIT_S)
+        report = run_module("tests.recovery_node_loss", timeout=RECOVERY_LIMIT_S)
     except subprocess.TimeoutExpired:
         return Probe(TimeoutError("node-loss recovery driver hung"), None, False, False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
-    if not lines:
-        return Probe(RuntimeError(f"driver failed: {proc.stderr.strip().splitlines()[-1:]}"), None, False, False)
-    report = json.loads(lines[-1][len("REPORT ") :])
+    except DriverError as exc:
+        return Probe(RuntimeError(f"driver failed: {str(exc).strip().splitlines()[-1:]}"), None, False, False)
     RECOVERY_LINES.append("  node removed: " + report.get("format", ""))
     moved = all(report["nodes_after"][r] not in (None, report["victim"]) for r in report["ranks_on_victim"])
     good = (report.get("result") == [10.0] * 4 and report.get("replaced") == report.get("ranks_on_victim")

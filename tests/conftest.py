@@ -2,8 +2,13 @@
 
 Ray: one local Ray for the whole test session (starting one costs seconds and every actor is a
 process, so tests share it and reuse worker groups through module-scoped fixtures).  It binds to
-127.0.0.1 only.  Tests that need a simulated multi-node cluster run it in a subprocess driver
-(see ``tests/test_ray_multinode.py``): Ray allows one cluster connection per process.
+127.0.0.1 only.
+
+Simulated multi-node clusters: Ray allows one cluster connection per process, so they live in
+driver processes (tests/drivers.py).  Modules whose scenarios leave the nodes alone share ONE
+cluster and ONE driver (``simulated_cluster``); they run back to back, and the cluster is shut
+down as soon as the last of them is done.  Scenarios that remove nodes own a cluster each
+(``tests.drivers.run_module``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,35 @@ def ray_session():
         ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def simulated_cluster():
+    """The shared simulated cluster (tests.drivers.SharedCluster): started on first use, closed after its last user."""
+    pytest.importorskip("ray")
+    from tests.drivers import SharedCluster
+
+    cluster = SharedCluster()
+    yield cluster
+    cluster.close()
+
+
+def _uses_simulated_cluster(item) -> bool:
+    return "simulated_cluster" in getattr(item, "fixturenames", ())
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Shut the shared simulated cluster down once no later test needs it (its raylets cost memory)."""
+    if _uses_simulated_cluster(item) and not any(_uses_simulated_cluster(i) for i in _later_items(item, nextitem)):
+        fixture = item.funcargs.get("simulated_cluster") if hasattr(item, "funcargs") else None
+        if fixture is not None:
+            fixture.close()
+
+
+def _later_items(item, nextitem):
+    items = item.session.items
+    start = items.index(nextitem) if nextitem is not None else len(items)
+    return items[start:]
+
+
 #: Test modules that fork the pytest process (tests/megatron_workers.run_forked).  Forking a
 #: process whose Ray driver is connected corrupts the driver's gRPC channels (later Ray calls
 #: hang), so these run first, before any test starts the session's Ray.
@@ -43,10 +77,11 @@ FORKING_MODULES = ("test_megatron_check.py", "test_megatron_model.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run forking tests first; run the Ray dispatch matrix grouped by mesh (cached groups get reused)."""
-    items[:] = [i for i in items if i.path.name in FORKING_MODULES] + [
-        i for i in items if i.path.name not in FORKING_MODULES
-    ]
+    """Run forking tests first and the shared simulated cluster's users last, back to back; run the
+    Ray dispatch matrix grouped by mesh (cached groups get reused)."""
+    forking = [i for i in items if i.path.name in FORKING_MODULES]
+    shared = [i for i in items if i.path.name not in FORKING_MODULES and _uses_simulated_cluster(i)]
+    items[:] = forking + [i for i in items if i.path.name not in FORKING_MODULES and not _uses_simulated_cluster(i)] + shared
     module = "test_ray_dispatch.py"
     positions = [i for i, item in enumerate(items) if item.path.name == module]
     if not positions:

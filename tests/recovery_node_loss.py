@@ -10,9 +10,9 @@ returns the undisturbed result.  Prints one ``REPORT {json}`` line.  Used by
 
 from __future__ import annotations
 
-import json
 import time
 
+from tests.drivers import print_report
 from tests.reliability_node_loss import FAST_HEALTH_CHECKS
 
 
@@ -61,7 +61,7 @@ def run() -> dict:
 
 
 def main() -> None:
-    print("REPORT " + json.dumps(run()), flush=True)
+    print_report(run())
 
 
 if __name__ == "__main__":

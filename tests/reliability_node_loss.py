@@ -13,9 +13,10 @@ dead within seconds; with Ray's defaults that alone takes about 15 s.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
+
+from tests.drivers import print_report
 
 #: Ray settings for the simulated head: how fast a vanished raylet is declared dead.
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_timeout_ms": 500}
@@ -63,7 +64,7 @@ def run() -> dict:
 
 
 def main() -> None:
-    print("REPORT " + json.dumps(run()), flush=True)
+    print_report(run())
 
 
 if __name__ == "__main__":

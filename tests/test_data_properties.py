@@ -52,6 +52,13 @@ def same_column(a: np.ndarray, b: np.ndarray) -> bool:
     return a.tobytes() == b.tobytes()
 
 
+def same_row_cell(got, want) -> bool:
+    """One row of a column: a sub-array (2-D columns), a numpy scalar or an object cell."""
+    if isinstance(want, (np.ndarray, np.generic)):
+        return isinstance(got, type(want)) and same_column(np.asarray(got), np.asarray(want))
+    return same_cell(got, want)
+
+
 def assert_same(got: DataProto, tensors: dict, columns: dict) -> None:
     """``got`` holds exactly the reference tensors and columns."""
     got_t = dict(got.batch.items()) if got.batch is not None else {}
@@ -282,9 +289,17 @@ def test_non_mutating_ops_leave_input_alone(d, ops):
             out = d.to("cpu")
         elif op == "concat":
             out = DataProto.concat([d, d])
-        else:
-            out = d[0].batch if n else None
+        elif not n:
+            with pytest.raises(IndexError):
+                d[0]
             continue
+        else:
+            out = d[0]  # one row: a DataProtoItem holding row 0 of the snapshot's tensors and columns
+            t, c, _ = snap
+            assert set(out.batch.keys() if out.batch is not None else ()) == set(t)
+            assert all(same_tensor(out.batch[k], v[0]) for k, v in t.items())
+            assert set(out.non_tensor_batch) == set(c)
+            assert all(same_row_cell(out.non_tensor_batch[k], v[0]) for k, v in c.items())
         out.meta_info["temp"] = "changed"
         out.meta_info.clear()
         if out.batch is not None:

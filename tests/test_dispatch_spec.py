@@ -71,12 +71,52 @@ def test_padded_round_trip(tp, dp, pp, rows, blocking):
         assert rows_of(out) == list(range(rows)) and len(batch) == rows
 
 
+def _expected_builtin_plans(tp: int, cp: int, dp: int, pp: int) -> dict[str, tuple]:
+    """Each built-in mode's plan on RankMesh(tp, cp, dp, pp), from megatron's default order by hand.
+
+    In the order tp-cp-ep-dp-pp (ep = 1) tp varies fastest: rank = t + tp*(c + cp*(d + dp*p)).
+    A plan is (n_pieces, piece_of_rank, collect_ranks, run_ranks).
+    """
+    world = tp * cp * dp * pp
+    rank = {(t, c, d, p): t + tp * (c + cp * (d + dp * p))
+            for t, c, d, p in itertools.product(range(tp), range(cp), range(dp), range(pp))}
+    coords = {r: k for k, r in rank.items()}
+    every = tuple(range(world))
+    per_rank = (world, every, every, every)  # split over "rank": rank r gets piece r, all come back
+    # Megatron's collect: tp 0, cp 0, the last pipeline stage; one rank per dp piece, in dp order.
+    megatron = (dp, tuple(coords[r][2] for r in every), tuple(rank[0, 0, d, pp - 1] for d in range(dp)), every)
+    # pp as dp: the piece counts cp, then dp, then pp (pp fastest); tp 0 of every piece comes back.
+    pp_as_dp_piece = {r: (coords[r][1] * dp + coords[r][2]) * pp + coords[r][3] for r in every}
+    pp_as_dp = (cp * dp * pp, tuple(pp_as_dp_piece[r] for r in every),
+                tuple(sorted((r for r in every if coords[r][0] == 0), key=pp_as_dp_piece.get)), every)
+    return {
+        "ONE_TO_ALL": (1, (0,) * world, every, every),
+        "ALL_TO_ALL": per_rank,
+        "RANK_ZERO": (1, (0,) * world, (0,), (0,)),
+        "DP_COMPUTE": per_rank,
+        "DP_COMPUTE_PROTO": per_rank,
+        "DP_COMPUTE_PROTO_WITH_FUNC": per_rank,
+        "DP_COMPUTE_METRIC": per_rank,
+        "MEGATRON_COMPUTE": megatron,
+        "MEGATRON_COMPUTE_PROTO": megatron,
+        "MEGATRON_PP_AS_DP": pp_as_dp,
+        "MEGATRON_PP_AS_DP_PROTO": pp_as_dp,
+        # No split; tp, dp and cp 0 of every pipeline stage come back, in stage order.
+        "MEGATRON_PP_ONLY": (1, (0,) * world, tuple(rank[0, 0, 0, p] for p in range(pp)), every),
+    }
+
+
 def test_builtin_modes_on_every_small_mesh():
     from rankmesh.dispatch import DEFAULT_REGISTRY, Dispatch
 
     for tp, cp, dp, pp in itertools.product((1, 2), repeat=4):
         mesh = RankMesh(tp=tp, cp=cp, dp=dp, pp=pp)
+        expected = _expected_builtin_plans(tp, cp, dp, pp)
+        for name, want in expected.items():
+            plan = DEFAULT_REGISTRY.resolve(name).plan(mesh)
+            got = (plan.n_pieces, plan.piece_of_rank, plan.collect_ranks, plan.run_ranks)
+            assert got == want, (name, mesh)
         for mode in Dispatch:
             entry = DEFAULT_REGISTRY.resolve(mode)
             if isinstance(entry, MeshSpec):
-                entry.plan(mesh)  # every built-in spec is valid on every mesh
+                entry.plan(mesh)  # every spec registered (built-in or added since) is valid on every mesh

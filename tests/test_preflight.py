@@ -1,24 +1,18 @@
 """Pre-flight of a layout against a live cluster: pure comparison, the session's Ray, a simulated three-node cluster.
 
+The simulated cluster is the shared one (``simulated_cluster``, tests/drivers.py); the scenario runs
+in its driver process.
+
 Expected fits are worked out by hand from the node sizes in each test, not from the checker.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
 from rankmesh.cli import main as cli_main
 from rankmesh.layout import load_layout
 from rankmesh.layout.preflight import LiveNode, preflight
-
-REPO = Path(__file__).resolve().parents[1]
 
 TWO_NODE_LAYOUT = """
 name: two-node-tp4
@@ -125,44 +119,33 @@ def test_preflight_against_the_session_ray(ray_session, capsys):
     assert "the layout uses 4 nodes, only 1 live node(s) offer CPU" in capsys.readouterr().out
 
 
-SIMULATED_DRIVER = textwrap.dedent(
-    """
-    import json, sys
+def simulated_scenario(cluster, *layouts: str) -> dict:
+    """Runs inside the shared simulated cluster's driver (nodes of 4, 4 and 2 CPUs, zones a, a, b)."""
     import ray
-    from rankmesh.backends.ray.simulated import loopback_cluster
-    from rankmesh.backends.ray.preflight import validate_on_cluster
-    from rankmesh.layout import load_layout
+
     from rankmesh.backends.ray import RayResourcePool
+    from rankmesh.backends.ray.preflight import validate_on_cluster
     from rankmesh.errors import ResourcePoolError
-    zones = {4: "a", 2: "b"}
-    cluster, _ = loopback_cluster([{"num_cpus": c, "object_store_memory": 96 << 20, "labels": {"zone": zones[c]}}
-                                   for c in (4, 4, 2)])
+
+    out: dict = {}
+    for name in layouts:
+        r = validate_on_cluster(load_layout(name), None, "CPU")
+        out[name] = {"ok": r.ok, "placed": r.placed, "unplaced": r.unplaced, "nodes": [n.units("CPU") for n in r.nodes]}
+    # A pool with node labels lands on the node that has them, and fails clearly when none has them.
+    pool = RayResourcePool([2], use_gpu=False, node_labels={"zone": "b"})
+    node = pool.slots()[0].node_id
+    out["pool_zone"] = [n["Labels"].get("zone") for n in ray.nodes() if n["NodeID"] == node]
+    pool.remove()
     try:
-        out = {}
-        for name in sys.argv[1:]:
-            r = validate_on_cluster(load_layout(name), None, "CPU")
-            out[name] = {"ok": r.ok, "placed": r.placed, "unplaced": r.unplaced, "nodes": [n.units("CPU") for n in r.nodes]}
-        # A pool with node labels lands on the node that has them, and fails clearly when none has them.
-        pool = RayResourcePool([2], use_gpu=False, node_labels={"zone": "b"})
-        node = pool.slots()[0].node_id
-        out["pool_zone"] = [n["Labels"].get("zone") for n in ray.nodes() if n["NodeID"] == node]
-        pool.remove()
-        try:
-            RayResourcePool([1], use_gpu=False, node_labels={"zone": "c"}, ready_timeout=3).slots()
-            out["missing"] = "placed"
-        except ResourcePoolError as exc:
-            out["missing"] = str(exc)
-        print("REPORT " + json.dumps(out))
-    finally:
-        import ray
-        ray.shutdown()
-        cluster.shutdown()
-    """
-)
+        RayResourcePool([1], use_gpu=False, node_labels={"zone": "c"}, ready_timeout=3).slots()
+        out["missing"] = "placed"
+    except ResourcePoolError as exc:
+        out["missing"] = str(exc)
+    return out
 
 
 @pytest.mark.timeout(300)
-def test_preflight_on_a_simulated_three_node_cluster(tmp_path):
+def test_preflight_on_a_simulated_three_node_cluster(simulated_cluster, tmp_path):
     two = tmp_path / "two.yaml"
     two.write_text(TWO_NODE_LAYOUT)
     three = tmp_path / "three.yaml"
@@ -171,13 +154,7 @@ def test_preflight_on_a_simulated_three_node_cluster(tmp_path):
     labelled.write_text(LABELLED_LAYOUT)
     nowhere = tmp_path / "nowhere.yaml"
     nowhere.write_text(LABELLED_LAYOUT.replace("{zone: a}", "{zone: c}"))
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SIMULATED_DRIVER, str(two), str(three), str(labelled), str(nowhere)], capture_output=True, text=True, env=env, timeout=280
-    )
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("REPORT ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    out = json.loads(line[len("REPORT "):])
+    out = simulated_cluster.run("tests.test_preflight:simulated_scenario", str(two), str(three), str(labelled), str(nowhere))
     # Nodes of 4, 4 and 2 CPUs (the head has none): two nodes of 4 fit, three do not (the third has 2).
     assert sorted(out[str(two)]["nodes"]) == [0, 2, 4, 4]  # the head, listed with no CPU
     assert out[str(two)]["ok"] and len(out[str(two)]["placed"]) == 2

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +18,7 @@ from rankmesh.dispatch import Dispatch, register  # noqa: E402
 from rankmesh.errors import BackendError  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
 from rankmesh.worker import Worker  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.drivers import run_code  # noqa: E402
 
 
 class DetachedWorker(Worker):
@@ -40,9 +36,10 @@ class DetachedWorker(Worker):
 
 DRIVER = textwrap.dedent(
     """
-    import json, sys
+    import sys
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, ensure_ray
     from rankmesh.mesh import RankMesh
+    from tests.drivers import print_report
     from tests.test_ray_detached import DetachedWorker
 
     address, prefix = sys.argv[1], sys.argv[2]
@@ -50,7 +47,7 @@ DRIVER = textwrap.dedent(
     pool = RayResourcePool([2], use_gpu=False, detached=True, name_prefix=prefix + "-pool")
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(DetachedWorker, 40), mesh=RankMesh(tp=2),
                         name_prefix=prefix, detached=True)
-    print(json.dumps({"add": wg.add(2), "pids": wg.pid(), "names": wg.worker_names}))
+    print_report({"add": wg.add(2), "pids": wg.pid(), "names": wg.worker_names})
     # exit without shutdown: the group must outlive this driver
     """
 )
@@ -70,20 +67,9 @@ def test_actor_names_are_prefix_plus_rank():
 
 
 def test_attach_to_a_group_started_by_another_driver(ray_session):
-    import json
-
     prefix = f"det-{uuid.uuid4().hex[:6]}"
     cpus = ray.available_resources().get("CPU", 0.0)
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, ray_session.address, prefix],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    started = json.loads(proc.stdout.strip().splitlines()[-1])
+    started = run_code(DRIVER, ray_session.address, prefix, timeout=180)
     assert started["add"] == [[0, 0, 42], [1, 1, 42]]
     assert _named(prefix) == [f"{prefix}_0", f"{prefix}_1"]
 

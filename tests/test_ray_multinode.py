@@ -1,120 +1,91 @@
 """Placement on a simulated multi-node cluster (three raylets on 127.0.0.1).
 
 Ray allows one cluster connection per process and the session already holds one (conftest), so
-the scenarios run in a subprocess driver (``python -m tests.test_ray_multinode``) that builds a
-``ray.cluster_utils.Cluster``, runs everything, prints one JSON report and tears the cluster
-down; the tests below check parts of that report.  Nodes: ``node_a`` and ``node_b`` with 4 CPUs,
-``node_c`` with 2, each tagged with a custom resource of its name; the head has no CPUs.
+the scenarios run in the shared simulated cluster's driver process (``simulated_cluster``,
+tests/drivers.py), which returns one JSON report; the tests below check parts of that report.
+Nodes (``tests.drivers.SHARED_NODES``): ``node_a`` and ``node_b`` with 4 CPUs, ``node_c`` with 2,
+each tagged with a custom resource of its name; the head has no CPUs.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-NODES = {"node_a": 4, "node_b": 4, "node_c": 2}
+from tests.drivers import SHARED_NODES
+
+NODES = {name: node["num_cpus"] for name, node in SHARED_NODES.items()}
 
 
-# ----- the subprocess driver ---------------------------------------------------------------------
+# ----- the scenarios (run in the shared cluster's driver) ----------------------------------------
 
 
-def _scenarios() -> dict:
-    """Runs inside the subprocess: build the cluster, run every scenario, return the report."""
+def scenarios(cluster) -> dict:
+    """Runs inside the driver process, on the shared cluster: every scenario, one report."""
     import ray
 
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from rankmesh.backends.ray.simulated import loopback_cluster
     from rankmesh.errors import ResourcePoolError
     from rankmesh.mesh import RankMesh
     from tests.multinode_worker import NodeWorker
 
     report: dict = {}
-    cluster, _ = loopback_cluster(
-        [{"num_cpus": cpus, "resources": {name: 1}, "object_store_memory": 96 << 20} for name, cpus in NODES.items()]
-    )
+    names = {
+        n["NodeID"]: next((k for k in n["Resources"] if k in NODES), "head") for n in ray.nodes() if n["Alive"]
+    }
+    report["node_names"] = names
+    report["node_ips"] = sorted({n["NodeManagerAddress"] for n in ray.nodes()})
+
+    # 1. tp2 over two nodes of 4: ranks where the pool says, tp groups inside a node.
+    pool = RayResourcePool([4, 4], use_gpu=False)
+    mesh = RankMesh(tp=2, dp=4)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(NodeWorker), mesh=mesh)
+    report["tp2"] = {
+        "pool_nodes": [s.node_id for s in pool.slots()],
+        "worker_nodes": [w["node_id"] for w in wg.where()],
+        "places": [[p.node, p.local_rank, p.local_world_size] for p in wg.placements],
+        "env": [[w["LOCAL_RANK"], w["LOCAL_WORLD_SIZE"], w["MASTER_ADDR"]] for w in wg.where()],
+        "spanning": [g.describe() for g in wg.spanning_groups()],
+        "tp_groups": mesh.groups("tp"),
+    }
+    wg.shutdown()
+
+    # 2. heterogeneous nodes [4, 2] and a gloo all-reduce across them.
+    pool = RayResourcePool([4, 2], use_gpu=False)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(NodeWorker), mesh=RankMesh(dp=6))
+    where = wg.where()
+    report["hetero"] = {
+        "counts": list(pool.placement.process_on_nodes),
+        "node_ids": pool.node_ids(),
+        "worker_nodes": [w["node_id"] for w in where],
+        "local": [[int(w["LOCAL_RANK"]), int(w["LOCAL_WORLD_SIZE"])] for w in where],
+        "all_reduce": wg.all_reduce(),
+    }
+    wg.shutdown()
+
+    # 3. tp2 over nodes of 3 crosses nodes: the placement says so before anything starts.
+    #    (No node holds 6 CPUs, so the two entries land on different nodes.)
+    pool = RayResourcePool([3, 3], use_gpu=False)
+    report["tp2_over_3_spans"] = [g.describe() for g in pool.placement.spanning_groups(RankMesh(tp=2, dp=3))]
+    pool.remove()
+
+    # 4. a pool no node can hold (5 CPUs on one node) fails within the bounded wait.
+    start = time.monotonic()
     try:
-        names = {
-            n["NodeID"]: next((k for k in n["Resources"] if k in NODES), "head") for n in ray.nodes() if n["Alive"]
-        }
-        report["node_names"] = names
-        report["node_ips"] = sorted({n["NodeManagerAddress"] for n in ray.nodes()})
-
-        # 1. tp2 over two nodes of 4: ranks where the pool says, tp groups inside a node.
-        pool = RayResourcePool([4, 4], use_gpu=False)
-        mesh = RankMesh(tp=2, dp=4)
-        wg = RayWorkerGroup(pool, RayClassWithInitArgs(NodeWorker), mesh=mesh)
-        report["tp2"] = {
-            "pool_nodes": [s.node_id for s in pool.slots()],
-            "worker_nodes": [w["node_id"] for w in wg.where()],
-            "places": [[p.node, p.local_rank, p.local_world_size] for p in wg.placements],
-            "env": [[w["LOCAL_RANK"], w["LOCAL_WORLD_SIZE"], w["MASTER_ADDR"]] for w in wg.where()],
-            "spanning": [g.describe() for g in wg.spanning_groups()],
-            "tp_groups": mesh.groups("tp"),
-        }
-        wg.shutdown()
-
-        # 2. heterogeneous nodes [4, 2] and a gloo all-reduce across them.
-        pool = RayResourcePool([4, 2], use_gpu=False)
-        wg = RayWorkerGroup(pool, RayClassWithInitArgs(NodeWorker), mesh=RankMesh(dp=6))
-        where = wg.where()
-        report["hetero"] = {
-            "counts": list(pool.placement.process_on_nodes),
-            "node_ids": pool.node_ids(),
-            "worker_nodes": [w["node_id"] for w in where],
-            "local": [[int(w["LOCAL_RANK"]), int(w["LOCAL_WORLD_SIZE"])] for w in where],
-            "all_reduce": wg.all_reduce(),
-        }
-        wg.shutdown()
-
-        # 3. tp2 over nodes of 3 crosses nodes: the placement says so before anything starts.
-        #    (No node holds 6 CPUs, so the two entries land on different nodes.)
-        pool = RayResourcePool([3, 3], use_gpu=False)
-        report["tp2_over_3_spans"] = [g.describe() for g in pool.placement.spanning_groups(RankMesh(tp=2, dp=3))]
-        pool.remove()
-
-        # 4. a pool no node can hold (5 CPUs on one node) fails within the bounded wait.
-        start = time.monotonic()
-        try:
-            RayResourcePool([5], use_gpu=False, ready_timeout=3.0).slots()
-            report["unfit"] = {"error": None}
-        except ResourcePoolError as exc:
-            report["unfit"] = {"error": str(exc), "seconds": time.monotonic() - start}
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+        RayResourcePool([5], use_gpu=False, ready_timeout=3.0).slots()
+        report["unfit"] = {"error": None}
+    except ResourcePoolError as exc:
+        report["unfit"] = {"error": str(exc), "seconds": time.monotonic() - start}
     return report
-
-
-def main() -> None:
-    print("REPORT " + json.dumps(_scenarios()))
-
-
-if __name__ == "__main__":
-    main()
 
 
 # ----- the tests -----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def report() -> dict:
-    pytest.importorskip("ray")
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_ray_multinode"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, f"driver failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("REPORT ") :])
+def report(simulated_cluster) -> dict:
+    return simulated_cluster.run("tests.test_ray_multinode:scenarios")
 
 
 def test_simulated_nodes_are_on_loopback(report):

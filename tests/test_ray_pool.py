@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import datetime
 import errno
-import json
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,6 +15,7 @@ ray = pytest.importorskip("ray")
 from rankmesh.backends.ray import rendezvous  # noqa: E402
 from rankmesh.backends.ray.pool import RayResourcePool, node_sort_key, split_resource_pool  # noqa: E402
 from rankmesh.errors import ResourcePoolError  # noqa: E402
+from tests.drivers import run_code  # noqa: E402
 
 LOOPBACK_ADDRS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
@@ -157,12 +155,13 @@ def test_pool_that_cannot_fit_fails_fast_with_details(ray_session):
 #: starts the embedded Ray itself.  Were it started with one CPU per core, the pool could not be
 #: placed.  Once Ray runs it is never resized, so a later pool that does not fit still fails.
 EMBEDDED_RAY_SCRIPT = """
-import json, os
+import os
 import ray
 from rankmesh import Dispatch, RankMesh, Worker, register
 from rankmesh import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rankmesh.errors import ResourcePoolError
 from rankmesh.backends.ray import split_resource_pool
+from tests.drivers import print_report
 
 class Echo(Worker):
     @register(Dispatch.ONE_TO_ALL)
@@ -184,18 +183,12 @@ except ResourcePoolError as exc:
 report["failed_after_s"] = time.monotonic() - started
 wg.shutdown()
 ray.shutdown()
-print("REPORT " + json.dumps(report))
+print_report(report)
 """
 
 
 def test_pool_starts_the_embedded_ray_with_enough_cpus_for_itself():
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run(
-        [sys.executable, "-c", EMBEDDED_RAY_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
-    report = json.loads(line[len("REPORT "):])
+    report = run_code(EMBEDDED_RAY_SCRIPT, timeout=300)
     n = report["n"]
     assert n > (os.cpu_count() or 1) and report["ranks"] == [0, 1]
     assert report["slots"] == n  # the whole pool is placed, not only the group's share
@@ -263,9 +256,12 @@ def test_plain_env_init_can_bind_a_reserved_port():
 
     port = rendezvous.reserve_port("127.0.0.1")
     try:
-        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
+        store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
         store.set("a", "b")
-        del store
+        # A second process's view: a client on the same port reads what the master wrote.
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=10))
+        assert client.get("a") == b"b" and store.get("a") == b"b"
+        del client, store
     finally:
         rendezvous.release_port("127.0.0.1", port)
 

@@ -1,33 +1,26 @@
 """Resharding across simulated nodes: same-node pairs read each other directly, the others use the object store.
 
-Two raylets on 127.0.0.1 (``ray.cluster_utils.Cluster``), 4 CPUs each; a tp2·pp2 source group and
-a tp1·dp4 destination group, each placed 2 + 2 over the two nodes.  As in
-tests/test_ray_multinode.py the cluster runs in a subprocess driver (one Ray connection per
-process) that prints one JSON report; the tests check it.  Expected direct bytes come from the
-plan's transfers and the node each rank reported, not from the reshard's own bookkeeping, and the
-weights are compared with megatron's cut (tests/reshard_workers.py).
+The shared simulated cluster (``simulated_cluster``, tests/drivers.py: raylets of 4, 4 and 2 CPUs
+on 127.0.0.1); a tp2·pp2 source group and a tp1·dp4 destination group, each placed 2 + 2 over two
+nodes (four entries on three nodes: some source and destination ranks always share a node, and
+some never do).  As in tests/test_ray_multinode.py the scenario runs in the cluster's driver
+process (one Ray connection per process), which returns one JSON report; the tests check it.
+Expected direct bytes come from the plan's transfers and the node each rank reported, not from
+the reshard's own bookkeeping, and the weights are compared with megatron's cut
+(tests/reshard_workers.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 
-
-def _scenario() -> dict:
+def scenario(cluster) -> dict:
+    """Runs inside the driver process, on the shared cluster: both transports, one report."""
     import numpy as np
-    import ray
 
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from rankmesh.reshard import plan_between, reshard
-    from rankmesh.backends.ray.simulated import loopback_cluster
     from tests.reshard_workers import ShardHolder, full_tensor, megatron_cut
     from tests.test_reshard_ray import GEN, LAYOUTS, PIPE, PIPE_LAYOUTS
 
@@ -39,46 +32,29 @@ def _scenario() -> dict:
                 return False
         return True
 
-    cluster, _ = loopback_cluster([{"num_cpus": 4, "object_store_memory": 96 << 20} for _ in range(2)])
     report: dict = {}
-    try:
-        src = RayWorkerGroup(RayResourcePool([2, 2], use_gpu=False), RayClassWithInitArgs(ShardHolder, PIPE_LAYOUTS, seed=3),
-                             mesh=PIPE)
-        dst = RayWorkerGroup(RayResourcePool([2, 2], use_gpu=False), RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=None),
-                             mesh=GEN)
-        plan = plan_between(src, dst)
-        report["src_nodes"] = [i["node_id"] for i in src.node_info]
-        report["dst_nodes"] = [i["node_id"] for i in dst.node_info]
-        report["transfers"] = [[t.src_rank, t.dst_rank, t.nbytes] for t in plan.transfers if not t.local]
-        report["bytes_moved"] = plan.bytes_moved
-        for transport in ("auto", "store"):
-            dst.refill(None)
-            stats = reshard(src, dst, plan, transport=transport)
-            report[transport] = {"bytes_direct": stats.bytes_direct, "bytes_put": stats.bytes_put,
-                                 "refused": stats.refused, "weights_ok": matches(dst, LAYOUTS, GEN, seed=3)}
-        src.shutdown()
-        dst.shutdown()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    src = RayWorkerGroup(RayResourcePool([2, 2], use_gpu=False), RayClassWithInitArgs(ShardHolder, PIPE_LAYOUTS, seed=3),
+                         mesh=PIPE)
+    dst = RayWorkerGroup(RayResourcePool([2, 2], use_gpu=False), RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=None),
+                         mesh=GEN)
+    plan = plan_between(src, dst)
+    report["src_nodes"] = [i["node_id"] for i in src.node_info]
+    report["dst_nodes"] = [i["node_id"] for i in dst.node_info]
+    report["transfers"] = [[t.src_rank, t.dst_rank, t.nbytes] for t in plan.transfers if not t.local]
+    report["bytes_moved"] = plan.bytes_moved
+    for transport in ("auto", "store"):
+        dst.refill(None)
+        stats = reshard(src, dst, plan, transport=transport)
+        report[transport] = {"bytes_direct": stats.bytes_direct, "bytes_put": stats.bytes_put,
+                             "refused": stats.refused, "weights_ok": matches(dst, LAYOUTS, GEN, seed=3)}
+    src.shutdown()
+    dst.shutdown()
     return report
 
 
-if __name__ == "__main__":
-    print("REPORT " + json.dumps(_scenario()))
-
-
 @pytest.fixture(scope="module")
-def report() -> dict:
-    pytest.importorskip("ray")
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.test_reshard_multinode"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, f"driver failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("REPORT "):])
+def report(simulated_cluster) -> dict:
+    return simulated_cluster.run("tests.test_reshard_multinode:scenario")
 
 
 def test_groups_span_both_nodes(report) -> None:

@@ -1,11 +1,11 @@
 """Driver for test_user_ray_init: verl's pattern, ``ray.init(num_cpus=...)`` by the user, then pools.
 
-Prints one JSON line with what it observed.  Runs in its own process (one Ray per process).
+Prints one ``REPORT`` line (tests/drivers.py) with what it observed.  Runs in its own process
+(one Ray per process).
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -15,6 +15,7 @@ import ray  # noqa: E402
 
 from rankmesh.compat.verl import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
 from tests.compat.workers import EnvWorker  # noqa: E402
+from tests.drivers import print_report  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
     seen["ranks"] = [e["RANK"] for e in wg.env(["RANK"])]
     wg.shutdown()
     seen["initialized_at_end"] = ray.is_initialized()
-    print(json.dumps(seen))
+    print_report(seen)
     ray.shutdown()
 
 
