@@ -271,3 +271,22 @@ def test_dist_env_requires_every_variable():
         rendezvous.DistEnv.from_environ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "x"})
     env = rendezvous.DistEnv(1, 2, 1, 2, "127.0.0.1", 1234)
     assert rendezvous.DistEnv.from_environ(env.as_env()) == env
+
+
+def test_a_group_more_than_the_bundles_hold_is_refused_at_once(ray_session):
+    from rankmesh import RayClassWithInitArgs, RayWorkerGroup
+    from tests.dispatch_workers import RecordingWorker
+
+    pool = RayResourcePool([2], use_gpu=False)  # max_colocate_count=1: one group per bundle
+    first = RayWorkerGroup(pool, RayClassWithInitArgs(RecordingWorker))
+    try:
+        start = time.monotonic()
+        with pytest.raises(ResourcePoolError) as info:
+            RayWorkerGroup(pool, RayClassWithInitArgs(RecordingWorker))
+        assert time.monotonic() - start < 2.0  # not after start_timeout: its actors could never be placed
+        text = str(info.value)
+        assert "already hold 1 worker group(s), as many as max_colocate_count=1 allows" in text
+        assert "max_colocate_count=2 or more" in text
+        assert len(first.one_to_all("still here")) == 2  # the running group is untouched
+    finally:
+        first.shutdown()
