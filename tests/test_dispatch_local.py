@@ -50,6 +50,9 @@ class CountingExecutor:
     def close(self):
         self.inner.close()
 
+    def drain_timings(self):
+        return self.inner.drain_timings()
+
     def fetch(self, pending, timeout=None, borrow=False, stall_warn_s=None):
         return self.inner.fetch(pending, timeout, borrow, stall_warn_s)
 

@@ -119,6 +119,14 @@ class Backend(Protocol):
         the parts it needs.  ``timeout`` bounds each fetch (``None``: :attr:`call_timeout_s`).
         """
 
+    def drain_timings(self) -> list[tuple[int, list[Any], int, int, int]]:
+        """Per rank ``(rank, kept timings, sent_ns, host_ns, received_ns)`` of traced non-blocking calls.
+
+        What ranks keep under ``RankCall.keep`` until the controller collects it (one round), with
+        the host's clock read between sending and receiving; ``[]`` for a backend whose ranks hand
+        their timings over at once (in-process), or once it is closed.
+        """
+
     def close(self) -> None:
         """Stop the ranks and release what they hold; later calls raise.  Idempotent."""
 

@@ -458,8 +458,7 @@ class WorkerGroup:
 
     def drain_rank_timings(self) -> list[tuple[int, list[Any], int, int, int]]:
         """Per rank, the timings it keeps of traced non-blocking calls (``rankmesh.tracing.recorder.TraceSlot.drain``)."""
-        drain = getattr(self._executor, "drain_timings", None)
-        return [] if drain is None else drain()
+        return self._executor.drain_timings()
 
     # ----- calling -----------------------------------------------------------------------------
 

@@ -213,6 +213,10 @@ class LocalExecutor:
     def failed(self) -> BaseException | None:
         return None
 
+    def drain_timings(self) -> list[tuple[int, list[Any], int, int, int]]:
+        """``[]``: in-process ranks hand their timings to the recorder as each call ends (``deliver``)."""
+        return []
+
     def close(self) -> None:
         """Drop the worker objects; later calls raise."""
         self._closed = True
