@@ -7,24 +7,17 @@ a subprocess would prove nothing more and pay for another Python, Ray and 16 imp
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_dispatch.py"
+from tests.scripts import script_module
 
 
 @pytest.fixture
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_dispatch", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield from script_module("bench_dispatch")
 
 
 @pytest.mark.timeout(120)
