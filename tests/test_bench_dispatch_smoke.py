@@ -8,7 +8,6 @@ a subprocess would prove nothing more and pay for another Python, Ray and 16 imp
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
