@@ -83,6 +83,9 @@ def fused(ray_session):
 
 def test_fused_group_has_prefixed_methods(fused):
     assert {"actor_whoami", "critic_whoami", "actor_compute", "critic_compute"} <= set(fused.method_names)
+    # Unnamed, a colocated group is named by its roles; each role group by its role (traces, reports).
+    assert fused.name_prefix == "actor+critic" and fused.trace_name == "actor+critic"
+    assert fused.startup_report().format().splitlines()[0].startswith("start-up of actor+critic")
     actor, critic = fused.actor_whoami(), fused.critic_whoami()
     assert [a["role"] for a in actor] == ["actor"] * 4 and [c["role"] for c in critic] == ["critic"] * 4
     assert [a["pid"] for a in actor] == [c["pid"] for c in critic]  # same processes

@@ -200,6 +200,7 @@ def test_plain_env_init_dead_worker_and_shutdown(ray_session):
     pool = RayResourcePool([2], use_gpu=False)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(PlainInitWorker))
     assert wg.ranks() == [(0, 2), (1, 2)]
+    assert wg.name_prefix == wg.trace_name == "PlainInitWorker"  # unnamed: its worker class, everywhere
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"rank 1 .*died during die_on") as info:
         wg.die_on([1, 1])

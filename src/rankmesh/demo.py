@@ -267,7 +267,7 @@ def start_rollout(cfg: DemoConfig, model: dict):
 
     mesh, counts = resolve_rollout(cfg)
     return RayWorkerGroup(RayResourcePool(counts, use_gpu=False, name_prefix="rollout_pool"),
-                          RayClassWithInitArgs(RolloutWorker, model=model), mesh=mesh, name_prefix="demo-rollout")
+                          RayClassWithInitArgs(RolloutWorker, model=model), mesh=mesh, name_prefix="rollout")
 
 
 def ppo_loss(log_probs, old_log_probs, advantages, clip_ratio: float):
@@ -292,10 +292,10 @@ def start_groups(cfg: DemoConfig, model: dict):
     # With a kill planned, the actor replaces a dead rank in place and retries the call once.
     policy = {} if cfg.kill_rank is None else {"on_rank_death": "replace"}
     roles = start_megatron_group(RayResourcePool(actor_counts, use_gpu=False, name_prefix="actor_pool"),
-                                 colocated, actor_mesh, roles=["actor", "ref"], name_prefix="demo-actor", **policy)
+                                 colocated, actor_mesh, roles=["actor", "ref"], name_prefix="actor+ref", **policy)
     critic = start_megatron_group(RayResourcePool(critic_counts, use_gpu=False, name_prefix="critic_pool"),
                                   RayClassWithInitArgs(CriticWorker, lr=cfg.critic_lr, **common),
-                                  critic_mesh, name_prefix="demo-critic")
+                                  critic_mesh, name_prefix="critic")
     return roles["actor"], roles["ref"], critic, source
 
 

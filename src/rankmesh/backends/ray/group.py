@@ -59,6 +59,17 @@ def check_bin_pack(bin_pack: Any) -> None:
         )
 
 
+def default_group_name(cls_with_init: RayClassWithInitArgs, detached: bool) -> str:
+    """A group's name when none is given: what its processes run, as traces, start-up reports, logs and errors show it.
+
+    The worker class (``ActorWorker``), or the colocated roles joined (``actor+ref``).  A detached
+    group's name is also how its actors are found in Ray's namespace, so it gets a unique suffix.
+    """
+    roles = [role for role in cls_with_init.roles if role is not None]
+    name = "+".join(roles) if roles else cls_with_init.cls.__name__
+    return f"{name}-{uuid.uuid4().hex[:8]}" if detached else name
+
+
 class RayWorkerGroup(WorkerGroup):
     """One Ray actor per bundle of ``resource_pool``, each hosting ``ray_cls_with_init``'s class.
 
@@ -114,7 +125,7 @@ class RayWorkerGroup(WorkerGroup):
         if detached and not resource_pool.detached:
             raise BackendError("a detached group needs a detached pool: RayResourcePool(..., detached=True)")
         resource_pool.connect()  # not ensure_ray(): the pool sizes an embedded Ray for itself
-        prefix = name_prefix or f"rankmesh-{uuid.uuid4().hex[:8]}"
+        prefix = name_prefix or default_group_name(ray_cls_with_init, detached)
         startup = StartupProgress(prefix, world, progress)
         try:
             hosts = start_hosts(
