@@ -6,6 +6,8 @@ tp + 2 * dp for tp2·dp2) and from arithmetic, never read back from the code und
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from rankmesh.errors import RecoveryError, ShardLostError, WorkerDiedError
@@ -71,16 +73,25 @@ def test_replace_keeps_survivors_and_rebuilds_the_dead_rank(ray_session):
         wg.shutdown()
 
 
-def test_replace_policy_retries_the_failed_call_several_times_in_a_row(ray_session):
+def test_replace_policy_retries_the_failed_call_several_times_in_a_row(ray_session, caplog):
     wg = start(RankMesh(dp=4), "replace", scale=2)
     try:
         pids = [a["pid"] for a in wg.whoami()]
         for victim, values, want in ((2, [1.0, 2.0, 3.0, 4.0], 20.0), (0, [0.5, 0.5, 1.0, 1.0], 6.0)):
             exit_on_next_call(wg, victim, "world_sum")
-            # The undisturbed result: 2 * sum(values), on every rank.
-            assert wg.world_sum(values) == [want] * 4
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="rankmesh"):
+                # The undisturbed result: 2 * sum(values), on every rank.
+                assert wg.world_sum(values) == [want] * 4
             report = wg.replacements[-1]
             assert report.ranks == [victim] and report.detected_s is not None
+            # A handled failure is one line: what died, what was done, how long it took.
+            loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("rankmesh")]
+            assert len(loud) == 1, loud
+            assert loud[0].startswith(f"world_sum: replaced ranks [{victim}]") and "detected in" in loud[0], loud
+            assert loud[0].endswith("retrying the call once"), loud
+            # Every output of the failed attempt was read: Ray has no failed object to call unhandled.
+            assert wg.executor.abandoned == []
             now = [a["pid"] for a in wg.whoami()]
             assert [p for r, p in enumerate(now) if r != victim] == [p for r, p in enumerate(pids) if r != victim]
             assert now[victim] != pids[victim]

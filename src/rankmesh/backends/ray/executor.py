@@ -129,6 +129,8 @@ class RayExecutor:
         self.headers = hosts.headers
         self._failed: RankMeshError | None = None
         self.dead: set[int] = set()  # ranks seen dead since the last replacement
+        # Rank calls of failed calls whose outputs no caller will read (see settle()).
+        self.abandoned: list[Pending] = []
         self.token = uuid.uuid4().hex
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
         register_store_processes(raylet_pids())
@@ -155,7 +157,10 @@ class RayExecutor:
         if self.on_rank_death != "fail":  # the survivors stay up, for replace_dead_ranks()
             if self._failed is None:
                 self._failed = err
-            logger.warning("worker group: %s; survivors kept for replace_dead_ranks()", err)
+            if self.on_rank_death == "keep":  # the caller must act: say so
+                logger.warning("worker group: %s; survivors kept for replace_dead_ranks()", err)
+            else:  # "replace": the group replaces the rank and logs one line when done
+                logger.info("worker group: %s; replacing it", err)
             return
         if self._failed is not None:
             return
@@ -174,6 +179,27 @@ class RayExecutor:
         self.nodes = self.hosts.nodes
         self.dead.clear()
         self._failed = None
+        self.settle()  # the survivors were drained: their failed attempts' outputs are in
+
+    def settle(self) -> None:
+        """Read and drop the outputs of failed calls that have arrived; keep the others for later.
+
+        When a call fails, the caller gets the first error and the other ranks' outputs are left
+        unread.  Ray logs an "Unhandled error" with a full traceback for every failed output it
+        frees without anyone having read it, so a handled failure (a rank replaced, the call
+        retried) would end in one such block per survivor.  The group reads them itself instead,
+        as they arrive (here after a failure, before the next submit, after a replacement).
+        """
+        if not self.abandoned:
+            return
+        refs = [p.ref for p in self.abandoned]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - already reported through the call's own error
+                pass
+        self.abandoned = [p for p in self.abandoned if p.ref not in ready]
 
     def _check_usable(self, method: str) -> None:
         if self.closed:
@@ -203,6 +229,8 @@ class RayExecutor:
 
     def submit(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[Pending]:
         self._check_usable(method)
+        if self.abandoned:
+            self.settle()
         pending = []
         marked = False  # a traced call's first rank sends the fetch mark (rankmesh.tracing.recorder)
         cache, actors, nodes, coords = self.headers, self.hosts.actors, self.nodes, self.coords
@@ -231,14 +259,19 @@ class RayExecutor:
         self, pending: Sequence[Pending], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None
     ) -> list[Any]:
         """Outputs of ``pending``; ``timeout=None`` / ``stall_warn_s=None`` mean the group's settings."""
-        return fetch_outputs(
-            pending,
-            self.call_timeout_s if timeout is None else timeout,
-            self.fail,
-            borrow,
-            self.stall_warn_s if stall_warn_s is None else stall_warn_s,
-            self.inspect,
-        )
+        try:
+            return fetch_outputs(
+                pending,
+                self.call_timeout_s if timeout is None else timeout,
+                self.fail,
+                borrow,
+                self.stall_warn_s if stall_warn_s is None else stall_warn_s,
+                self.inspect,
+            )
+        except RankMeshError:
+            self.abandoned.extend(pending)  # nobody reads this call's other outputs (settle)
+            self.settle()
+            raise
 
     def fetcher(self, timeout: float | None = None, stall_warn_s: float | None = None) -> GroupFetcher:
         return GroupFetcher(

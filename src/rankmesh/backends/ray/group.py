@@ -384,7 +384,10 @@ class RayWorkerGroup(WorkerGroup):
         and ``RecoveryError`` when a survivor stays busy past ``timeout_s``; both stop the group.
         """
         timeout_s = positive_seconds(timeout_s, "replace_dead_ranks(timeout_s)", BackendError)
-        return replace_dead_ranks(self._hosts, self.executor, self.mesh, self._recovery, timeout_s)
+        report = replace_dead_ranks(self._hosts, self.executor, self.mesh, self._recovery, timeout_s)
+        if report is not None:
+            logger.warning("%s", report.format())
+        return report
 
     def add_recovery_check(self, check: Any) -> None:
         """Run ``check()`` after every replacement (e.g. megatron's cross-check); it raises on a mismatch."""
@@ -428,10 +431,11 @@ class RayWorkerGroup(WorkerGroup):
                     raise
                 self.executor.fail(WorkerDiedError(min(dead), binding.name, f"found dead after: {err.detail}", ranks=sorted(dead)))
             detected = time.monotonic() - start
-            logger.warning("%s: %s; replacing the dead ranks and retrying once", binding.name, err)
-            report = self.replace_dead_ranks()
-            if report is not None:
+            logger.info("%s: %s; replacing the dead ranks and retrying once", binding.name, err)
+            report = replace_dead_ranks(self._hosts, self.executor, self.mesh, rec, DEFAULT_START_TIMEOUT)
+            if report is not None:  # a handled failure is one line: what died, what was done, how long
                 report.detected_s = detected
+                logger.warning("%s: %s; retrying the call once", binding.name, report.format())
         return super()._call(binding, args, kwargs, timeout, stall_warn_s)
 
     # ----- lifetime --------------------------------------------------------------------------------

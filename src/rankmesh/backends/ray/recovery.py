@@ -330,7 +330,6 @@ def replace_dead_ranks(
     finally:
         recovery.replacing = False
     recovery.reports.append(report)
-    logger.warning("%s", report.format())
     return report
 
 
