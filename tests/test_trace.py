@@ -133,7 +133,9 @@ def test_group_trace_records_that_group_alone(tmp_path):
     ranks = [n for n in names.values() if n.startswith("rank ")]
     assert len(ranks) == 8  # the 8 ranks of the traced group; the 2-rank group left no track
     (m,) = summarize(path).methods
-    assert (m.method, m.calls, m.straggler) == ("compute", 1, SLOW_RANK)
+    # One call names its slowest rank, but no straggler: that takes STRAGGLER_MIN_CALLS calls.
+    assert (m.method, m.calls, m.slowest, m.straggler) == ("compute", 1, [SLOW_RANK], None)
+    assert "too few calls to name a straggler (1 of the 3 needed)" in summarize(path).format()
     traced.compute(batch())  # after the block: recorded nowhere, and the file is unchanged
     assert json.loads(path.read_text()) == doc
 
@@ -215,9 +217,10 @@ def test_cli_summarize_and_plot(tmp_path, capsys):
     path = tmp_path / "cli.json"
     wg = LocalWorkerGroup(TracedWorker, RankMesh(tp=2, pp=2, dp=2))
     with trace(path):
-        wg.compute(batch())
+        for _ in range(3):  # a straggler is named after STRAGGLER_MIN_CALLS calls
+            wg.compute(batch())
     assert cli_main(["trace", "summarize", str(path)]) == 0
-    assert "straggler: rank 5" in capsys.readouterr().out
+    assert "straggler: rank 5 (slowest in 3 of 3 calls)" in capsys.readouterr().out
     assert cli_main(["trace", "summarize", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["straggler"] == SLOW_RANK
     png = tmp_path / "out.png"

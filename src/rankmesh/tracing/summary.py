@@ -33,6 +33,10 @@ class CallRecord:
     bytes_moved: int = 0
 
 
+#: Calls (with rank timings) a method needs before the summary names one rank its straggler.
+STRAGGLER_MIN_CALLS = 3
+
+
 @dataclass
 class MethodSummary:
     """Every call of one group method."""
@@ -52,9 +56,11 @@ class MethodSummary:
 
     @property
     def straggler(self) -> int | None:
-        """The rank slowest more often than any other (``None``: no rank timings, or a tie)."""
+        """The rank slowest more often than any other, over at least :data:`STRAGGLER_MIN_CALLS`
+        calls with rank timings (``None``: fewer calls, no rank timings, or a tie).  One call's
+        slowest rank is as often noise (a page fault, the scheduler) as a slow rank."""
         ranked = sorted(self.slowest_counts.values(), reverse=True)
-        if not ranked or (len(ranked) > 1 and ranked[0] == ranked[1]):
+        if len(self.slowest) < STRAGGLER_MIN_CALLS or not ranked or (len(ranked) > 1 and ranked[0] == ranked[1]):
             return None
         return max(self.slowest_counts, key=self.slowest_counts.__getitem__)
 
@@ -84,7 +90,12 @@ class TraceSummary:
             if m.slowest_counts:
                 ranked = sorted(m.slowest_counts.items(), key=lambda kv: (-kv[1], kv[0]))
                 counts = ", ".join(f"rank {r} x{n}" for r, n in ranked[:4])
-                verdict = "no single straggler" if m.straggler is None else f"straggler: rank {m.straggler}"
+                if len(m.slowest) < STRAGGLER_MIN_CALLS:
+                    verdict = f"too few calls to name a straggler ({len(m.slowest)} of the {STRAGGLER_MIN_CALLS} needed)"
+                elif m.straggler is None:
+                    verdict = "no single straggler"
+                else:
+                    verdict = f"straggler: rank {m.straggler} (slowest in {m.slowest_counts[m.straggler]} of {len(m.slowest)} calls)"
                 lines.append(f"  slowest rank per call: {counts}; {verdict}")
             if m.skew_ms is not None:
                 lines.append(f"  skew between dp replicas (median): {m.skew_ms:.2f} ms")
