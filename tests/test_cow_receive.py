@@ -349,3 +349,14 @@ def test_unwritten_view_is_serialized_from_the_shared_original(shm_file, mode):
     data, buffers = serialization.dumps(proto_of(view[:MiB]))
     assert np.frombuffer(buffers[0], dtype=np.uint8).ctypes.data == shared_addr
     assert np.array_equal(serialization.loads(data, buffers).batch["x"].numpy().reshape(-1), expected[MiB:2 * MiB])
+
+
+def test_a_process_that_received_only_small_inputs_reports_the_inline_path():
+    # A fresh process: nothing mapped, nothing copied; the path says why rather than None.
+    import subprocess
+    import sys
+
+    code = "from rankmesh.sharedmem import receive_info; i = receive_info(); print(i['path'], i['cow_views'], i['copies'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["inline", "0", "0"]

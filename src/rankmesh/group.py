@@ -710,7 +710,8 @@ class WorkerGroup:
         """Per rank: which receive path its process takes and what receiving cost so far.
 
         Each entry has ``path`` (``"cow"``: inputs are copy-on-write views of the object store,
-        ``"copy"``: private copies, ``"mixed"``, or ``None`` before the first large input),
+        ``"copy"``: private copies, ``"mixed"``, or ``"inline"`` while every input was small enough to
+        travel inside the call, below the store's threshold),
         ``fallback`` (the first reason a copy was made), ``fd_source``, and byte counters.  The
         in-process backend shares one process, so its ranks report the same counters.
         """

@@ -127,7 +127,9 @@ def receive_info() -> dict[str, Any]:
     """Which receive path this process took, and what it cost so far.
 
     ``path``: ``"cow"`` once a copy-on-write view was made (and no fallback since), ``"copy"``
-    when only copies were made, ``"mixed"`` for both, ``None`` before the first receive.
+    when only copies were made, ``"mixed"`` for both, ``"inline"`` while every input so far was
+    small enough to travel inside the call itself (below the store's threshold: nothing mapped,
+    nothing copied, so the counters stay 0).
     ``fallback``: the first reason a copy had to be made instead.  ``fd_source``: how the
     object store's file was opened (``map_files`` or ``proc_fd:<pid>``).  ``sent_shared`` /
     ``sent_shared_bytes``: buffers serialized from the shared original because their
@@ -141,7 +143,7 @@ def receive_info() -> dict[str, Any]:
     elif s.copies:
         path = "copy"
     else:
-        path = None
+        path = "inline"
     return {
         "pid": os.getpid(),
         "mode": s.mode,
