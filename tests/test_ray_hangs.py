@@ -150,7 +150,7 @@ def test_dead_rank_is_reported_dead_not_stuck(ray_session):
         for actor in actors:  # wait until Ray knows every process is gone (the kill is asynchronous)
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(actor.ping.remote(), timeout=30)
-        pending = [Pending(None, r, "act", "127.0.0.1", COORDS[r]) for r in range(4)]
+        pending = [Pending(None, r, "act", "127.0.0.1", RankMesh(tp=2, dp=2).rank_coords(r)) for r in range(4)]
         start = time.monotonic()
         report, died = gather_hangs(actors, pending, [], after_s=5.0)
         assert time.monotonic() - start <= GATHER_BUDGET_S + 0.5
