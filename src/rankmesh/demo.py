@@ -528,8 +528,8 @@ def format_summary(result: DemoResult) -> str:
     its = result.iterations
     lines = [""]
     if its:
-        lines.append(f"each update, on its own batch: actor loss {its[0].actor_loss:.5f} -> {its[0].actor_loss_after:.5f} "
-                     f"(first) ... {its[-1].actor_loss:.5f} -> {its[-1].actor_loss_after:.5f} (last); critic loss "
+        lines.append(f"each update, on its own batch: actor loss {its[0].actor_loss:.3e} -> {its[0].actor_loss_after:.3e} "
+                     f"(first) ... {its[-1].actor_loss:.3e} -> {its[-1].actor_loss_after:.3e} (last); critic loss "
                      f"{its[0].critic_loss:.5f} -> {its[0].critic_loss_after:.5f} ... {its[-1].critic_loss:.5f} -> "
                      f"{its[-1].critic_loss_after:.5f}; score {its[0].score:.3f} -> {its[-1].score:.3f} (on-policy)")
         lines.append(f"refits: {len(result.refit_bytes)} x {result.refit_minimum_bytes / 1024:.0f} KiB "
