@@ -379,6 +379,21 @@ def test_padded_future_into_another_group(group_factory):
         consumer.megatron_compute_proto(fut)
 
 
+def test_auto_padding_flag_follows_a_batch_into_its_future(group_factory):
+    # One rule for batches and futures: a batch with verl's meta flag is padded, and so is a
+    # future computed from it (its own meta_info cannot be seen before it is fetched).
+    producer = fresh(group_factory, mesh=RankMesh(dp=2))
+    consumer = fresh(group_factory, mesh=RankMesh(dp=4))
+    batch = make_batch(6, _verl_auto_padding=True)
+    assert rows_of(consumer.megatron_compute_proto(batch)) == list(range(6))  # 6 rows over dp4: padded
+    fut = producer.dp_compute_proto_nb(batch)  # 6 rows over dp2: no padding needed there
+    assert fut.auto_padding
+    assert rows_of(consumer.megatron_compute_proto(fut)) == list(range(6))
+    plain = producer.dp_compute_proto_nb(make_batch(6))
+    with pytest.raises(PaddingError, match="enable padding"):
+        consumer.megatron_compute_proto(plain)
+
+
 # ----- bad input -----------------------------------------------------------------------------------
 
 

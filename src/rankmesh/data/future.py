@@ -154,13 +154,17 @@ class DataProtoFuture:
     """A DataProto still held by workers; picklable when its handles and ``fetch`` are.
 
     ``segments`` are row ranges over the concatenation of ``parts`` (None: row counts unknown,
-    everything is selected and ``deferred`` operations run after fetching).
+    everything is selected and ``deferred`` operations run after fetching).  ``auto_padding``:
+    the future was computed from a batch with verl's ``meta_info['_verl_auto_padding']``, so a
+    call it is passed to pads it as it would pad that batch (the flag on the batch it will fetch
+    is not visible before fetching).
     """
 
     parts: tuple[FuturePart, ...]
     fetch: Fetch
     segments: tuple[Segment, ...] | None = None
     deferred: tuple[Deferred, ...] = ()
+    auto_padding: bool = False
 
     # --- construction --------------------------------------------------------------------------
 
@@ -171,11 +175,12 @@ class DataProtoFuture:
         fetch: Fetch,
         rows: Sequence[int] | None = None,
         pad_size: int = 0,
+        auto_padding: bool = False,
     ) -> DataProtoFuture:
         """A future over ``handles`` (in order) whose last ``pad_size`` rows are padding."""
         handles = list(handles)
         if rows is None:
-            fut = cls(tuple(FuturePart(h) for h in handles), fetch)
+            fut = cls(tuple(FuturePart(h) for h in handles), fetch, auto_padding=auto_padding)
             return fut.unpad(pad_size) if pad_size else fut
         rows = [validate.non_negative_int(r, f"rows[{i}]", DataProtoError) for i, r in enumerate(rows)]
         if len(rows) != len(handles):
@@ -183,12 +188,14 @@ class DataProtoFuture:
         total = sum(rows)
         pad_size = validate.int_in_range(pad_size, "pad_size", 0, total, DataProtoError)
         parts = tuple(FuturePart(h, r) for h, r in zip(handles, rows))
-        return cls._select(parts, [(0, total - pad_size)], fetch)
+        return cls._select(parts, [(0, total - pad_size)], fetch, auto_padding)
 
     @classmethod
-    def _select(cls, parts: Sequence[FuturePart], segments: Sequence[Segment], fetch: Fetch) -> DataProtoFuture:
+    def _select(
+        cls, parts: Sequence[FuturePart], segments: Sequence[Segment], fetch: Fetch, auto_padding: bool = False
+    ) -> DataProtoFuture:
         kept, segs = _normalize(parts, segments, parts[0] if parts else None)
-        return cls(kept, fetch, segs)
+        return cls(kept, fetch, segs, auto_padding=auto_padding)
 
     @staticmethod
     def concat(data: Sequence[Any], fetch: Fetch | None = None) -> DataProtoFuture:
@@ -213,6 +220,7 @@ class DataProtoFuture:
         if not items:
             return DataProtoFuture((), fetch or identity_fetch, ())
         first = futures[0].fetch
+        padded = any(f.auto_padding for f in futures)  # as DataProto.concat merges the meta flag
         if all(f.rows_known and f.fetch == first for f in futures):
             parts: list[FuturePart] = []
             segments: list[Segment] = []
@@ -220,11 +228,11 @@ class DataProtoFuture:
                 base = sum(p.rows for p in parts)
                 parts.extend(f.parts)
                 segments.extend((a + base, b + base) for a, b in f.segments)
-            return DataProtoFuture._select(parts, segments, first)
+            return DataProtoFuture._select(parts, segments, first, padded)
         nested = tuple(FuturePart(f, f.num_rows) for f in futures)
         if all(p.rows is not None for p in nested):
-            return DataProtoFuture._select(nested, [(0, sum(p.rows for p in nested))], fetch_futures)
-        return DataProtoFuture(nested, fetch_futures)
+            return DataProtoFuture._select(nested, [(0, sum(p.rows for p in nested))], fetch_futures, padded)
+        return DataProtoFuture(nested, fetch_futures, auto_padding=padded)
 
     # --- shape -----------------------------------------------------------------------------------
 
@@ -267,7 +275,7 @@ class DataProtoFuture:
         start, stop, _ = slice(start, stop).indices(len(self))
         schema = self.parts[0] if self.parts else None
         kept, segs = _normalize(self.parts, _sub_segments(self.segments, start, stop), schema)
-        return DataProtoFuture(kept, self.fetch, segs)
+        return dataclasses.replace(self, parts=kept, segments=segs)
 
     def chunk(self, chunks: int) -> list[DataProtoFuture]:
         """``chunks`` futures over consecutive rows, each holding only the parts it overlaps.
@@ -297,7 +305,7 @@ class DataProtoFuture:
             segments += _sub_segments(self.segments, 0, take)
             remaining -= take
         kept, segs = _normalize(self.parts, segments, self.parts[0] if self.parts else None)
-        return DataProtoFuture(kept, self.fetch, segs), pad_size
+        return dataclasses.replace(self, parts=kept, segments=segs), pad_size
 
     def unpad(self, pad_size: int) -> DataProtoFuture:
         """Drop the last ``pad_size`` rows; fetches nothing."""

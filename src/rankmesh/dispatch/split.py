@@ -49,7 +49,9 @@ class SplitCall:
     ``broadcast``: every rank receives ``pieces[0]`` (replicated arguments).  ``rows``: rows of
     the caller's batch (``None`` without batch arguments or when unknown); ``pad``: pad rows
     appended before splitting; ``piece_rows``: rows of each piece after padding;
-    ``tensordicts``: the batches were TensorDicts (outputs join as a TensorDict, not a DataProto).
+    ``tensordicts``: the batches were TensorDicts (outputs join as a TensorDict, not a DataProto);
+    ``auto_padding``: a batch asked for verl's auto-padding (its meta flag, or a future computed
+    from such a batch), which the call's output future carries on.
     """
 
     pieces: tuple[tuple[Args, Kwargs], ...]
@@ -58,6 +60,7 @@ class SplitCall:
     pad: int = 0
     piece_rows: int | None = None
     tensordicts: bool = False
+    auto_padding: bool = False
 
 
 def _items(args: Args, kwargs: Kwargs) -> list[tuple[int | str, Any]]:
@@ -144,7 +147,8 @@ def _split_proto(spec: MeshSpec, n: int, args: Args, kwargs: Kwargs, site: CallS
     pieces = tuple(_rebuild([*func, *(c[i] for c in chunked)], len(func) + len(args), keys) for i in range(n))
     piece_rows = None if rows is None else (rows + pad) // n
     tensordicts = any(isinstance(v, TensorDictBase) for _, v in items)
-    return SplitCall(pieces, broadcast=False, rows=rows, pad=pad, piece_rows=piece_rows, tensordicts=tensordicts)
+    return SplitCall(pieces, broadcast=False, rows=rows, pad=pad, piece_rows=piece_rows, tensordicts=tensordicts,
+                     auto_padding=_asks_padding([v for _, v in items]))
 
 
 def _rows(value: Any) -> int:
@@ -160,11 +164,22 @@ def _chunk_tensordict(td: TensorDictBase, n: int, pad: int) -> list[TensorDictBa
 
 
 def _padding_enabled(spec: MeshSpec, padding: bool | None, batches: Sequence[Any]) -> bool:
+    """The one padding rule (verl 0.9.1's, with futures treated as the batches they will be).
+
+    ``@register(padding=True/False)`` decides for its method; otherwise a mode that pads, verl's
+    global ``DataProtoConfig.auto_padding``, or a batch that asks (``_asks_padding``) turns it on.
+    """
     if padding is not None:
         return padding
     if spec.padding or DataProtoConfig.auto_padding:
         return True
-    return any(isinstance(b, DataProto) and auto_padding_enabled(b) for b in batches)
+    return _asks_padding(batches)
+
+
+def _asks_padding(batches: Sequence[Any]) -> bool:
+    """A batch with ``meta_info['_verl_auto_padding']``, or a future computed from one."""
+    return any((isinstance(b, DataProto) and auto_padding_enabled(b)) or (isinstance(b, DataProtoFuture) and b.auto_padding)
+               for b in batches)
 
 
 def _drop_pad(data: DataProto, split: SplitCall, site: CallSite) -> DataProto:
@@ -208,9 +223,9 @@ def output_future(split: SplitCall, handles: Sequence[Any], fetch: Any) -> DataP
     rows as it received); the future checks that when it fetches.
     """
     if split.piece_rows is None:
-        return DataProtoFuture.from_parts(list(handles), fetch)
+        return DataProtoFuture.from_parts(list(handles), fetch, auto_padding=split.auto_padding)
     rows = [split.piece_rows] * len(handles)
-    return DataProtoFuture.from_parts(list(handles), fetch, rows=rows, pad_size=split.pad)
+    return DataProtoFuture.from_parts(list(handles), fetch, rows=rows, pad_size=split.pad, auto_padding=split.auto_padding)
 
 
 __all__ = ["CallSite", "SplitCall", "join_outputs", "output_future", "split_call"]
