@@ -3,8 +3,10 @@
 One row of panels per worker group.  Left: the group's ranks as boxes, a pipeline stage per row
 and, along it, dp replicas side by side with their tp (and cp) ranks inside, as ``layout draw``
 groups them; each box is coloured by the rank's median worker-method time over the group's
-calls, so a straggler is the one bright box.  Right: one horizontal bar per call (latest
-:data:`MAX_CALLS`), split into the controller's phases.  matplotlib is imported only when
+calls, on one colour scale for the whole figure (each panel's title prints its own range), so a
+straggler is the one bright box.  Right: one horizontal bar per call (latest :data:`MAX_CALLS`),
+split into the controller's phases, with a thin black bar inside ``wait`` for the slowest rank's
+own method: how much of the wait the ranks' work explains.  The legend sits beside the bars.  matplotlib is imported only when
 drawing, through its object API (``Figure``), so drawing never switches a notebook's backend.
 """
 
@@ -33,6 +35,15 @@ def _cell(coords: dict[str, int], mesh: dict[str, int]) -> tuple[int, int]:
     return coords.get("dp", 0) * (tp * cp + 1) + inner, coords.get("pp", 0)
 
 
+def _median_method_ms(calls: list[Any]) -> dict[int, float]:
+    """Per rank, the median of its worker-method time (ms) over ``calls``."""
+    per_rank: dict[int, list[float]] = defaultdict(list)
+    for c in calls:
+        for rank, us in c.method_us.items():
+            per_rank[rank].append(us / 1000)
+    return {r: statistics.median(v) for r, v in per_rank.items()}
+
+
 def plot_trace(trace_path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     """Draw the trace at ``trace_path`` to ``out`` (.png, .svg or .pdf); returns the output path."""
     import matplotlib  # noqa: PLC0415 - matplotlib is heavy and optional
@@ -49,17 +60,16 @@ def plot_trace(trace_path: str | os.PathLike[str], out: str | os.PathLike[str]) 
     for c in calls:
         by_group[c.group].append(c)
     names = [g["name"] for g in groups.values() if g["name"] in by_group]
+    medians = {name: _median_method_ms(by_group[name]) for name in names}
+    # One colour scale for the whole figure: the same colour means the same time in every panel.
+    every = [ms for m in medians.values() for ms in m.values()]
+    norm = colors.Normalize(vmin=min(every, default=0.0), vmax=max(max(every, default=1.0), 1e-6))
+    cmap = matplotlib.colormaps["viridis"]
     fig = Figure(figsize=(13, 3.2 * len(names) + 0.6), layout="constrained")
     axes = fig.subplots(len(names), 2, squeeze=False, width_ratios=[1, 1.3])
     for (ax_mesh, ax_calls), name in zip(axes, names):
         group = next(g for g in groups.values() if g["name"] == name)
-        per_rank: dict[int, list[float]] = defaultdict(list)
-        for c in by_group[name]:
-            for rank, us in c.method_us.items():
-                per_rank[rank].append(us / 1000)
-        median = {r: statistics.median(v) for r, v in per_rank.items()}
-        norm = colors.Normalize(vmin=min(median.values(), default=0), vmax=max(max(median.values(), default=1), 1e-6))
-        cmap = matplotlib.colormaps["viridis"]
+        median = medians[name]
         width = height = 0
         for info in group["ranks"]:
             col, row = _cell(info["coords"], group["mesh"])
@@ -76,8 +86,8 @@ def plot_trace(trace_path: str | os.PathLike[str], out: str | os.PathLike[str]) 
         ax_mesh.set_xticks([])
         ax_mesh.set_yticks([-r + 0.42 for r in range(height)], [f"pp{r}" for r in range(height)])
         sizes = " ".join(f"{k}{v}" for k, v in group["mesh"].items() if v > 1) or "1 rank"
-        ax_mesh.set_title(f"{name} · {sizes}: worker method, median ms (dp replicas left to right)", fontsize=9)
-        fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax_mesh, shrink=0.8, label="ms")
+        spread = f"{min(median.values()):.1f}–{max(median.values()):.1f} ms" if median else "no rank timings"
+        ax_mesh.set_title(f"{name} · {sizes}: worker method, median {spread}\n(dp replicas left to right)", fontsize=9)
         shown = by_group[name][-MAX_CALLS:]
         for i, c in enumerate(shown):
             left = 0.0
@@ -85,14 +95,22 @@ def plot_trace(trace_path: str | os.PathLike[str], out: str | os.PathLike[str]) 
                 dur = c.phases.get(phase, 0.0) / 1000
                 if dur > 0:
                     ax_calls.barh(i, dur, left=left, color=PHASE_COLOURS[phase], label=phase if i == 0 else None)
+                    if phase == "wait" and c.method_us:
+                        # How much of the wait the slowest rank's own method explains (the rest:
+                        # getting the call to the ranks and the outputs back).
+                        slowest = min(max(c.method_us.values()) / 1000, dur)
+                        ax_calls.barh(i, slowest, left=left, height=0.25, color="black",
+                                      label="slowest rank's method" if i == 0 else None)
                     left += dur
         ax_calls.set_yticks(range(len(shown)), [f"{c.method} #{c.id}" for c in shown], fontsize=7)
         ax_calls.invert_yaxis()
         ax_calls.set_xlabel("controller time per call, ms")
         ax_calls.set_title(f"{name}: phases of each call", fontsize=9)
         handles, labels = ax_calls.get_legend_handles_labels()
-        if handles:
-            ax_calls.legend(fontsize=7, loc="lower right")
+        if handles:  # beside the bars, never over them
+            ax_calls.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=list(axes[:, 0]), shrink=0.8,
+                 label="worker method, median ms (one scale for every group)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
