@@ -669,7 +669,7 @@ class WorkerGroup:
             if bound is None and (not isinstance(method, str) or not callable(getattr(self.worker_cls, method, None))):
                 raise DispatchError(f"{self.worker_cls.__name__} has no method {method!r}")
             role, target = (bound.binding.role, bound.binding.target) if bound else self._table.route(method)
-            receive = bound.binding.method.receive if bound else "cow"
+            receive = bound.binding.method.receive if bound else MethodSpec.receive  # @register's default
             spec = MethodSpec(_EXECUTE_ALL, Execute.ALL, blocking, receive=receive)
             site = CallSite(f"{self.worker_cls.__name__}.{method}", (), "per rank")
             binding = self._adhoc[key] = Binding(method, spec, PerRank(), None, site, role, target)
