@@ -5,7 +5,10 @@ An actor, a critic and a reference group built one after the other on the same
 1 CPU and 1/3 of its bundle's GPU, so rank r of every group sees the same GPU.  This CPU machine
 has no GPU: the driver's Ray *declares* two (``ensure_ray(num_gpus=2)``), so placement and GPU
 assignment are Ray's real ones while tensors stay on the CPU.  A group more than the bundles hold
-is refused at once.  Runs its own driver (tests/drivers.py): the session's Ray declares no GPUs.
+is refused at once.  Then verl's merged pools (its ``test_high_level_scheduling_api`` pattern)
+through ``rankmesh.compat.verl``, with verl's default ``max_colocate_count`` (10): a group on
+``merge_resource_pool(rm, ref)`` and a group on ``ref`` share ``ref``'s bundle and GPU.  Runs its
+own driver (tests/drivers.py): the session's Ray declares no GPUs.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class Role(Worker):
     def where(self):
         return [ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0), os.environ.get("CUDA_VISIBLE_DEVICES")]
 
-ensure_ray(num_cpus=16, num_gpus=2)
+ensure_ray(num_cpus=24, num_gpus=2)  # logical CPUs: verl's pools below reserve 10 per bundle
 pool = RayResourcePool([2], use_gpu=True, max_colocate_count=3)
 groups = [RayWorkerGroup(pool, RayClassWithInitArgs(Role), name_prefix=name) for name in ("actor", "critic", "ref")]
 report = {"where": [g.where() for g in groups]}
@@ -41,12 +44,27 @@ except ResourcePoolError as exc:
 report["fourth_s"] = time.monotonic() - started
 for g in groups:
     g.shutdown()
+
+from rankmesh.compat.verl import RayResourcePool as VerlPool, RayWorkerGroup as VerlGroup, merge_resource_pool
+rm, ref = VerlPool([1], name_prefix="rm"), VerlPool([1], name_prefix="ref")  # verl's defaults: use_gpu, 10 per bundle
+total = merge_resource_pool(rm, ref)
+report["merged"] = [total.name_prefix, total.world_size, total.max_colocate_count]
+on_total = VerlGroup(total, RayClassWithInitArgs(Role), name_prefix="on_total")
+on_ref = VerlGroup(ref, RayClassWithInitArgs(Role), name_prefix="on_ref")
+report["on_total"], report["on_ref"] = on_total.where(), on_ref.where()
+on_total.shutdown()
+on_ref.shutdown()
 print_report(report)
 """
 
 
-def test_three_groups_share_one_gpu_pool_and_a_fourth_is_refused_at_once():
-    seen = run_code(DRIVER, timeout=240)
+@pytest.fixture(scope="module")
+def seen():
+    """The driver's report (one driver, one Ray, for both tests)."""
+    return run_code(DRIVER, timeout=240)
+
+
+def test_three_groups_share_one_gpu_pool_and_a_fourth_is_refused_at_once(seen):
     where = seen["where"]
     # 1/3 of a GPU per process; rank r of every group on the same bundle, hence the same GPU.
     assert all(abs(share - 1 / 3) < 1e-3 for group in where for share, _ in group), where
@@ -55,3 +73,12 @@ def test_three_groups_share_one_gpu_pool_and_a_fourth_is_refused_at_once():
     assert all([device for _, device in group] == gpus for group in where), where
     assert "already hold 3 worker group(s), as many as max_colocate_count=3 allows" in seen["fourth"]
     assert seen["fourth_s"] < 2.0
+
+
+def test_merged_verl_pools_put_a_group_on_both_and_share_the_second_pools_bundle(seen):
+    assert seen["merged"] == ["rm_ref", 2, 10]
+    # verl's default: each process takes 1/10 of its bundle's GPU
+    assert all(abs(share - 0.1) < 1e-6 for share, _ in seen["on_total"] + seen["on_ref"]), seen
+    (_, gpu_rm), (_, gpu_ref) = seen["on_total"]
+    assert sorted([gpu_rm, gpu_ref]) == ["0", "1"], seen  # one bundle of each pool, one GPU each
+    assert seen["on_ref"] == [[0.1, gpu_ref]], seen  # ref's group runs on ref's bundle: merged rank 1's GPU

@@ -13,7 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rankmesh.backends.ray import rendezvous  # noqa: E402
-from rankmesh.backends.ray.pool import RayResourcePool, node_sort_key, split_resource_pool  # noqa: E402
+from rankmesh.backends.ray.pool import RayResourcePool, merge_resource_pool, node_sort_key, split_resource_pool  # noqa: E402
 from rankmesh.errors import ResourcePoolError  # noqa: E402
 from tests.drivers import run_code  # noqa: E402
 
@@ -117,6 +117,42 @@ def test_split_pool_shares_placement_groups(ray_session):
             split_resource_pool(pool, [1, 1])
     finally:
         pool.remove()
+
+
+def test_merged_pool_runs_on_both_pools_bundles_and_holds_their_groups(ray_session):
+    first, second = RayResourcePool([2, 1], use_gpu=False, name_prefix="a"), RayResourcePool([1], use_gpu=False, name_prefix="b")
+    try:
+        merged = merge_resource_pool(first, second)
+        assert (merged.name_prefix, merged.world_size, merged.process_on_nodes) == ("a_b", 4, [2, 1, 1])
+        assert merged.reserved_cpus == 4  # the two pools' bundles, nothing of its own
+        slots, own = merged.slots(), first.slots() + second.slots()
+        assert [(s.pg, s.bundle_index) for s in slots] == [(s.pg, s.bundle_index) for s in own]
+        # a view of a merged pool keeps its order; its second half is exactly pool b plus a's last bundle
+        tail = split_resource_pool(merged, [2, 2])[1]
+        assert [(s.pg, s.bundle_index) for s in tail.slots()] == [(s.pg, s.bundle_index) for s in own[2:]]
+        assert tail.process_on_nodes == [1, 1]
+        # a group on the merged pool fills b's only bundle (max_colocate_count=1): b refuses another
+        merged.acquire()
+        with pytest.raises(ResourcePoolError, match="'b': its bundles already hold 1 worker group"):
+            second.admit()
+        merged.release()
+        second.admit()
+        assert first._slots is None and second._slots is None  # the last user out removed both pools' groups
+    finally:
+        first.remove()
+        second.remove()
+
+
+def test_merging_pools_that_disagree_or_overlap_is_refused_by_name():
+    one, ten = RayResourcePool([1], use_gpu=False), RayResourcePool([1], use_gpu=False, max_colocate_count=10)
+    with pytest.raises(ResourcePoolError, match="differ in max_colocate_count"):
+        merge_resource_pool(one, ten)
+    with pytest.raises(ResourcePoolError, match="differ in use_gpu"):
+        merge_resource_pool(one, RayResourcePool([1], use_gpu=True))
+    with pytest.raises(ResourcePoolError, match="share 1 bundle"):
+        merge_resource_pool(one, one)
+    halves = split_resource_pool(RayResourcePool([2], use_gpu=False), 1)
+    assert merge_resource_pool(halves[1], halves[0]).world_size == 2  # disjoint views of one pool merge
 
 
 def test_pool_refcount_removes_placement_groups_on_last_release(ray_session):

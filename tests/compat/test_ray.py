@@ -24,7 +24,7 @@ ENV = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RAY_LOCAL_RANK",
 @pytest.fixture(scope="module")
 def wg():
     group = RayWorkerGroup(
-        RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker), worker_env={"HIP_VISIBLE_DEVICES": "0,1"}
+        RayResourcePool([2], use_gpu=False, max_colocate_count=1), RayClassWithInitArgs(cls=EnvWorker), worker_env={"HIP_VISIBLE_DEVICES": "0,1"}
     )
     yield group
     group.shutdown()
@@ -87,13 +87,13 @@ def test_worker_groups_return_compat_batches_with_verls_semantics(wg):
 
 def test_worker_env_overriding_a_reserved_variable_is_a_value_error():
     with pytest.raises(ValueError, match="WORLD_SIZE"):
-        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker), worker_env={"WORLD_SIZE": "9"})
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False, max_colocate_count=1), RayClassWithInitArgs(cls=EnvWorker), worker_env={"WORLD_SIZE": "9"})
 
 
 def test_fused_workers_reach_roles_as_attributes():
     cls = RayClassWithInitArgs(cls=HybridWorker)
     cls.fused_worker_used = True
-    group = RayWorkerGroup(RayResourcePool([2], use_gpu=False), cls)
+    group = RayWorkerGroup(RayResourcePool([2], use_gpu=False, max_colocate_count=1), cls)
     try:
         assert group.fused_worker_used
         group.fuse(["actor", "critic"])
@@ -110,7 +110,7 @@ def test_the_register_center_timeout_bounds_the_start():
     start = time.monotonic()
     with pytest.raises(FetchTimeoutError):
         RayWorkerGroup(
-            RayResourcePool([1], use_gpu=False),
+            RayResourcePool([1], use_gpu=False, max_colocate_count=1),
             RayClassWithInitArgs(cls=SlowStartWorker, seconds=45.0),
             ray_wait_register_center_timeout=3,
         )

@@ -29,7 +29,7 @@ def main() -> None:
         seen["too_big"] = f"{type(exc).__name__}: {exc}"[:300]
     seen["initialized_after_failure"] = ray.is_initialized()
     seen["cpus_after"] = ray.cluster_resources().get("CPU")
-    wg = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker))
+    wg = RayWorkerGroup(RayResourcePool([2], use_gpu=False, max_colocate_count=1), RayClassWithInitArgs(cls=EnvWorker))
     try:
         wg.env(123)  # a worker method that raises (iterating an int)
         seen["failed_call"] = "accepted"

@@ -1,6 +1,7 @@
 """The Ray backend: one Ray actor per rank, placed by resource pools (verl's ``single_controller.ray``).
 
-* :class:`RayResourcePool`, :func:`split_resource_pool`: placement groups, one per node entry.
+* :class:`RayResourcePool`, :func:`split_resource_pool`, :func:`merge_resource_pool`: placement
+  groups, one per node entry; views that carve a pool up or join two.
 * :class:`RayClassWithInitArgs`, :class:`RayWorkerGroup`: start a group, call it like one object.
 * :func:`create_colocated_worker_cls`: several roles in the same processes (``wg.spawn``).
 * :func:`init_torch_distributed`: join torch.distributed from inside a worker.
@@ -31,6 +32,7 @@ _EXPORTS = MappingProxyType({
     "RayWorkerGroup": "rankmesh.backends.ray.group",
     "RayResourcePool": "rankmesh.backends.ray.pool",
     "split_resource_pool": "rankmesh.backends.ray.pool",
+    "merge_resource_pool": "rankmesh.backends.ray.pool",
     "init_torch_distributed": "rankmesh.backends.ray.rendezvous",
     "ensure_ray": "rankmesh.backends.ray.runtime",
     "RayExecutor": "rankmesh.backends.ray.executor",
@@ -56,7 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from rankmesh.backends.ray.executor import RayExecutor
     from rankmesh.backends.ray.group import RayWorkerGroup
-    from rankmesh.backends.ray.pool import RayResourcePool, split_resource_pool
+    from rankmesh.backends.ray.pool import RayResourcePool, merge_resource_pool, split_resource_pool
     from rankmesh.backends.ray.rendezvous import init_torch_distributed
     from rankmesh.backends.ray.runtime import ensure_ray
     from rankmesh.backends.ray.waiting import fetch_refs

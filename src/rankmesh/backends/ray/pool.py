@@ -24,6 +24,8 @@ with :class:`ResourcePoolError`.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import ipaddress
 import logging
 import math
@@ -127,9 +129,10 @@ class RayResourcePool:
         self._pgs: list[Any] = []
         self._users = 0
         self._groups_on = [0] * sum(self._counts)  # worker groups on each bundle (root pools only)
-        # Views made by split_resource_pool point at their root and a slice of its slots.
-        self._root: RayResourcePool = self
-        self._start = 0
+        # Rank r of this pool is bundle _members[r][1] of root pool _members[r][0]: a root pool
+        # lists its own bundles; split_resource_pool and merge_resource_pool make views that list
+        # their roots' (one root sliced, or several roots one after the other).
+        self._members: tuple[tuple[RayResourcePool, int], ...] = tuple((self, i) for i in range(sum(self._counts)))
 
     # ----- description -------------------------------------------------------------------------
 
@@ -146,9 +149,20 @@ class RayResourcePool:
 
     @property
     def reserved_cpus(self) -> float:
-        """Logical CPUs the whole pool reserves (every bundle of the root pool, views included)."""
-        root = self._root
-        return sum(root._counts) * root.bundle["CPU"]
+        """Logical CPUs the whole pool reserves (every bundle of its root pools, views included)."""
+        return sum(sum(root._counts) * root.bundle["CPU"] for root in self._roots())
+
+    def _roots(self) -> list[RayResourcePool]:
+        """The root pools whose bundles this pool's ranks use, in rank order (itself for a root)."""
+        return list(dict.fromkeys(root for root, _ in self._members))
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Hold every root's lock (in one fixed order, so two views over the same roots cannot deadlock)."""
+        with contextlib.ExitStack() as stack:
+            for root in sorted(self._roots(), key=id):
+                stack.enter_context(root._lock)
+            yield
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -169,7 +183,7 @@ class RayResourcePool:
         return opts
 
     def __repr__(self) -> str:
-        state = "placed" if self._root._slots is not None else "not placed"
+        state = "placed" if all(root._slots is not None for root in self._roots()) else "not placed"
         return (
             f"RayResourcePool(process_on_nodes={self.process_on_nodes}, use_gpu={self.use_gpu}, "
             f"max_colocate_count={self.max_colocate_count}, name_prefix={self.name_prefix!r}, {state})"
@@ -191,11 +205,11 @@ class RayResourcePool:
 
     def slots(self, timeout: float | None = None) -> list[Slot]:
         """Every bundle in rank order; creates the placement groups on first call."""
-        root = self._root
-        with root._lock:
-            if root._slots is None:
-                root._slots = root._create(root.ready_timeout if timeout is None else timeout)
-            return root._slots[self._start : self._start + self.world_size]
+        with self._locked():
+            for root in self._roots():
+                if root._slots is None:
+                    root._slots = root._create(root.ready_timeout if timeout is None else timeout)
+            return [root._slots[index] for root, index in self._members]
 
     def get_placement_groups(self) -> list[Any]:
         """The placement groups of this pool, in rank (node) order (verl's accessor)."""
@@ -341,44 +355,46 @@ class RayResourcePool:
         Each group's actor takes 1 CPU (and ``1 / max_colocate_count`` GPU) of its bundle, so a
         bundle holds ``max_colocate_count`` groups; one more would wait for its actors forever.
         """
-        root = self._root
-        with root._lock:
-            held = max((root._groups_on[i] for i in range(self._start, self._start + self.world_size)), default=0)
-        if held >= root.max_colocate_count:
+        with self._locked():
+            held = max((root._groups_on[i] for root, i in self._members), default=0)
+        if held >= self.max_colocate_count:
             raise ResourcePoolError(
-                f"resource pool {root.name_prefix!r}: its bundles already hold {held} worker group(s), as many as "
-                f"max_colocate_count={root.max_colocate_count} allows (each group's actor takes 1 CPU"
-                f"{' and 1/' + str(root.max_colocate_count) + ' GPU' if root.use_gpu else ''} of a bundle); create "
+                f"resource pool {self.name_prefix!r}: its bundles already hold {held} worker group(s), as many as "
+                f"max_colocate_count={self.max_colocate_count} allows (each group's actor takes 1 CPU"
+                f"{' and 1/' + str(self.max_colocate_count) + ' GPU' if self.use_gpu else ''} of a bundle); create "
                 f"the pool with max_colocate_count={held + 1} or more to run another group on the same bundles "
                 "(verl's default is 10), or put the roles into one process with create_colocated_worker_cls"
             )
 
     def acquire(self) -> None:
         """Note one more worker group using this pool's placement groups (and its bundles)."""
-        root = self._root
-        with root._lock:
-            for i in range(self._start, self._start + self.world_size):
+        with self._locked():
+            for root, i in self._members:
                 root._groups_on[i] += 1
-            root._users += 1
+            for root in self._roots():
+                root._users += 1
 
     def release(self) -> None:
-        """A worker group stopped using the pool; the last one out removes the placement groups."""
-        root = self._root
-        with root._lock:
-            for i in range(self._start, self._start + self.world_size):
+        """A worker group stopped using the pool; the last one out of a root removes its placement groups."""
+        with self._locked():
+            for root, i in self._members:
                 root._groups_on[i] = max(0, root._groups_on[i] - 1)
-            root._users = max(0, root._users - 1)
-            if root._users == 0:
-                root.remove()
+            for root in self._roots():
+                root._users = max(0, root._users - 1)
+                if root._users == 0:
+                    root._remove_own()
 
     def remove(self) -> None:
         """Remove the placement groups now (actors inside them die); the next use places anew."""
-        root = self._root
-        with root._lock:
-            for pg in root._pgs:
-                _remove_pg(pg)
-            root._pgs = []
-            root._slots = None
+        with self._locked():
+            for root in self._roots():
+                root._remove_own()
+
+    def _remove_own(self) -> None:
+        for pg in self._pgs:
+            _remove_pg(pg)
+        self._pgs = []
+        self._slots = None
 
 
 def _remove_pg(pg: Any) -> None:
@@ -408,16 +424,54 @@ def split_resource_pool(pool: RayResourcePool, split_size: int | Sequence[int]) 
         if sum(sizes) != total:
             raise ResourcePoolError(f"split sizes {sizes} sum to {sum(sizes)}, but the pool has {total} processes")
     views = []
-    start = pool._start
-    requested = [entry for entry, count in enumerate(pool._root._counts) for _ in range(count)]
-    offset = start
+    offset = 0
     for size in sizes:
-        view = RayResourcePool.__new__(RayResourcePool)
-        view.__dict__.update(pool.__dict__)
-        view._root, view._start = pool._root, offset
-        # Requested counts of the slice, entry by entry (the granted ones come from slots()).
-        entries = requested[offset : offset + size]
-        view._counts = tuple(entries.count(e) for e in dict.fromkeys(entries))
-        views.append(view)
+        members = pool._members[offset : offset + size]
+        views.append(_view(pool, members, _entry_counts(members)))
         offset += size
     return views
+
+
+def merge_resource_pool(rp1: RayResourcePool, rp2: RayResourcePool) -> RayResourcePool:
+    """One pool whose ranks are ``rp1``'s followed by ``rp2``'s (verl's ``merge_resource_pool``).
+
+    The merged pool reserves nothing of its own: its groups run on the two pools' bundles (placed
+    on first use of any of them), so a group on the merged pool and a group on ``rp2`` share
+    ``rp2``'s bundles under its ``max_colocate_count``.  The two pools must agree on what an actor
+    in a bundle gets (``use_gpu``, ``max_colocate_count``) and on ``detached``, as in verl.
+    """
+    for name in ("use_gpu", "max_colocate_count", "detached"):
+        first, second = getattr(rp1, name), getattr(rp2, name)
+        if first != second:
+            raise ResourcePoolError(
+                f"merge_resource_pool: the pools differ in {name} ({rp1.name_prefix!r} has {first!r}, "
+                f"{rp2.name_prefix!r} has {second!r}); create both with the same {name}"
+            )
+    shared = set(rp1._members) & set(rp2._members)
+    if shared:
+        raise ResourcePoolError(
+            f"merge_resource_pool: {rp1.name_prefix!r} and {rp2.name_prefix!r} share {len(shared)} bundle(s); "
+            "merge pools that do not overlap (a rank would run twice on one bundle)"
+        )
+    members = rp1._members + rp2._members
+    merged = _view(rp1, members, _entry_counts(members))
+    merged.name_prefix = f"{rp1.name_prefix}_{rp2.name_prefix}"
+    return merged
+
+
+def _view(pool: RayResourcePool, members: tuple[tuple[RayResourcePool, int], ...], counts: tuple[int, ...]) -> RayResourcePool:
+    """A pool over ``members`` (bundles of root pools), with ``pool``'s settings."""
+    view = RayResourcePool.__new__(RayResourcePool)
+    view.__dict__.update(pool.__dict__)
+    view._members = members
+    view._counts = counts  # requested counts of the slice, entry by entry (the granted ones come from slots())
+    return view
+
+
+def _entry_counts(members: Sequence[tuple[RayResourcePool, int]]) -> tuple[int, ...]:
+    """How many of ``members`` fall in each requested node entry of their roots, entries in order of first use."""
+    counts: dict[tuple[int, int], int] = {}
+    for root, index in members:
+        entry = next(e for e, end in enumerate(itertools.accumulate(root._counts)) if index < end)
+        counts[(id(root), entry)] = counts.get((id(root), entry), 0) + 1
+    return tuple(counts.values())

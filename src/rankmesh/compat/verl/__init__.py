@@ -22,6 +22,7 @@ from __future__ import annotations
 from rankmesh.backends.ray import (
     RayClassWithInitArgs,
     create_colocated_worker_cls,
+    merge_resource_pool,
     split_resource_pool,
 )
 from rankmesh.compat.verl.protocol import (
@@ -35,7 +36,14 @@ from rankmesh.compat.verl.protocol import (
     unfold_batch_dim,
     unpad_dataproto,
 )
-from rankmesh.compat.verl.workers import RayResourcePool, RayWorkerGroup, Worker, create_colocated_worker_raw_cls
+from rankmesh.compat.verl.workers import (
+    RayResourcePool,
+    RayWorkerGroup,
+    Worker,
+    create_colocated_worker_cls_fused,
+    create_colocated_worker_raw_cls,
+    get_device_name,
+)
 from rankmesh.data import DataProtoConfig, DataProtoFuture, list_of_dict_to_dict_of_list
 from rankmesh.data.proto import DataProtoItem
 from rankmesh.dispatch import (
@@ -65,10 +73,13 @@ __all__ = [
     "WorkerGroup",
     "collate_fn",
     "create_colocated_worker_cls",
+    "create_colocated_worker_cls_fused",
     "create_colocated_worker_raw_cls",
     "fold_batch_dim",
+    "get_device_name",
     "list_of_dict_to_dict_of_list",
     "make_nd_compute_dataproto_dispatch_fn",
+    "merge_resource_pool",
     "pad_dataproto_to_divisor",
     "register",
     "register_dispatch_mode",

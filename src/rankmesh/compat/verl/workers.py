@@ -143,6 +143,28 @@ def create_colocated_worker_raw_cls(class_dict: Mapping[str, Any]) -> type:
     return type(name, (Worker,), attrs)
 
 
+def create_colocated_worker_cls_fused(class_dict: Mapping[str, Any]) -> RayClassWithInitArgs:
+    """verl's fused-worker class: :func:`create_colocated_worker_raw_cls`'s class, ready for ``RayWorkerGroup``.
+
+    The group it starts is marked ``fused_worker_used``; ``wg.spawn(roles)`` and ``wg.fuse(roles)``
+    reach each role as in verl.
+    """
+    spec = RayClassWithInitArgs(create_colocated_worker_raw_cls(class_dict))
+    spec.fused_worker_used = True  # type: ignore[attr-defined] - verl's marker, read by RayWorkerGroup
+    return spec
+
+
+def get_device_name() -> str:
+    """verl's ``verl.utils.device.get_device_name``: ``"cuda"`` where torch sees a GPU, else ``"cpu"``.
+
+    Pass it as ``device_name=`` as verl code does: a ``use_gpu=True`` pool reserves Ray's GPU
+    resource either way; the name says where the workers' tensors live.
+    """
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 #: verl's default ``ray_wait_register_center_timeout`` (seconds).
 VERL_REGISTER_TIMEOUT = 300
 
@@ -164,8 +186,9 @@ def verl_group_options(
       rankmesh's ``start_timeout`` (one of the two, or both equal);
     * ``use_gpu`` (verl: the pool's by default; ``True`` on a CPU pool is an error): must match
       the pool's, since each process gets its bundle's resources;
-    * ``device_name``: ``"cuda"`` (Ray's GPU resource, what pools reserve), or ``"cpu"`` for a
-      ``use_gpu=False`` pool;
+    * ``device_name``: ``"cuda"`` or ``"cpu"``, where the workers' tensors live (verl's meaning:
+      a ``use_gpu=True`` pool reserves Ray's GPU resource whatever the name, so on a CPU machine
+      whose Ray declares GPUs verl's GPU-placed code runs with ``"cpu"``); other devices are refused;
     * ``profile_steps``, ``worker_nsight_options`` (nsight profiling), ``master_port_range``,
       ``master_addr``/``master_port``: refused unless unset, the error naming rankmesh's way;
     * ``worker_names``/``worker_handles`` (verl attaches to running workers with them):
@@ -197,10 +220,10 @@ def verl_group_options(
             "for CPU workers use RayResourcePool(..., use_gpu=False)"
         )
     device = out.pop("device_name", "cuda")
-    if device != "cuda" and not (device == "cpu" and pool_gpu is False):
+    if device not in ("cuda", "cpu"):
         raise BackendError(
             f"device_name={device!r} is not supported: pools reserve Ray's GPU resource (device_name='cuda'), "
-            "or no accelerator (device_name='cpu' with RayResourcePool(..., use_gpu=False))"
+            "or the workers keep their tensors on the CPU (device_name='cpu')"
         )
     profile_steps, nsight = out.pop("profile_steps", None), out.pop("worker_nsight_options", None)
     if profile_steps or nsight is not None:
@@ -273,6 +296,10 @@ class RayWorkerGroup(CoreRayWorkerGroup):
 
 
 
+#: verl's default ``max_colocate_count``: worker groups that may share one bundle.
+VERL_MAX_COLOCATE_COUNT = 10
+
+
 class RayResourcePool(CoreRayResourcePool):
     """rankmesh's RayResourcePool in verl's argument order, with verl's per-process lists."""
 
@@ -281,18 +308,20 @@ class RayResourcePool(CoreRayResourcePool):
         process_on_nodes: Sequence[int] | None = None,
         use_gpu: bool = True,
         name_prefix: str | None = None,
-        max_colocate_count: int = 1,
+        max_colocate_count: int = VERL_MAX_COLOCATE_COUNT,
         detached: bool = False,
         accelerator_type: str | None = None,
         **kwargs: Any,
     ) -> None:
-        """verl's positional order; rankmesh's ``ready_timeout`` as a keyword.
+        """verl's positional order and defaults; rankmesh's ``ready_timeout`` as a keyword.
 
-        ``max_colocate_count`` keeps rankmesh's default, 1 (verl's is 10, which makes every bundle
-        reserve 10 logical CPUs): pass ``max_colocate_count=N`` to run N separate worker groups on
-        the same bundles, verl's hybrid-engine pattern (each actor takes 1 CPU and 1/N GPU), or
-        colocate roles in one process with ``create_colocated_worker_cls``.  A group more than the
-        bundles hold is refused at once, naming this argument."""
+        ``max_colocate_count`` defaults to verl's 10: up to 10 separate worker groups share each
+        bundle, verl's hybrid-engine pattern (actor, critic and reference as separate groups on
+        one pool, each actor taking 1 CPU and 1/10 of its bundle's GPU).  As in verl, each bundle
+        then reserves 10 logical CPUs: size a Ray you start yourself for that
+        (``ray.init(num_cpus=...)``), or pass ``max_colocate_count=1`` for one group per bundle
+        (rankmesh's own default).  A group more than the bundles hold is refused at once, naming
+        this argument."""
         super().__init__(
             list(process_on_nodes or []),
             use_gpu=use_gpu,
@@ -311,4 +340,12 @@ class RayResourcePool(CoreRayResourcePool):
         """For every process, in rank order, its index among the processes of its node."""
         return [i for count in self.process_on_nodes for i in range(count)]
 
-__all__ = ["ENV_KEYS", "RayResourcePool", "RayWorkerGroup", "Worker", "create_colocated_worker_raw_cls"]
+__all__ = [
+    "ENV_KEYS",
+    "RayResourcePool",
+    "RayWorkerGroup",
+    "Worker",
+    "create_colocated_worker_cls_fused",
+    "create_colocated_worker_raw_cls",
+    "get_device_name",
+]
