@@ -2,7 +2,8 @@
 mismatch detector, and one real subprocess run of the script.
 
 megatron's ``RankGenerator`` is the oracle for what parallel_state must have built.  Every group
-costs ~2 s per rank (each process imports megatron-core), so the layouts are 4 ranks except one.
+costs ~2 s per rank (each process imports megatron-core), so the layouts are 4 ranks except one,
+and the subprocess run of the real command, which adds a Ray of its own, has 2.
 """
 
 from __future__ import annotations
@@ -122,11 +123,11 @@ def test_validate_script_subprocess(ray_session) -> None:
     """
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tp", "2", "--pp", "2"],
+    proc = subprocess.run(  # 2 ranks: the in-process cases above cover the larger meshes
+        [sys.executable, str(SCRIPT), "--tp", "1", "--pp", "2"],
         capture_output=True, text=True, timeout=280, env=env, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert lines[-1].startswith("VERDICT: PASS - all 4 ranks agree"), lines[-1]
-    assert any(line.strip().startswith("pp     [0, 2]") for line in lines)
+    assert lines[-1].startswith("VERDICT: PASS - all 2 ranks agree"), lines[-1]
+    assert any(line.strip().startswith("pp     [0, 1]") for line in lines), lines
