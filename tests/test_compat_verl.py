@@ -145,3 +145,12 @@ def test_the_register_center_timeout_is_rankmeshs_start_timeout():
     assert verl_group_options(pool, None, None, 120, {}) == {"start_timeout": 120.0}
     assert verl_group_options(pool, None, None, 120, {"start_timeout": 120}) == {"start_timeout": 120.0}
     assert verl_group_options(pool, None, None, 300, {"start_timeout": 45}) == {"start_timeout": 45}  # verl's default: rankmesh's wins
+
+
+def test_split_and_merged_verl_pools_keep_verls_per_process_lists():
+    first, second = verl.RayResourcePool([2], use_gpu=False), verl.RayResourcePool([1], use_gpu=False)
+    merged = verl.merge_resource_pool(first, second)
+    assert isinstance(merged, verl.RayResourcePool)
+    assert merged.local_rank_list() == [0, 1, 0] and merged.local_world_size_list() == [2, 2, 1]
+    head, tail = verl.split_resource_pool(merged, [1, 2])
+    assert head.local_rank_list() == [0] and tail.local_world_size_list() == [1, 1]

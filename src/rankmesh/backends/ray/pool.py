@@ -24,9 +24,10 @@ with :class:`ResourcePoolError`.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-import itertools
 import ipaddress
+import itertools
 import logging
 import math
 import os
@@ -460,8 +461,8 @@ def merge_resource_pool(rp1: RayResourcePool, rp2: RayResourcePool) -> RayResour
 
 
 def _view(pool: RayResourcePool, members: tuple[tuple[RayResourcePool, int], ...], counts: tuple[int, ...]) -> RayResourcePool:
-    """A pool over ``members`` (bundles of root pools), with ``pool``'s settings."""
-    view = RayResourcePool.__new__(RayResourcePool)
+    """A pool over ``members`` (bundles of root pools), with ``pool``'s settings and class."""
+    view = type(pool).__new__(type(pool))  # a compat pool's views keep verl's extra methods
     view.__dict__.update(pool.__dict__)
     view._members = members
     view._counts = counts  # requested counts of the slice, entry by entry (the granted ones come from slots())
@@ -470,8 +471,8 @@ def _view(pool: RayResourcePool, members: tuple[tuple[RayResourcePool, int], ...
 
 def _entry_counts(members: Sequence[tuple[RayResourcePool, int]]) -> tuple[int, ...]:
     """How many of ``members`` fall in each requested node entry of their roots, entries in order of first use."""
-    counts: dict[tuple[int, int], int] = {}
+    counts: dict[tuple[RayResourcePool, int], int] = {}
     for root, index in members:
-        entry = next(e for e, end in enumerate(itertools.accumulate(root._counts)) if index < end)
-        counts[(id(root), entry)] = counts.get((id(root), entry), 0) + 1
+        entry = bisect.bisect_right(list(itertools.accumulate(root._counts)), index)
+        counts[(root, entry)] = counts.get((root, entry), 0) + 1
     return tuple(counts.values())
