@@ -80,6 +80,8 @@ ONLY_UNDER: dict[str, tuple[str, ...]] = {
     # Process groups are a worker-side concern: the rendezvous, megatron's workers, and the
     # mesh's optional torch DeviceMesh view.
     "torch.distributed": ("rankmesh.backends.ray", "rankmesh.megatron", "rankmesh.mesh"),
+    # tensordict imports torch._dynamo (~1 CPU-s a process): reached through one module, on first use.
+    "tensordict": ("rankmesh.data.tensordicts",),
 }
 
 
@@ -753,6 +755,24 @@ def test_plain_import_loads_neither_ray_nor_megatron() -> None:
         "assert 'ray' not in sys.modules, 'ray imported'\n"
         "assert 'megatron.core' not in sys.modules, 'megatron.core imported'\n"
         "assert 'RayWorkerGroup' in dir(rankmesh) and 'verify_group' in dir(rankmesh.megatron)\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_worker_process_imports_tensordict_only_when_a_tensordict_arrives() -> None:
+    """The Ray host, the front door and the command start without tensordict (and its torch._dynamo);
+    the first TensorDict built or unpickled brings it in, and is recognised as one."""
+    done = _run(
+        "import pickle, sys, torch\n"
+        "import rankmesh, rankmesh.backends.ray.host, rankmesh.cli, rankmesh.dispatch.split\n"
+        "from rankmesh import DataProto\n"
+        "from rankmesh.data.tensordicts import is_tensordict\n"
+        "early = [m for m in ('tensordict', 'torch._dynamo') if m in sys.modules]\n"
+        "assert not early, f'imported at start: {early}'\n"
+        "assert not is_tensordict({'a': torch.ones(2)})\n"
+        "batch = DataProto.from_dict({'a': torch.ones(2)}).batch\n"
+        "assert 'tensordict' in sys.modules and is_tensordict(batch)\n"
+        "assert type(batch).__name__ == 'TensorDict' and is_tensordict(pickle.loads(pickle.dumps(batch)))\n"
     )
     assert done.returncode == 0, done.stderr
 

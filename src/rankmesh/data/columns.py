@@ -13,14 +13,17 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor
 
 from rankmesh import serialization
+from rankmesh.data.tensordicts import is_tensordict, module as tensordict_module, new_tensordict
 from rankmesh.errors import DataProtoError
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict, TensorDictBase
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +203,7 @@ def _walk_tensors(node: TensorDictBase, prefix: tuple[str, ...], out: list[tuple
         name = key[0] if len(key) == 1 else key
         if isinstance(v, torch.Tensor):
             out.append((name, v))
-        elif is_non_tensor(v) or not isinstance(v, TensorDictBase):
+        elif tensordict_module().is_non_tensor(v) or not is_tensordict(v):
             raise DataProtoError(
                 f"batch key {name!r} holds {type(v).__name__}, not a tensor; put non-tensor data in non_tensor_batch"
             )
@@ -219,7 +222,7 @@ def build_td(
     items: Iterable[tuple[Key, torch.Tensor]], length: int, device: Any = None
 ) -> TensorDict:
     """A fresh TensorDict with one batch dimension of ``length`` rows."""
-    return TensorDict(dict(items), batch_size=[length], device=device)
+    return new_tensordict(dict(items), batch_size=[length], device=device)
 
 
 def common_device(tds: Sequence[TensorDictBase]) -> Any:
@@ -341,7 +344,7 @@ def union_tensor_dict(tensor_dict1: TensorDictBase, tensor_dict2: TensorDictBase
         else:
             merged[key] = t
     device = common_device([tensor_dict1, tensor_dict2])
-    return TensorDict(merged, batch_size=tensor_dict1.batch_size, device=device)
+    return new_tensordict(merged, batch_size=tensor_dict1.batch_size, device=device)
 
 
 def union_numpy_dict(
@@ -375,34 +378,36 @@ def union_two_dict(dict1: Mapping[str, Any], dict2: Mapping[str, Any]) -> dict[s
 
 def split_tensordict(td: TensorDictBase) -> tuple[TensorDict, dict[str, np.ndarray], dict[str, Any]]:
     """Tensors, per-row non-tensor stacks (as object columns) and single non-tensor values."""
-    if not isinstance(td, TensorDictBase):
+    if not is_tensordict(td):
         raise DataProtoError(f"from_tensordict needs a TensorDict, got {type(td).__name__}")
+    tdm = tensordict_module()
     if len(td.batch_size) != 1:
         raise DataProtoError(f"TensorDict must have exactly one batch dimension, got {tuple(td.batch_size)}")
     tensors: dict[str, Any] = {}
     columns: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {}
     for key, val in td.items():
-        if isinstance(val, NonTensorStack):
+        if isinstance(val, tdm.NonTensorStack):
             columns[key] = to_object_array(val.tolist())
-        elif is_non_tensor(val):
+        elif tdm.is_non_tensor(val):
             meta[key] = val.data
         else:
             tensors[key] = val
-    return TensorDict(tensors, batch_size=td.batch_size, device=td.device), columns, meta
+    return new_tensordict(tensors, batch_size=td.batch_size, device=td.device), columns, meta
 
 
 def join_tensordict(
     batch: TensorDictBase | None, length: int, columns: Mapping[str, np.ndarray], meta: Mapping[str, Any]
 ) -> TensorDict:
     """Inverse of :func:`split_tensordict`; key clashes are errors."""
-    td = batch.copy() if batch is not None else TensorDict({}, batch_size=[length])
+    tdm = tensordict_module()
+    td = batch.copy() if batch is not None else tdm.TensorDict({}, batch_size=[length])
     for key, col in columns.items():
         if key in td.keys():
             raise DataProtoError(f"to_tensordict: key {key!r} is both a tensor and a non-tensor column")
         if len(col) == 0:
             raise DataProtoError(f"to_tensordict: non-tensor column {key!r} has no rows to stack")
-        td.set(key, NonTensorStack(*[NonTensorData(data=v, batch_size=[]) for v in col]))
+        td.set(key, tdm.NonTensorStack(*[tdm.NonTensorData(data=v, batch_size=[]) for v in col]))
     for key, val in meta.items():
         if key in td.keys():
             raise DataProtoError(f"to_tensordict: meta_info key {key!r} clashes with a column")

@@ -26,16 +26,19 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from rankmesh import serialization, validate
 from rankmesh.data import columns
 from rankmesh.data.config import AUTO_PADDING_KEY, auto_padding_enabled
+from rankmesh.data.tensordicts import is_tensordict, new_tensordict
 from rankmesh.errors import DataProtoError, PaddingError
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict, TensorDictBase
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ class DataProto:
         """All tensors and columns share the batch length; errors name the key and lengths."""
         pivot, length = None, None
         if self.batch is not None:
-            if not isinstance(self.batch, TensorDictBase):
+            if not is_tensordict(self.batch):
                 raise DataProtoError(f"batch must be a TensorDict or None, got {type(self.batch).__name__}")
             if len(self.batch.batch_size) != 1:
                 raise DataProtoError(
@@ -171,7 +174,7 @@ class DataProto:
                 pivot, length = key, t.shape[0]
             elif t.shape[0] != length:
                 raise DataProtoError(f"tensors[{key!r}] has {t.shape[0]} rows but tensors[{pivot!r}] has {length}")
-        batch = TensorDict(tensors, batch_size=[length]) if tensors else None
+        batch = new_tensordict(tensors, batch_size=[length]) if tensors else None
         meta = dict(meta_info or {})
         if auto_padding:
             meta[AUTO_PADDING_KEY] = True
@@ -387,7 +390,7 @@ class DataProto:
         batch = None
         if bkeys:
             popped = [(k, self.batch.pop(k)) for k in bkeys]
-            batch = TensorDict(dict(popped), batch_size=self.batch.batch_size, device=self.batch.device)
+            batch = new_tensordict(dict(popped), batch_size=self.batch.batch_size, device=self.batch.device)
         nt = {k: self.non_tensor_batch.pop(k) for k in nkeys}
         meta = {k: self.meta_info.pop(k) for k in mkeys}
         return type(self)(batch=batch, non_tensor_batch=nt, meta_info=meta)
@@ -419,7 +422,7 @@ class DataProto:
                 raise DataProtoError(f"rename: keys {sorted(dup)} would exist twice")
         if self.batch is not None:
             items = {mapping.get(k, k): v for k, v in self.batch.items()}
-            self.batch = TensorDict(items, batch_size=self.batch.batch_size, device=self.batch.device)
+            self.batch = new_tensordict(items, batch_size=self.batch.batch_size, device=self.batch.device)
         self.non_tensor_batch = {mapping.get(k, k): v for k, v in self.non_tensor_batch.items()}
         return self
 

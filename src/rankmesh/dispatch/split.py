@@ -9,16 +9,19 @@ Every failure is a :class:`DispatchError` naming the method, the argument and th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase
 
 from rankmesh.data import DataProto, DataProtoConfig, DataProtoFuture, auto_padding_enabled
 from rankmesh.data.columns import chunk_bounds
+from rankmesh.data.tensordicts import is_tensordict
 from rankmesh.dispatch.spec import MeshSpec
 from rankmesh.errors import DispatchError, PaddingError
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -108,12 +111,12 @@ def _split_proto(spec: MeshSpec, n: int, args: Args, kwargs: Kwargs, site: CallS
         return site.arg(key + len(func) if isinstance(key, int) else key)
 
     for key, value in items:
-        if not isinstance(value, (DataProto, DataProtoFuture, TensorDictBase)):
+        if not (isinstance(value, (DataProto, DataProtoFuture)) or is_tensordict(value)):
             raise site.error(
                 f"{label(key)} is a {type(value).__name__}; this mode splits every argument by rows and "
                 f"needs a DataProto, a DataProtoFuture or a TensorDict"
             )
-        if isinstance(value, TensorDictBase) and len(value.batch_size) < 1:
+        if is_tensordict(value) and len(value.batch_size) < 1:
             raise site.error(f"{label(key)} is a TensorDict without a batch dimension; give it batch_size=[rows]")
     known = {key: _rows(v) for key, v in items if not (isinstance(v, DataProtoFuture) and not v.rows_known)}
     if len(set(known.values())) > 1:
@@ -134,7 +137,7 @@ def _split_proto(spec: MeshSpec, n: int, args: Args, kwargs: Kwargs, site: CallS
             raise site.error(f"cannot pad {label(unknown[0])}: a DataProtoFuture of unknown row count")
     chunked = []
     for key, value in items:
-        if isinstance(value, TensorDictBase):
+        if is_tensordict(value):
             chunked.append(_chunk_tensordict(value, n, pad))
             continue
         if pad:
@@ -146,13 +149,13 @@ def _split_proto(spec: MeshSpec, n: int, args: Args, kwargs: Kwargs, site: CallS
     keys = list(kwargs)
     pieces = tuple(_rebuild([*func, *(c[i] for c in chunked)], len(func) + len(args), keys) for i in range(n))
     piece_rows = None if rows is None else (rows + pad) // n
-    tensordicts = any(isinstance(v, TensorDictBase) for _, v in items)
+    tensordicts = any(is_tensordict(v) for _, v in items)
     return SplitCall(pieces, broadcast=False, rows=rows, pad=pad, piece_rows=piece_rows, tensordicts=tensordicts,
                      auto_padding=_asks_padding([v for _, v in items]))
 
 
 def _rows(value: Any) -> int:
-    return int(value.batch_size[0]) if isinstance(value, TensorDictBase) else len(value)
+    return int(value.batch_size[0]) if is_tensordict(value) else len(value)
 
 
 def _chunk_tensordict(td: TensorDictBase, n: int, pad: int) -> list[TensorDictBase]:
@@ -203,7 +206,7 @@ def join_outputs(spec: MeshSpec, split: SplitCall, outputs: Sequence[Any], ranks
         return list(outputs)
     if all(o is None for o in outputs):
         return None
-    if all(isinstance(o, TensorDictBase) for o in outputs):  # TensorDict in, TensorDict out
+    if all(is_tensordict(o) for o in outputs):  # TensorDict in, TensorDict out
         joined = torch.cat(list(outputs), dim=0)
         if split.pad:
             padded = split.rows + split.pad  # type: ignore[operator]

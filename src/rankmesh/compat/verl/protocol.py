@@ -19,15 +19,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase
 
 from rankmesh.data import columns
 from rankmesh.data import proto as core
 from rankmesh.errors import DataProtoAssertionError, DataProtoError, PaddingAssertionError, PaddingError
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
 
 logger = logging.getLogger(__name__)
 
