@@ -32,6 +32,8 @@ from rankmesh.mesh import AXES, DEFAULT_ORDER, RankMesh
 log = logging.getLogger("rankmesh.validate")
 
 SHOWN_GROUPS = ("tp", "pp", "cp", "dp", "dp-cp", "ep")
+#: What to check: (label, mesh, process counts per node).
+Target = tuple[str, RankMesh, list[int]]
 
 
 @dataclass
@@ -95,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_meshes(args: argparse.Namespace) -> list[tuple[str, RankMesh, list[int]]]:
+def resolve_meshes(args: argparse.Namespace) -> list[Target]:
     """(label, mesh, process counts per node) for each mesh to check."""
     explicit = any(getattr(args, a) is not None for a in ("tp", "pp", "cp", "ep", "etp", "dp", "order"))
     if args.layout and explicit:
@@ -125,25 +127,66 @@ def resolve_meshes(args: argparse.Namespace) -> list[tuple[str, RankMesh, list[i
     return [("explicit sizes", mesh, [mesh.world_size])]
 
 
+def validate_all(targets: Sequence[Target], *, use_gpu: bool = False, timeout: float = 300.0,
+                 force_order: str | None = None) -> list[Validation]:
+    """Check every ``(label, mesh, process counts per node)`` target on the connected Ray, in order.
+
+    Targets with the same process counts share ONE group of processes: the first one's mesh starts
+    the group, the others are checked on those processes with parallel_state rebuilt for each
+    (``MegatronWorker.megatron_report(mesh=...)``).  Each process costs ~2-3 s to start (it imports
+    torch and megatron-core), so a layout's critic and rollout of 4 ranks each take 4 processes,
+    not 8.
+    """
+    shapes: dict[tuple[int, ...], list[int]] = {}
+    for index, (_, _, counts) in enumerate(targets):
+        shapes.setdefault(tuple(counts), []).append(index)
+    results: dict[int, Validation] = {}
+    for counts, indices in shapes.items():
+        started = time.perf_counter()
+        group = start_group(targets[indices[0]][1], counts, use_gpu=use_gpu, timeout=timeout, force_order=force_order)
+        try:
+            for index in indices:
+                label, mesh, _ = targets[index]
+                results[index] = validate_on(group, mesh, source=label, started=started)
+                started = time.perf_counter()
+            group.destroy_megatron()
+        finally:
+            group.shutdown()
+    return [results[index] for index in range(len(targets))]
+
+
+def start_group(mesh: RankMesh, process_on_nodes: Sequence[int], *, use_gpu: bool = False, timeout: float = 300.0,
+                force_order: str | None = None) -> Any:
+    """A RayWorkerGroup of MegatronWorkers over ``mesh`` (parallel_state built, nothing checked yet)."""
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rankmesh.megatron.worker import MegatronWorker
+
+    pool = RayResourcePool(list(process_on_nodes), use_gpu=use_gpu)
+    kwargs = {"force_order": force_order} if force_order else {}
+    return RayWorkerGroup(pool, RayClassWithInitArgs(MegatronWorker, **kwargs), mesh=mesh, start_timeout=timeout)
+
+
+def validate_on(group: Any, mesh: RankMesh, *, source: str = "", started: float | None = None) -> Validation:
+    """Check ``mesh`` on a running group of MegatronWorkers: its own mesh, or another over the same ranks."""
+    from rankmesh.megatron.group import collect_reports
+
+    started = time.perf_counter() if started is None else started
+    reports = collect_reports(group, allreduce=True, mesh=None if mesh == group.mesh else mesh)
+    result = Validation(mesh, source, reports, compare_reports(mesh, reports))
+    result.seconds = time.perf_counter() - started
+    return result
+
+
 def validate(mesh: RankMesh, process_on_nodes: Sequence[int] | None = None, *, source: str = "",
              use_gpu: bool = False, timeout: float = 300.0, force_order: str | None = None) -> Validation:
     """Start MegatronWorkers over ``mesh`` on the connected Ray, collect reports, compare, shut down."""
-    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from rankmesh.megatron.group import collect_reports
-    from rankmesh.megatron.worker import MegatronWorker
+    target = (source, mesh, list(process_on_nodes or [mesh.world_size]))
+    return validate_all([target], use_gpu=use_gpu, timeout=timeout, force_order=force_order)[0]
 
-    start = time.perf_counter()
-    pool = RayResourcePool(list(process_on_nodes or [mesh.world_size]), use_gpu=use_gpu)
-    kwargs = {"force_order": force_order} if force_order else {}
-    group = RayWorkerGroup(pool, RayClassWithInitArgs(MegatronWorker, **kwargs), mesh=mesh, start_timeout=timeout)
-    try:
-        reports = collect_reports(group, allreduce=True)
-        group.destroy_megatron()
-    finally:
-        group.shutdown()
-    result = Validation(mesh, source, reports, compare_reports(mesh, reports))
-    result.seconds = time.perf_counter() - start
-    return result
+
+def report_document(results: Sequence[Validation]) -> dict[str, Any]:
+    """The ``--json`` document: the overall verdict and every mesh's report."""
+    return {"ok": all(r.ok for r in results), "results": [r.to_json() for r in results]}
 
 
 def _cell(values: dict[str, int]) -> str:
@@ -197,10 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     needed = max(sum(counts) for _, _, counts in targets)
     conn = ensure_ray(args.address, num_cpus=max(needed, os.cpu_count() or 1))
     try:
-        results = [
-            validate(mesh, counts, source=label, use_gpu=args.use_gpu, timeout=args.timeout, force_order=args.force_order)
-            for label, mesh, counts in targets
-        ]
+        results = validate_all(targets, use_gpu=args.use_gpu, timeout=args.timeout, force_order=args.force_order)
     finally:
         if conn.started_here:
             import ray
@@ -208,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ray.shutdown()
     ok = all(r.ok for r in results)
     if args.json:
-        print(json.dumps({"ok": ok, "results": [r.to_json() for r in results]}, indent=2, default=str))
+        print(json.dumps(report_document(results), indent=2, default=str))
     else:
         for r in results:
             print(format_validation(r))

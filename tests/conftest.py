@@ -70,10 +70,11 @@ def _later_items(item, nextitem):
     return items[start:]
 
 
-#: Test modules that fork the pytest process (tests/megatron_workers.run_forked).  Forking a
-#: process whose Ray driver is connected corrupts the driver's gRPC channels (later Ray calls
-#: hang), so these run first, before any test starts the session's Ray.
-FORKING_MODULES = ("test_megatron_check.py", "test_megatron_model.py")
+#: Test modules that fork the pytest process (tests/megatron_workers.run_forked; test_mesh asks
+#: megatron its questions in two forked processes).  Forking a process whose Ray driver is
+#: connected corrupts the driver's gRPC channels (later Ray calls hang), so these run first,
+#: before any test starts the session's Ray.
+FORKING_MODULES = ("test_megatron_check.py", "test_megatron_model.py", "test_mesh.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,8 +6,9 @@ own output is only ever the thing under test.
 
 from __future__ import annotations
 
-import functools
 import itertools
+import multiprocessing
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -37,7 +38,16 @@ def factorizations(n: int, parts: int):
                 yield (first, *rest)
 
 
-@functools.lru_cache(maxsize=None)
+#: One question to megatron: (tp, ep, dp, pp, cp, order, token).
+Question = tuple[int, int, int, int, int, str, str]
+#: megatron's answers so far, by question (see :func:`oracle_ranks` and :func:`ask_megatron_ahead`).
+ANSWERS: dict[Question, list[list[int]]] = {}
+#: The axes :func:`megatron_coords` reads each rank's coordinates from.
+COORD_AXES = ("tp", "cp", "dp", "pp", "ep")
+#: Every token the dense test asks about each mesh.
+DENSE_QUESTIONS = tuple(dict.fromkeys((*DENSE_TOKENS, *COORD_AXES)))
+
+
 def oracle_ranks(tp: int, ep: int, dp: int, pp: int, cp: int, order: str, token: str) -> list[list[int]]:
     """megatron's ``RankGenerator(...).get_ranks(token)``, computed once per distinct question.
 
@@ -45,7 +55,42 @@ def oracle_ranks(tp: int, ep: int, dp: int, pp: int, cp: int, order: str, token:
     of a dense mesh re-asks its pp groups), and megatron's group enumeration is most of their
     time; the answers are megatron's either way.
     """
-    return RankGenerator(tp=tp, ep=ep, dp=dp, pp=pp, cp=cp, order=order).get_ranks(token)
+    question = (tp, ep, dp, pp, cp, order, token)
+    if question not in ANSWERS:
+        ANSWERS[question] = RankGenerator(tp=tp, ep=ep, dp=dp, pp=pp, cp=cp, order=order).get_ranks(token)
+    return ANSWERS[question]
+
+
+def _answer(configs: list[tuple[int, int, int, int, int, str]]) -> list[tuple[Question, list[list[int]]]]:
+    """Every dense question about each ``(tp, ep, dp, pp, cp, order)``, one RankGenerator per config."""
+    answers = []
+    for tp, ep, dp, pp, cp, order in configs:
+        generator = RankGenerator(tp=tp, ep=ep, dp=dp, pp=pp, cp=cp, order=order)
+        answers += [((tp, ep, dp, pp, cp, order, token), generator.get_ranks(token)) for token in DENSE_QUESTIONS]
+    return answers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ask_megatron_ahead():
+    """Ask megatron the dense test's ~120,000 questions in two forked processes, before the tests.
+
+    megatron's pure-Python enumeration is nearly all of this module's time and uses one core; two
+    processes halve it.  The module runs before the session's Ray starts (FORKING_MODULES in
+    tests/conftest.py): forking a connected Ray driver would break it, so with Ray up this does
+    nothing and the tests ask as they go.
+    """
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return
+    configs = [
+        (tp, 1, dp, pp, cp, order)
+        for world in range(1, 65)
+        for tp, cp, dp, pp in factorizations(world, 4)
+        for order in DENSE_ORDERS
+    ]
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        for answers in pool.map(_answer, [configs[0::2], configs[1::2]]):
+            ANSWERS.update(answers)
 
 
 @dataclass(frozen=True)
@@ -66,7 +111,7 @@ class Oracle:
 def megatron_coords(gen: Oracle, world: int) -> dict[str, list[int]]:
     """Each rank's coordinate on each axis, read off megatron's single-axis groups."""
     coords = {}
-    for axis in ("tp", "cp", "dp", "pp", "ep"):
+    for axis in COORD_AXES:
         table = [0] * world
         for group in gen.get_ranks(axis):
             for index, rank in enumerate(group):

@@ -17,9 +17,13 @@ from rankmesh.mesh import RankMesh
 logger = logging.getLogger(__name__)
 
 
-def collect_reports(group: Any, allreduce: bool = False) -> list[RankReport]:
-    """Every rank's :class:`RankReport` (``megatron_report`` is ONE_TO_ALL: one per rank, rank order)."""
-    raw = group.megatron_report(allreduce=allreduce)
+def collect_reports(group: Any, allreduce: bool = False, mesh: RankMesh | None = None) -> list[RankReport]:
+    """Every rank's :class:`RankReport` (``megatron_report`` is ONE_TO_ALL: one per rank, rank order).
+
+    With ``mesh`` (another mesh over the group's ranks) the ranks report on parallel_state rebuilt
+    for ``mesh``, then return to their own (``MegatronWorker.megatron_report``).
+    """
+    raw = group.megatron_report(allreduce=allreduce) if mesh is None else group.megatron_report(allreduce=allreduce, mesh=mesh)
     return [r if isinstance(r, RankReport) else RankReport.from_dict(r) for r in raw]
 
 

@@ -182,16 +182,41 @@ class _ParallelStateUsers:
         if self.users:
             return
         self.kwargs = None
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        # megatron-core 0.16's destroy_model_parallel leaves _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP
-        # set (the dp-cp group itself): a group still referenced keeps its gloo sockets open, and a
-        # peer blocked in a dp all-reduce with this rank stays blocked (see rankmesh.backends.ray.rejoin).
-        for name, value in list(vars(ps).items()):
-            if isinstance(value, dist.ProcessGroup):
-                setattr(ps, name, None)
+        _drop_parallel_state()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def rebuild(self, kwargs: dict[str, Any]) -> None:
+        """parallel_state again, with ``kwargs``, over the same default process group.
+
+        Only for a process with one user: a colocated role would find its parallel_state changed
+        under it.
+        """
+        if self.users != 1:
+            raise RuntimeError(
+                f"parallel_state has {self.users} users in this process (colocated roles share it): it can be "
+                "rebuilt for another mesh only in a process with one role"
+            )
+        for group in _drop_parallel_state():  # the default group stays: close the old mesh's sockets now
+            dist.destroy_process_group(group)
+        ps.initialize_model_parallel(**kwargs)
+        self.kwargs = dict(kwargs)
+
+
+def _drop_parallel_state() -> list[dist.ProcessGroup]:
+    """Destroy parallel_state and drop every process group it still references; those groups
+    (without the default group) are returned for the caller to destroy or let go."""
+    held = {id(v): v for v in vars(ps).values() if isinstance(v, dist.ProcessGroup)}
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    # megatron-core 0.16's destroy_model_parallel leaves _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP
+    # set (the dp-cp group itself): a group still referenced keeps its gloo sockets open, and a
+    # peer blocked in a dp all-reduce with this rank stays blocked (see rankmesh.backends.ray.rejoin).
+    for name, value in list(vars(ps).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
+    world = dist.group.WORLD if dist.is_initialized() else None
+    return [group for group in held.values() if group is not world]
 
 
 #: One per process, as parallel_state is (docs/architecture.md, "Process-global state").
@@ -312,9 +337,35 @@ class MegatronWorker(MegatronReshardWorker):
         )
 
     @register(Dispatch.ONE_TO_ALL)
-    def megatron_report(self, allreduce: bool = False) -> dict[str, Any]:
-        """parallel_state's coordinates and the members of every group (plain dict of a RankReport)."""
-        return build_report(allreduce=allreduce, order=self.parallel_state_kwargs(self.megatron_mesh())["order"]).to_dict()
+    def megatron_report(self, allreduce: bool = False, mesh: RankMesh | None = None) -> dict[str, Any]:
+        """parallel_state's coordinates and the members of every group (plain dict of a RankReport).
+
+        With ``mesh``, another mesh over the same ranks: parallel_state is rebuilt for ``mesh``,
+        reported on, and rebuilt for the group's own mesh before this returns.  One set of processes
+        thus checks several meshes (``validate_rank_mapping.py`` does, for meshes of one process
+        count) instead of paying ~2-4 s of start-up per rank for each.  Refused in a process whose
+        modules hold parallel_state's groups (they would be left on groups of the wrong mesh) or
+        that colocated roles share.
+        """
+        own = self.megatron_mesh()
+        if mesh is None or mesh == own:
+            return build_report(allreduce=allreduce, order=self.parallel_state_kwargs(own)["order"]).to_dict()
+        if mesh.world_size != dist.get_world_size():
+            raise ValueError(f"mesh {mesh!r} has {mesh.world_size} ranks; this group has {dist.get_world_size()}")
+        held = captured_groups(self.recovery_modules())
+        if held:
+            module, attr, name = held[0]
+            raise RuntimeError(
+                f"rank {self.rank}: {type(module).__name__}.{attr} holds parallel_state's {name} group, which a report on "
+                "another mesh would leave pointing at that mesh's groups: report on other meshes from a group without models"
+            )
+        kwargs = self.parallel_state_kwargs(mesh)
+        _PARALLEL_STATE.rebuild(kwargs)
+        try:
+            return build_report(allreduce=allreduce, order=kwargs["order"]).to_dict()
+        finally:
+            _PARALLEL_STATE.rebuild(self.parallel_state_kwargs(own))
+            self._read_parallel_state()
 
     @register(Dispatch.ONE_TO_ALL)
     def destroy_megatron(self) -> bool:
