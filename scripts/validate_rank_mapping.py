@@ -133,7 +133,7 @@ def validate_all(targets: Sequence[Target], *, use_gpu: bool = False, timeout: f
 
     Targets with the same process counts share ONE group of processes: the first one's mesh starts
     the group, the others are checked on those processes with parallel_state rebuilt for each
-    (``MegatronWorker.megatron_report(mesh=...)``).  Each process costs ~2-3 s to start (it imports
+    (``MegatronWorker.megatron_report(mesh=...)``).  Each process costs ~2-4 s to start (it imports
     torch and megatron-core), so a layout's critic and rollout of 4 ranks each take 4 processes,
     not 8.
     """
@@ -171,7 +171,7 @@ def validate_on(group: Any, mesh: RankMesh, *, source: str = "", started: float 
     from rankmesh.megatron.group import collect_reports
 
     started = time.perf_counter() if started is None else started
-    reports = collect_reports(group, allreduce=True, mesh=None if mesh == group.mesh else mesh)
+    reports = collect_reports(group, allreduce=True, mesh=mesh)
     result = Validation(mesh, source, reports, compare_reports(mesh, reports))
     result.seconds = time.perf_counter() - started
     return result

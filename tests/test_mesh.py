@@ -72,7 +72,7 @@ def _answer(configs: list[tuple[int, int, int, int, int, str]]) -> list[tuple[Qu
 
 @pytest.fixture(scope="module", autouse=True)
 def ask_megatron_ahead():
-    """Ask megatron the dense test's ~120,000 questions in two forked processes, before the tests.
+    """Ask megatron the dense test's ~131,000 questions in two forked processes, before the tests.
 
     megatron's pure-Python enumeration is nearly all of this module's time and uses one core; two
     processes halve it.  The module runs before the session's Ray starts (FORKING_MODULES in
