@@ -16,6 +16,7 @@ ray = pytest.importorskip("ray")
 
 from rankmesh import RayResourcePool, WorkerGroup  # noqa: E402
 from rankmesh.cli import main as rankmesh_cli  # noqa: E402
+from rankmesh.group import ReplicaGroup  # noqa: E402
 from tests.doc_blocks import BlockFailed, layout_commands, python_blocks, run_blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def _release(namespace: dict[str, Any]) -> None:
     values = list(namespace.values())
     values += [v for d in list(values) if isinstance(d, dict) for v in d.values()]
     for value in values:
-        if isinstance(value, WorkerGroup) and callable(getattr(value, "shutdown", None)):
+        if isinstance(value, WorkerGroup) and not isinstance(value, ReplicaGroup):  # a view owns nothing
             value.shutdown()
     for value in values:
         if isinstance(value, RayResourcePool):

@@ -97,6 +97,14 @@ def test_replace_policy_retries_the_failed_call_several_times_in_a_row(ray_sessi
             assert now[victim] != pids[victim]
             pids = now
         assert len(wg.replacements) == 2
+        # A call on a replica view takes the group's policy: dp replica 3 (rank 3) dies inside
+        # it, is replaced, and the view's call is retried, answering from the new process.
+        exit_on_next_call(wg, 3, "whoami")
+        answer = wg.replica(3).whoami()
+        assert [a["rank"] for a in answer] == [3] and answer[0]["pid"] != pids[3]
+        assert wg.replacements[-1].ranks == [3] and len(wg.replacements) == 3
+        assert [a["pid"] for a in wg.whoami()][:3] == pids[:3]
+        assert wg.world_sum([1.0, 1.0, 1.0, 1.0]) == [8.0] * 4  # the re-formed world still reduces
     finally:
         wg.shutdown()
 

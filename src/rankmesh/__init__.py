@@ -18,6 +18,7 @@ from typing import Mapping
 from rankmesh import lazy
 from rankmesh.backends.local import LocalWorkerGroup
 from rankmesh.data import DataProto, DataProtoFuture
+from rankmesh.data.buffer import RowBuffer
 from rankmesh.dispatch import Dispatch, Execute, MeshSpec, register, register_dispatch_mode
 from rankmesh.errors import (
     DispatchError,
@@ -28,6 +29,7 @@ from rankmesh.errors import (
     WorkerDiedError,
     WorkerError,
 )
+from rankmesh.futures import wait
 from rankmesh.group import WorkerGroup
 from rankmesh.layout import Layout, load_layout
 from rankmesh.mesh import DistGlobalInfo, DistRankInfo, RankMesh
@@ -56,6 +58,7 @@ __all__ = [
     # batches
     "DataProto",
     "DataProtoFuture",
+    "RowBuffer",
     # declaring worker methods
     "Dispatch",
     "Execute",
@@ -66,6 +69,8 @@ __all__ = [
     "LocalWorkerGroup",
     "Worker",
     "WorkerGroup",
+    # asynchronous pipelines: futures as they finish (replica views: WorkerGroup.replicas)
+    "wait",
     # seeing every call (rankmesh.tracing)
     "trace",
     # layouts

@@ -72,6 +72,20 @@ Fetch = Callable[[Sequence[Any]], list[Any]]
 
 
 @runtime_checkable
+class ReadyCheck(Protocol):
+    """Says which pending handles are done, without fetching them (what :func:`rankmesh.wait` asks).
+
+    A backend's :meth:`Backend.fetcher` implements it next to ``__call__``.  ``timeout=0``
+    polls; a positive ``timeout`` (or ``None``: no limit) first waits until at least one of
+    ``handles`` is done.  A handle whose call failed counts as done (fetching it raises).
+    Checks of one type may be asked about each other's handles together (one wait for all).
+    """
+
+    def ready(self, handles: Sequence[Any], timeout: float | None = 0.0) -> list[int]:
+        """Indices into ``handles`` of the done ones, in order."""
+
+
+@runtime_checkable
 class Backend(Protocol):
     """What a backend provides to :class:`rankmesh.group.WorkerGroup` (both backends implement all of it).
 
@@ -113,7 +127,7 @@ class Backend(Protocol):
         """
 
     def fetcher(self, timeout: float | None = None, stall_warn_s: float | None = None) -> Fetch:
-        """A picklable :data:`Fetch` for futures, usable from any process of the backend.
+        """A picklable :data:`Fetch` for futures, usable from any process of the backend; also a :class:`ReadyCheck`.
 
         Futures (``DataProtoFuture``) carry it so that a worker of another group can fetch just
         the parts it needs.  ``timeout`` bounds each fetch (``None``: :attr:`call_timeout_s`).

@@ -53,6 +53,10 @@ class DispatchError(RankMeshError, ValueError):
     """Arguments of a worker-group call do not fit the method's dispatch mode."""
 
 
+class RowBufferError(RankMeshError, RuntimeError):
+    """A RowBuffer put or take that cannot be served: full, not enough rows in time, or rows of unknown count."""
+
+
 class PaddingError(DispatchError):
     """A batch does not divide into the requested number of pieces and padding is disabled."""
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from rankmesh.backend import Backend, RankCall, Shared, check_receive
+from rankmesh.backend import Backend, RankCall, ReadyCheck, Shared, check_receive
 from rankmesh.data import DataProtoFuture
 from rankmesh.dispatch.modes import DEFAULT_REGISTRY, DispatchMode, DispatchRegistry, Execute, UserMode
 from rankmesh.dispatch.register import MethodSpec, registered_methods
@@ -29,6 +29,7 @@ from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan,
 from rankmesh.dispatch.split import CallSite, join_outputs, output_future, split_call
 from rankmesh.errors import DispatchError
 from rankmesh.mesh import RankMesh
+from rankmesh.replicas import RankSubset, ReplicaSelection, restrict_plan, select_replicas
 from rankmesh.tracing import TRACING, write_trace
 from rankmesh.tracing.observer import CallObserver, ObservedCall
 from rankmesh.tracing.recorder import Recorder
@@ -93,10 +94,17 @@ class GroupFuture:
         finish: Callable[[list[Any]], Any],
         timeout: float | None = None,
         stall_warn_s: float | None = None,
+        ready_check: ReadyCheck | None = None,
     ) -> None:
         self._fetch, self._pending, self._finish = fetch, list(pending), finish
         self._done, self._value = False, None
         self._timeout, self._stall_warn_s = timeout, stall_warn_s
+        self._ready_check = ready_check
+
+    @property
+    def ready_check(self) -> ReadyCheck | None:
+        """The backend's :class:`~rankmesh.backend.ReadyCheck` for :attr:`handles` (what ``rankmesh.wait`` asks)."""
+        return self._ready_check
 
     @property
     def handles(self) -> tuple[Any, ...]:
@@ -225,6 +233,7 @@ class MethodTable:
     role: str | None
     registry: DispatchRegistry
     methods: dict[str, BoundMethod]
+    late_meshes: bool = False
 
     @classmethod
     def build(
@@ -236,14 +245,18 @@ class MethodTable:
         role: str | None = None,
         registry: DispatchRegistry | None = None,
         group_type: type = object,
+        late_meshes: bool = False,
     ) -> "MethodTable":
         """Resolve every ``@register`` method of ``worker_cls`` for ``mesh`` (default ``RankMesh(dp=world_size)``).
 
         ``group_type`` is the group class the methods will be set on: a registered method may
-        not shadow one of its attributes.
+        not shadow one of its attributes.  ``late_meshes``: a method on a mesh the table does not
+        hold gets its plan at call time (``WorkerGroup._late_plan``) instead of failing now (a
+        replica view plans its group's named meshes that way).
         """
         mesh = mesh if mesh is not None else RankMesh(dp=world_size)
-        table = cls(worker_cls, mesh, check_meshes(world_size, mesh, meshes or {}), role, registry or DEFAULT_REGISTRY, {})
+        meshes = check_meshes(world_size, mesh, meshes or {})
+        table = cls(worker_cls, mesh, meshes, role, registry or DEFAULT_REGISTRY, {}, late_meshes)
         taken = set(dir(group_type))
         for name, (func, spec, static) in registered_methods(worker_cls).items():
             if name in taken:
@@ -296,7 +309,7 @@ class MethodTable:
     def _plan(self, spec: MeshSpec, site: CallSite) -> DispatchPlan | None:
         mesh = self.meshes.get(spec.mesh)
         if mesh is None:
-            if spec.split == ("dp",) and spec.collect_map == dict(MEGATRON_COLLECT) and spec.run == "all":
+            if self.late_meshes or (spec.split == ("dp",) and spec.collect_map == dict(MEGATRON_COLLECT) and spec.run == "all"):
                 return None  # verl style: the workers register this mesh; asked on first call
             raise site.error(f"uses mesh {spec.mesh!r}, but the group has meshes {sorted(self.meshes)}")
         try:
@@ -401,6 +414,26 @@ class WorkerGroup:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.worker_cls.__name__}, {self.mesh}, methods={len(self._table.methods)})"
 
+    def replica(self, index: int) -> "ReplicaGroup":
+        """This group restricted to dp replica ``index`` (all its tp, cp and pp ranks); see :meth:`replicas`."""
+        return self.replicas([index])
+
+    def replicas(self, indices: Sequence[int]) -> "ReplicaGroup":
+        """A view of this group restricted to dp replicas ``indices`` (their data pieces in that order).
+
+        Every method of the group is on the view, planned for the view's mesh (the group's with
+        ``dp=len(indices)``): a DataProto is split over the selected replicas only and outputs come
+        from their collect ranks.  Calls go to the group's own processes through the group's
+        path (timeouts, hang reports, failure policy); on Ray, non-blocking calls on disjoint
+        replicas run at the same time, calls reaching one rank run in submission order, and a
+        later whole-group call waits on each rank for the replica calls submitted before it.
+        Errors and hang reports name the ranks by the group's numbering and coordinates (``dp``
+        is the replica); traces put a view's calls on the group's tracks, named ``method [replica i]``.
+        """
+        if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence):
+            raise DispatchError(f"replicas(indices) takes a list of dp replica ids, got {type(indices).__name__}")
+        return ReplicaGroup(self, select_replicas(self.mesh, indices, "replicas(indices)"))
+
     def with_timeout(self, timeout_s: float | None = None, *, stall_warn_s: float | None = None) -> TimedGroup:
         """This group with every call bounded by ``timeout_s`` seconds (blocking or ``.get()``).
 
@@ -451,7 +484,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Stop the ranks (on Ray: kill the processes, every role spawned from them too)."""
-        observer = self._observer or TRACING.recorder
+        observer = self._watcher()
         if observer is not None:  # a trace recording: it collects what the ranks still hold for it first
             observer.closing(self)
         self._executor.close()
@@ -467,12 +500,12 @@ class WorkerGroup:
     ) -> Any:
         # Tracing off costs this one read of the observer; on, `seen` hears the call's life
         # (rankmesh.tracing.observer: begin, phases, shipped objects, outputs, end).
-        observer = self._observer or TRACING.recorder
-        seen = None if observer is None else observer.begin(self, binding.name, binding.method.blocking, args, kwargs)
+        observer = self._watcher()
+        seen = None if observer is None else self._observe(observer, binding, args, kwargs)
         if isinstance(binding.entry, (UserMode, PerRank)):
             return self._call_user(binding, binding.entry, args, kwargs, timeout, seen, stall_warn_s)
         spec, site = binding.entry, binding.site
-        plan = binding.plan if binding.plan is not None else self._registered_plan(spec.mesh, site)
+        plan = binding.plan if binding.plan is not None else self._late_plan(spec, site)
         split = split_call(spec, plan.n_pieces, args, kwargs, site, binding.method.padding)
         per_rank = [split.pieces[0 if split.broadcast else plan.piece_of_rank[r]] for r in plan.run_ranks]
         collect = set(plan.collect_ranks)
@@ -489,11 +522,11 @@ class WorkerGroup:
             # concat writes every collected tensor into a fresh batch: borrow them as read-only
             # views, so the controller copies each byte once (not on receive and again in concat).
             outputs = self._executor.fetch(pending, timeout=timeout, borrow=spec.output == "concat", stall_warn_s=stall_warn_s)
-            return finish(outputs) if seen is None else seen.end(finish(seen.received(outputs, plan.run_ranks)))
+            return finish(outputs) if seen is None else seen.end(finish(seen.received(outputs, self._group_ranks(plan.run_ranks))))
         if spec.output == "concat" and not split.tensordicts:  # TensorDicts join in finish()
             future: Any = output_future(split, [pending[i] for i in order], self._executor.fetcher(timeout, stall_warn_s))
         else:
-            future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s)
+            future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s, self._executor.fetcher())
         return future if seen is None else seen.end(future)
 
     def _call_user(
@@ -519,8 +552,8 @@ class WorkerGroup:
 
         if binding.method.blocking:
             outputs = self._executor.fetch(pending, timeout=timeout, stall_warn_s=stall_warn_s)
-            return finish(outputs) if seen is None else seen.end(finish(seen.received(outputs, ranks)))
-        future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s)
+            return finish(outputs) if seen is None else seen.end(finish(seen.received(outputs, self._group_ranks(ranks))))
+        future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s, self._executor.fetcher())
         return future if seen is None else seen.end(future)
 
     def _user_pieces(
@@ -580,6 +613,26 @@ class WorkerGroup:
         pending = self._executor.submit(binding.role, binding.target, calls)
         seen.phase("submit")
         return pending
+
+    def _watcher(self) -> CallObserver | None:
+        """Who hears this group's calls: its own ``wg.trace`` recorder, else the program-wide one, else nobody."""
+        return self._observer or TRACING.recorder
+
+    def _observe(self, observer: CallObserver, binding: Binding, args: Args, kwargs: Kwargs) -> ObservedCall:
+        """Tell ``observer`` a call of ``binding`` begins (a replica view's calls go on its group's tracks)."""
+        return observer.begin(self, binding.name, binding.method.blocking, args, kwargs)
+
+    def _group_ranks(self, ranks: Sequence[int]) -> Sequence[int]:
+        """``ranks`` as the observer's tracks number them (the group's own ranks; a view maps its ranks)."""
+        return ranks
+
+    def _guarded(self, binding: Binding, run: Callable[[], Any]) -> Any:
+        """Run one call of ``binding`` (``run``) under the group's failure policy; a backend may retry it."""
+        return run()
+
+    def _late_plan(self, spec: MeshSpec, site: CallSite) -> DispatchPlan:
+        """The plan of a method whose mesh the table does not hold: verl's registered meshes."""
+        return self._registered_plan(spec.mesh, site)
 
     def _registered_plan(self, mesh_name: str, site: CallSite) -> DispatchPlan:
         """verl's lazy dispatch info: ask every rank what it registered for ``mesh_name``."""
@@ -719,3 +772,72 @@ class WorkerGroup:
 
     execute_all_sync = execute_all
     execute_rank_zero_sync = execute_rank_zero
+
+
+class ReplicaGroup(WorkerGroup):
+    """``wg.replicas([...])``: a worker group restricted to some of its dp replicas (see :meth:`WorkerGroup.replicas`).
+
+    A view: it runs on the group's processes through :class:`~rankmesh.replicas.RankSubset`
+    and lives as long as the group; shutting a view down is refused.  Methods on the group's
+    default mesh are planned for the view's mesh; methods on a named mesh, or on a mesh the
+    workers registered (verl), take the group's plan restricted to the view's ranks, which must
+    hold a collect rank of every data piece they touch.
+    """
+
+    def __init__(self, group: WorkerGroup, selection: ReplicaSelection) -> None:
+        self._group, self._selection = group, selection
+        table = MethodTable.build(
+            group.worker_cls, len(selection.ranks), selection.mesh, None, group.role, group.registry, type(self), late_meshes=True
+        )
+        self._install(RankSubset(group.executor, selection), table)
+        self._late_plans: dict[str, DispatchPlan] = {}  # call site -> its plan over the view
+
+    @property
+    def group(self) -> WorkerGroup:
+        """The whole group this view selects from."""
+        return self._group
+
+    @property
+    def selection(self) -> ReplicaSelection:
+        """Which replicas, which group ranks (view rank ``i`` is group rank ``selection.ranks[i]``)."""
+        return self._selection
+
+    @property
+    def trace_name(self) -> str:
+        return f"{self._group.trace_name} [{self._selection.label}]"
+
+    def __repr__(self) -> str:
+        return f"{self._group!r}.replicas({list(self._selection.replicas)})"
+
+    def shutdown(self) -> None:
+        raise DispatchError(f"{self!r} is a view of its group; shut the group down instead")
+
+    @contextmanager
+    def trace(self, path: str | os.PathLike[str]) -> Iterator[Recorder]:
+        raise DispatchError(f"{self!r} is a view: trace its group (with wg.trace(path): ...), whose tracks its calls go on")
+        yield  # pragma: no cover - a generator, so that the error comes at `with`
+
+    def _watcher(self) -> CallObserver | None:
+        return self._group._watcher()
+
+    def _call(
+        self, binding: Binding, args: Args, kwargs: Kwargs, timeout: float | None = None, stall_warn_s: float | None = None
+    ) -> Any:
+        # The group's failure policy (on Ray: replace dead ranks, retry once) covers a view's calls.
+        return self._group._guarded(binding, lambda: super(ReplicaGroup, self)._call(binding, args, kwargs, timeout, stall_warn_s))
+
+    def _observe(self, observer: CallObserver, binding: Binding, args: Args, kwargs: Kwargs) -> ObservedCall:
+        name = f"{binding.name} [{self._selection.label}]"
+        return observer.begin(self._group, name, binding.method.blocking, args, kwargs)
+
+    def _group_ranks(self, ranks: Sequence[int]) -> Sequence[int]:
+        return [self._selection.ranks[r] for r in ranks]
+
+    def _late_plan(self, spec: MeshSpec, site: CallSite) -> DispatchPlan:
+        key = f"{site.method} ({site.mode})"
+        plan = self._late_plans.get(key)
+        if plan is None:
+            meshes = self._group.meshes
+            whole = spec.plan(meshes[spec.mesh]) if spec.mesh in meshes else self._group._late_plan(spec, site)
+            plan = self._late_plans[key] = restrict_plan(whole, self._selection, site)
+        return plan

@@ -267,8 +267,23 @@ class LocalExecutor:
         already ran, so neither ``timeout`` nor ``stall_warn_s`` has anything to watch."""
         return fetch_local(pending)
 
-    def fetcher(self, timeout: float | None = None, stall_warn_s: float | None = None) -> Callable[[Sequence[Any]], list[Any]]:
-        return fetch_local
+    def fetcher(self, timeout: float | None = None, stall_warn_s: float | None = None) -> "LocalFetcher":
+        return LocalFetcher()
+
+
+@dataclass(frozen=True)
+class LocalFetcher:
+    """The in-process backend's fetch for futures: :func:`fetch_local`, and every call is already done.
+
+    All instances are equal, so futures of in-process groups merge flat when concatenated.
+    """
+
+    def __call__(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        return fetch_local(handles, timeout)
+
+    def ready(self, handles: Sequence[Any], timeout: float | None = 0.0) -> list[int]:
+        """:class:`rankmesh.backend.ReadyCheck`: calls ran before ``submit`` returned."""
+        return list(range(len(handles)))
 
 
 def _default_mesh(mesh: RankMesh | None, world_size: int | None) -> RankMesh:

@@ -291,6 +291,31 @@ class DataProtoFuture:
             raise PaddingError(f"cannot chunk a future of {length} rows into {chunks} equal parts; pad it first")
         return [self.slice_rows(s, e) for s, e in columns.chunk_bounds(length, chunks)]
 
+    def part_futures(self) -> list[DataProtoFuture]:
+        """This future's rows as one future per part, in row order; fetches nothing.
+
+        The parts of a call's output are its collect ranks' outputs, one per dp replica, so
+        ``rankmesh.wait(fut.part_futures(), num_returns=k)`` hands a controller the rows of the
+        first ``k`` replicas to finish without waiting for the slowest.  ``DataProtoFuture.concat``
+        of the list is this future again (a part that the selection visits twice, as after
+        :meth:`pad_to_divisor`, gives one future per visit).  A future with unknown row counts
+        splits only while nothing was narrowed yet (no :data:`Deferred` operation).
+        """
+        if self.segments is None:
+            if self.deferred:
+                raise DataProtoError(
+                    f"cannot split {self!r} by part: its row counts are unknown and it was narrowed "
+                    f"({list(self.deferred)}); get() it, or split it before narrowing"
+                )
+            return [dataclasses.replace(self, parts=(part,)) for part in self.parts]
+        runs: list[tuple[int, list[Segment]]] = []
+        for index, start, stop in _pieces(self.parts, self.segments):
+            if runs and runs[-1][0] == index:
+                runs[-1][1].append((start, stop))
+            else:
+                runs.append((index, [(start, stop)]))
+        return [DataProtoFuture._select((self.parts[i],), segs, self.fetch, self.auto_padding) for i, segs in runs]
+
     def pad_to_divisor(self, size_divisor: int) -> tuple[DataProtoFuture, int]:
         """Pad with rows repeated from the start (as :meth:`DataProto.pad_to_divisor`); no fetch."""
         divisor = validate.positive_int(size_divisor, "size_divisor", DataProtoError)

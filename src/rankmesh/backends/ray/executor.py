@@ -37,7 +37,7 @@ from rankmesh.sharedmem import register_store_processes
 from .hangs import gather_hangs
 from .hosts import HostSet
 from .runtime import raylet_pids
-from .waiting import Pending, fetch_outputs
+from .waiting import Pending, fetch_outputs, ready_indices
 from .wire import encode_rank_call, slot_method
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,10 @@ class GroupFetcher:
         executor = self._executor()
         inspect = None if executor is None else executor.inspect
         return fetch_outputs(handles, self.timeout_s if timeout is None else timeout, self.died, False, self.stall_warn_s, inspect)
+
+    def ready(self, handles: Sequence[Any], timeout: float | None = 0.0) -> list[int]:
+        """:class:`rankmesh.backend.ReadyCheck`: which of ``handles`` are done (nothing fetched)."""
+        return ready_indices(handles, timeout)
 
     def died(self, err: WorkerDiedError) -> None:
         """Fail the group this fetcher belongs to, when it lives in this process."""

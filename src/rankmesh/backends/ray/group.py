@@ -405,21 +405,25 @@ class RayWorkerGroup(WorkerGroup):
     def _call(
         self, binding: Any, args: Any, kwargs: Any, timeout: float | None = None, stall_warn_s: float | None = None
     ) -> Any:
-        """The base call, plus the ``on_rank_death="replace"`` policy: replace, then retry once.
+        return self._guarded(binding, lambda: super(RayWorkerGroup, self)._call(binding, args, kwargs, timeout, stall_warn_s))
+
+    def _guarded(self, binding: Any, run: Any) -> Any:
+        """Run one call (``run``) under the ``on_rank_death="replace"`` policy: replace, then retry once.
 
         Only a blocking call is retried (a non-blocking one raises from its future; the next
         call replaces first).  The retry re-sends the caller's unchanged arguments.  A
         ``WorkerError`` is retried only if a rank is found dead (:func:`.recovery.probe_dead`):
-        survivors may see the death as a gloo error before Ray reports it.
+        survivors may see the death as a gloo error before Ray reports it.  Replica views of the
+        group (``wg.replicas``) run their calls through here too.
         """
         rec = self._recovery
         if rec.policy != "replace" or rec.replacing:
-            return super()._call(binding, args, kwargs, timeout, stall_warn_s)
+            return run()
         if self.executor.failed is not None:
             self.replace_dead_ranks()
         start = time.monotonic()
         try:
-            return super()._call(binding, args, kwargs, timeout, stall_warn_s)
+            return run()
         except (WorkerDiedError, WorkerError) as err:
             if not binding.method.blocking:
                 raise
@@ -436,7 +440,7 @@ class RayWorkerGroup(WorkerGroup):
             if report is not None:  # a handled failure is one line: what died, what was done, how long
                 report.detected_s = detected
                 logger.warning("%s: %s; retrying the call once", binding.name, report.format())
-        return super()._call(binding, args, kwargs, timeout, stall_warn_s)
+        return run()
 
     # ----- lifetime --------------------------------------------------------------------------------
 

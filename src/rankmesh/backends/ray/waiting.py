@@ -53,6 +53,21 @@ class Pending:
     coords: RankCoords | None = None  # the rank's place in the mesh, for error messages
 
 
+def ready_indices(handles: Sequence[Any], timeout: float | None = 0.0) -> list[int]:
+    """Indices of the done ones among ``handles`` (:class:`Pending` calls or bare ObjectRefs); nothing is fetched.
+
+    ``timeout`` > 0 (or ``None``) first waits until one is done (:class:`rankmesh.backend.ReadyCheck`).
+    """
+    refs = [h.ref if isinstance(h, Pending) else h for h in handles]
+    unique = list(dict.fromkeys(refs))
+    if not unique:
+        return []
+    if timeout is None or timeout > 0:
+        ray.wait(unique, num_returns=1, timeout=timeout, fetch_local=False)
+    done = set(ray.wait(unique, num_returns=len(unique), timeout=0, fetch_local=False)[0])
+    return [i for i, ref in enumerate(refs) if ref in done]
+
+
 #: ``inspect(unfinished, finished, after_s)``: where each unfinished call's rank is (a
 #: :class:`rankmesh.hangs.HangReport`), and Ray's error for each rank whose process is gone.
 Inspect = Callable[[Sequence[Pending], Sequence[Pending], float], "tuple[Any, dict[int, BaseException]]"]
