@@ -30,7 +30,7 @@ class ReplicaWorker(Worker):
             "rank": torch.full((len(data),), self.rank),
             "replica": torch.full((len(data),), self._dp()),
         })
-        return out
+        return self.stamp_weight_version(out)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO, blocking=False)
     def generate_later(self, data: DataProto) -> DataProto:
@@ -51,6 +51,12 @@ class ReplicaWorker(Worker):
         self.log.append(tag)
         time.sleep(seconds)
         return self.rank, start, time.monotonic()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_version(self, version) -> int:
+        """Stand-in for loading weights of ``version`` (a refit tells a ReshardWorker itself)."""
+        self.set_weight_version(version)
+        return self.weight_version
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def record(self, tag: str) -> list[str]:

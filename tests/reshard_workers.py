@@ -66,6 +66,10 @@ class ShardHolder(MegatronReshardWorker):
         return {n: p.detach().numpy().copy() for n, p in self.model.named_parameters()}
 
     @register(Dispatch.ONE_TO_ALL)
+    def held_versions(self) -> int:
+        return self.weight_version
+
+    @register(Dispatch.ONE_TO_ALL)
     def scale(self, factor: float) -> None:
         for p in self.model.parameters():
             p.data.mul_(factor)

@@ -72,3 +72,31 @@ def test_a_worker_without_layouts_is_told_how_to_describe_them() -> None:
         wg.param_layouts()
     with pytest.raises(ReshardError, match="without a backend's objects"):
         Bare().reshard_objects()  # built outside any backend
+
+
+def test_a_refit_into_one_replica_moves_only_its_bytes_and_leaves_the_others() -> None:
+    """Rolling refit: reshard into ``gen.replica(i)``, one replica after the other."""
+    pipe, gen = groups(src_seed=4)
+    replicas = GEN.size("dp")
+    refit = expected(LAYOUTS, GEN, seed=4)
+    untouched = expected(LAYOUTS, GEN, seed=4, factor=0.0)  # a GEN rank starts at zero (seed=None)
+    pipe.set_weight_version(7)
+    for i in range(replicas):
+        view = gen.replica(i)
+        plan = plan_between(pipe, view)
+        stats = reshard(pipe, view, plan)
+        assert stats.bytes_moved == GEN_BYTES // replicas  # one tp1 replica: every full tensor once
+        shards = gen.shards()
+        want = [refit[r] if GEN.coords(r).dp_rank <= i else untouched[r] for r in range(GEN.world_size)]
+        assert_shards(shards, want)
+        # The source's version went with the weights: recorded for replica i, known by its ranks.
+        assert gen.weight_versions == tuple(7 if j <= i else 0 for j in range(replicas))
+        assert gen.held_versions() == [7 if GEN.coords(r).dp_rank <= i else 0 for r in range(GEN.world_size)]
+    reshard(pipe, gen.replica(0), plan_between(pipe, gen.replica(0)), version=8)
+    assert gen.weight_versions == (8, 7, 7, 7) and gen.replica(0).weight_version == 8
+    with pytest.raises(rankmesh.errors.DispatchError, match=r"replicas hold weight versions \(8, 7, 7, 7\)"):
+        gen.weight_version
+    with pytest.raises(ReshardError, match=r"source's replicas hold weight versions \[7, 8\]; pass version="):
+        reshard(gen, pipe, plan_reshard(plan.dst_params, GEN, PIPE, dst_layouts=PIPE_LAYOUTS))
+    with pytest.raises(ReshardError, match=r"reshard\(version=-1\)"):
+        reshard(pipe, gen, plan_between(pipe, gen), version=-1)

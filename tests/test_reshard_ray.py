@@ -282,3 +282,23 @@ def test_a_rank_death_during_a_refit_is_replaced_and_the_refit_completes(ray_ses
     finally:
         src.shutdown()
         dst.shutdown()
+
+
+def test_a_rolling_refit_moves_one_replica_at_a_time_and_leaves_the_others(groups) -> None:
+    """reshard into ``train.replica(i)``: that replica's bytes only, same-node reads straight from the source."""
+    train, _, pipe = groups
+    pipe.refill(5)
+    # tp2·dp2 by hand: replica 1 is ranks 2, 3; a replica holds each tp-split tensor once and
+    # each replicated one on both of its ranks.
+    one_replica = sum(p.nbytes if p.tp_dim is not None else 2 * p.nbytes for p in LAYOUTS)
+    try:
+        view = train.replica(1)
+        stats = reshard(pipe, view, plan_between(pipe, view))
+        assert stats.bytes_moved == one_replica and stats.bytes_direct > 0
+        new, old = expected(LAYOUTS, TRAIN, seed=5), expected(LAYOUTS, TRAIN, seed=1)
+        assert_shards(train.shards(), [old[0], old[1], new[2], new[3]])
+        stats = reshard(pipe, train.replica(0), plan_between(pipe, train.replica(0)))
+        assert stats.bytes_moved == one_replica
+        assert_shards(train.shards(), new)
+    finally:
+        train.refill(1)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import rankmesh
 from rankmesh import DataProto, DataProtoFuture, LocalWorkerGroup, RankMesh, RowBuffer
 from rankmesh.data import identity_fetch
-from rankmesh.errors import DispatchError, RowBufferError
+from rankmesh.errors import DispatchError, RowBufferError, WorkerError
 from tests.replica_workers import ReplicaWorker
 
 
@@ -170,3 +170,19 @@ def test_wait_refuses_bad_input_naming_it(args, match):
             rankmesh.wait([DataProtoFuture.from_parts([object()], lambda hs: list(hs))])
         else:
             rankmesh.wait(*args)
+
+
+def test_generated_rows_carry_the_version_that_made_them_through_slicing_and_the_buffer():
+    wg = LocalWorkerGroup(ReplicaWorker, mesh=RankMesh(tp=2, dp=2))
+    assert wg.replica(1).load_version(4) == [4, 4]  # replica 1 refitted, replica 0 still on version 0
+    out = wg.generate(DataProto.from_dict({"x": torch.arange(4, dtype=torch.float32)}))
+    assert out.batch["weight_version"].tolist() == [0, 0, 4, 4]
+    assert DataProto.concat([out[2:], out[:1]]).batch["weight_version"].tolist() == [4, 4, 0]
+    buf = RowBuffer(8)
+    buf.put(out[:2], version=0)
+    buf.put(out[2:], version=4)
+    taken = buf.take(4)
+    assert taken.staleness(5) == 5 and taken.staleness(4) == 4  # the oldest row taken lags by that much
+    assert taken.data.get().batch["weight_version"].tolist() == list(taken.versions) == [0, 0, 4, 4]
+    with pytest.raises(WorkerError, match=r"rank 0: set_weight_version\(version\) needs a version >= 0, got -2"):
+        wg.load_version(-2)

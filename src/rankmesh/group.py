@@ -33,7 +33,7 @@ from rankmesh.replicas import RankSubset, ReplicaSelection, restrict_plan, selec
 from rankmesh.tracing import TRACING, write_trace
 from rankmesh.tracing.observer import CallObserver, ObservedCall
 from rankmesh.tracing.recorder import Recorder
-from rankmesh.validate import positive_seconds
+from rankmesh.validate import is_int, positive_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -352,6 +352,7 @@ class WorkerGroup:
         self._adhoc: dict[tuple[str, str], Binding] = {}
         #: rankmesh.reshard.run.ReshardSession of the reshards into this group (made by the first one).
         self.reshard_session: Any = None
+        self._weight_versions = [0] * table.mesh.size("dp")  # per dp replica, as the controller recorded them
         for name, bound in table.methods.items():
             setattr(self, name, GroupMethod(self, bound))
 
@@ -413,6 +414,38 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.worker_cls.__name__}, {self.mesh}, methods={len(self._table.methods)})"
+
+    @property
+    def weight_versions(self) -> tuple[int, ...]:
+        """The weight version of each dp replica, as recorded here (refits and :meth:`set_weight_version`).
+
+        A record on the controller, kept without asking the ranks: ``reshard(..., version=v)``
+        writes it for the replicas it refits (and each of their ranks learns ``v`` too, see
+        ``Worker.weight_version``).  All 0 at start.
+        """
+        return tuple(self._weight_versions)
+
+    @property
+    def weight_version(self) -> int:
+        """The one version every replica holds (the trainer's, say); refused while replicas differ (rolling refits)."""
+        versions = set(self.weight_versions)
+        if len(versions) != 1:
+            raise DispatchError(f"the replicas hold weight versions {self.weight_versions}; read weight_versions for each one")
+        return versions.pop()
+
+    def set_weight_version(self, version: int) -> None:
+        """Record that every replica of this group (of this view) now holds weights of ``version``.
+
+        E.g. the trainer after each optimizer step, so that ``reshard`` from it carries the version
+        on.  The ranks are not called (a refit tells its destination ranks itself).
+        """
+        if not is_int(version) or version < 0:
+            raise DispatchError(f"set_weight_version(version) needs a version >= 0, got {version!r}")
+        self._weight_versions[:] = [int(version)] * len(self._weight_versions)
+
+    def record_weight_version(self, replica: int, version: int) -> None:
+        """Record ``version`` for dp replica ``replica`` alone (what a refit into a replica view does)."""
+        self._weight_versions[replica] = version
 
     def replica(self, index: int) -> "ReplicaGroup":
         """This group restricted to dp replica ``index`` (all its tp, cp and pp ranks); see :meth:`replicas`."""
@@ -805,6 +838,29 @@ class ReplicaGroup(WorkerGroup):
     @property
     def trace_name(self) -> str:
         return f"{self._group.trace_name} [{self._selection.label}]"
+
+    @property
+    def weight_versions(self) -> tuple[int, ...]:
+        versions = self._group.weight_versions
+        return tuple(versions[i] for i in self._selection.replicas)
+
+    def set_weight_version(self, version: int) -> None:
+        """Record ``version`` for this view's replicas in its group (the others keep theirs)."""
+        if not is_int(version) or version < 0:
+            raise DispatchError(f"set_weight_version(version) needs a version >= 0, got {version!r}")
+        for i in self._selection.replicas:
+            self._group.record_weight_version(i, int(version))
+
+    @property
+    def node_labels(self) -> list[str]:
+        labels = self._group.node_labels
+        return [labels[r] for r in self._selection.ranks]
+
+    @property
+    def node_info(self) -> list[dict[str, Any]] | None:
+        """The group's entries of the view's ranks (a reshard into a view reads same-node ranks directly)."""
+        info = self._group.node_info
+        return None if info is None else [info[r] for r in self._selection.ranks]
 
     def __repr__(self) -> str:
         return f"{self._group!r}.replicas({list(self._selection.replicas)})"

@@ -29,9 +29,11 @@ from rankmesh.dispatch.spec import DEFAULT_MESH
 from rankmesh.errors import DispatchError, WorkerError
 from rankmesh.backend import ObjectTransport, Shared, check_receive
 from rankmesh.mesh import DistRankInfo, RankCoords, RankMesh
+from rankmesh.data.buffer import stamp_version
 from rankmesh.data.receive import own_copies
 from rankmesh.serialization import receiving
 from rankmesh.sharedmem import receive_info
+from rankmesh.validate import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,7 @@ class Worker:
         self._rankmesh_context = ctx
         self._rankmesh_dispatch_dp_rank: dict[str, int] = {}
         self._rankmesh_collect_dp_rank: dict[str, bool] = {}
+        self._rankmesh_weight_version = 0
         return self
 
     def __init__(self) -> None:  # the context is set in __new__; subclasses may skip this
@@ -161,6 +164,31 @@ class Worker:
     @property
     def node(self) -> str:
         return self._rankmesh_context.node
+
+    # ----- weight versions (asynchronous pipelines: docs/async.md) -------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights this rank holds: 0 at start, then what the last refit into it said.
+
+        ``rankmesh.reshard.reshard(..., version=v)`` sets it on every destination rank it writes;
+        :meth:`stamp_weight_version` writes it into the rows a rank generates.
+        """
+        return self._rankmesh_weight_version
+
+    def set_weight_version(self, version: int) -> None:
+        """Say this rank now holds weights of ``version`` (a refit does it; call it for weights loaded otherwise)."""
+        if not is_int(version) or version < 0:
+            raise DispatchError(f"rank {self.rank}: set_weight_version(version) needs a version >= 0, got {version!r}")
+        self._rankmesh_weight_version = int(version)
+
+    def stamp_weight_version(self, data: Any) -> Any:
+        """``data`` (a DataProto this rank made) with a ``weight_version`` column: this rank's version on every row.
+
+        A column, so it survives slicing and concat on the way to the trainer, which can check
+        its staleness bound on the rows it trains on.  Returns ``data`` (changed in place).
+        """
+        return stamp_version(data, self._rankmesh_weight_version)
 
     # ----- recovery hooks (called when the Ray backend replaces dead ranks) --------------------
 

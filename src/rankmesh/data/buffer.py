@@ -21,10 +21,22 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from rankmesh.data.future import DataProtoFuture, identity_fetch
 from rankmesh.data.proto import DataProto
 from rankmesh.errors import RowBufferError
 from rankmesh.validate import is_int
+
+
+#: The column that carries, on each generated row, the version of the weights that made it.
+VERSION_COLUMN = "weight_version"
+
+
+def stamp_version(data: DataProto, version: int) -> DataProto:
+    """``data`` with :data:`VERSION_COLUMN` set to ``version`` on every row (in place; returned)."""
+    data.batch[VERSION_COLUMN] = torch.full((len(data),), int(version), dtype=torch.int64)
+    return data
 
 
 @dataclass
@@ -53,6 +65,14 @@ class Taken:
     @property
     def rows(self) -> int:
         return len(self.versions)
+
+    def staleness(self, current_version: int) -> int:
+        """How many versions the oldest row taken lags ``current_version`` (0 for an empty take).
+
+        The trainer's bound reads ``assert taken.staleness(v) <= K`` (rows made by weights at
+        most ``K`` updates older than the ones about to be updated).
+        """
+        return max((current_version - v for v in self.versions), default=0)
 
 
 def _as_future(batch: Any) -> DataProtoFuture:
@@ -198,4 +218,4 @@ class RowBuffer:
         return True
 
 
-__all__ = ["RowBuffer", "Taken"]
+__all__ = ["VERSION_COLUMN", "RowBuffer", "Taken", "stamp_version"]

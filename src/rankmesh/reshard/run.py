@@ -37,6 +37,7 @@ from typing import Any, Iterable, Sequence
 from rankmesh.errors import ReshardError, WorkerDiedError
 from rankmesh.mesh import RankMesh
 from rankmesh.reshard.plan import ReshardPlan, Transfer, merge_layouts, plan_reshard
+from rankmesh.validate import is_int
 from rankmesh.reshard.worker import DirectRead, ObjectRead, RecvJob, RecvResult, Region, SendJob, SendResult
 
 logger = logging.getLogger(__name__)
@@ -196,8 +197,10 @@ class Jobs:
     bytes_put: int
 
 
-def build_jobs(plan: ReshardPlan, direct: frozenset[Pair]) -> Jobs:
-    """The send job of every source rank and the receive job of every destination rank (pure)."""
+def build_jobs(plan: ReshardPlan, direct: frozenset[Pair], version: int | None = None) -> Jobs:
+    """The send job of every source rank and the receive job of every destination rank (pure).
+
+    ``version``: the weight version each destination rank holds once its job is done."""
     token = uuid.uuid4().hex
     sends = []
     objects: list[list[ObjectRead]] = [[] for _ in range(plan.dst.world_size)]
@@ -217,7 +220,8 @@ def build_jobs(plan: ReshardPlan, direct: frozenset[Pair]) -> Jobs:
         local = tuple((t.name, t.src_slices) for t in plan.sends(r) if t.local)
         sends.append(SendJob(token, tuple(regions for regions, _ in put), regions, local))
     recvs = tuple(
-        RecvJob(token, tuple(objects[d]), tuple(reads[d]), tuple((t.name, t.dst_slices) for t in plan.receives(d) if t.local))
+        RecvJob(token, tuple(objects[d]), tuple(reads[d]), tuple((t.name, t.dst_slices) for t in plan.receives(d) if t.local),
+                version)
         for d in range(plan.dst.world_size)
     )
     return Jobs(tuple(sends), recvs, n_objects, bytes_put)
@@ -233,9 +237,9 @@ class _Run:
     bytes_put: int
 
 
-def _run(src_group: Any, dst_group: Any, plan: ReshardPlan, direct: frozenset[Pair]) -> _Run:
+def _run(src_group: Any, dst_group: Any, plan: ReshardPlan, direct: frozenset[Pair], version: int | None) -> _Run:
     """Submit every send and receive of ``plan`` at once and wait for them (``direct`` pairs read by pid)."""
-    jobs = build_jobs(plan, direct)
+    jobs = build_jobs(plan, direct, version)
     start = time.time()
     sends = src_group.call_ranks("reshard_send", [(job,) for job in jobs.sends], blocking=False)
     try:
@@ -268,7 +272,12 @@ def _replaces(group: Any) -> bool:
 
 
 def reshard(
-    src_group: Any, dst_group: Any, plan: ReshardPlan, transport: str = "auto", session: ReshardSession | None = None
+    src_group: Any,
+    dst_group: Any,
+    plan: ReshardPlan,
+    transport: str = "auto",
+    session: ReshardSession | None = None,
+    version: int | None = None,
 ) -> ReshardStats:
     """Move the weights of ``src_group`` into ``dst_group`` as ``plan`` says; only jobs and handles pass here.
 
@@ -292,31 +301,49 @@ def reshard(
 
     Blocking: it returns only after every destination has its regions.  The sources' tensors must
     not change (nor be freed) until then, since destinations read them in place.
+
+    ``version``: the weight version the destination holds afterwards (``None``: the source's,
+    ``src_group.weight_version``).  Every destination rank learns it (``Worker.weight_version``,
+    which ``stamp_weight_version`` writes into generated rows) and the destination group records
+    it for the replicas refitted (``dst_group.weight_versions``).  ``dst_group`` may be a replica
+    view (``rollout.replica(i)``): a rolling refit, which moves that replica's bytes alone while
+    the other replicas go on generating.
     """
     if transport not in TRANSPORTS:
         raise ReshardError(f"reshard(transport={transport!r}): expected one of {', '.join(map(repr, TRANSPORTS))}")
     _check_group(src_group, plan.src, "source")
     _check_group(dst_group, plan.dst, "destination")
     session = session or ReshardSession.of(dst_group)
+    if version is None:
+        held = sorted(set(src_group.weight_versions))
+        if len(held) != 1:
+            raise ReshardError(f"reshard: the source's replicas hold weight versions {held}; pass version=... for the destination")
+        version = held[0]
+    elif not is_int(version) or version < 0:
+        raise ReshardError(f"reshard(version={version!r}): expected a weight version >= 0 (or None: the source's)")
     try:
-        return _reshard(src_group, dst_group, plan, transport, session)
+        stats = _reshard(src_group, dst_group, plan, transport, session, version)
     except WorkerDiedError as err:
         if not (_replaces(src_group) or _replaces(dst_group)):
             raise
         # The next call of the group that lost the rank replaces it first (its _call), then runs.
         logger.warning("reshard: %s; running it once more after the dead ranks are replaced", err)
-        return _reshard(src_group, dst_group, plan, transport, session)
+        stats = _reshard(src_group, dst_group, plan, transport, session, version)
+    dst_group.set_weight_version(version)
+    return stats
 
 
-def _reshard(src_group: Any, dst_group: Any, plan: ReshardPlan, transport: str, session: ReshardSession) -> ReshardStats:
-    run = _run(src_group, dst_group, plan, session.direct_pairs(src_group, dst_group, plan, transport))
+def _reshard(
+    src_group: Any, dst_group: Any, plan: ReshardPlan, transport: str, session: ReshardSession, version: int
+) -> ReshardStats:
+    run = _run(src_group, dst_group, plan, session.direct_pairs(src_group, dst_group, plan, transport), version)
     runs = [run]
     refused = {(r, d): why for d, g in enumerate(run.got) for r, why in g.refused.items()}
     if refused:
         session.note_refused(src_group, dst_group, refused)
         transfers = [t for t in plan.transfers if not t.local and (t.src_rank, t.dst_rank) in refused]
         again = ReshardPlan(plan.src, plan.dst, plan.params, plan.dst_params, transfers, colocated=plan.colocated)
-        runs.append(_run(src_group, dst_group, again, frozenset()))
+        runs.append(_run(src_group, dst_group, again, frozenset(), version))
     start, end = run.start, runs[-1].end
     received = sum(g.received for r in runs for g in r.got)
     if received != plan.bytes_moved:

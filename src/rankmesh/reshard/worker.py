@@ -140,6 +140,7 @@ class RecvJob:
     objects: tuple[ObjectRead, ...] = ()
     direct: tuple[DirectRead, ...] = ()
     local: tuple[Region, ...] = ()
+    version: int | None = None  # the weight version the rank holds once written (None: unchanged)
 
 
 @dataclass(frozen=True)
@@ -431,6 +432,8 @@ class ReshardWorker(Worker):
                                    "process (was it replaced since?): run the reshard again")
             for view, (name, sl) in zip(views, job.local):
                 tensors[name][sl].copy_(view)
+        if job.version is not None and not refused:  # with refused regions the second round says it
+            self.set_weight_version(job.version)
         return RecvResult(received + direct_bytes, direct_bytes, refused, start, time.time(), copy_s, copy_cpu)
 
     @register(Dispatch.ONE_TO_ALL)
