@@ -38,6 +38,7 @@ OPS = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS, as_future=st.booleans())
 def test_every_row_comes_out_exactly_once_oldest_first(ops, as_future):
+    """Versions are put in any order (replicas finish out of order): a take drops every stale row held."""
     buf = RowBuffer(capacity_rows=12)
     model: list[tuple[int, int]] = []  # (row id, version), oldest first
     next_id, put_ids, out_ids = 0, [], []
@@ -54,8 +55,8 @@ def test_every_row_comes_out_exactly_once_oldest_first(ops, as_future):
             put_ids += ids
             model += [(i, b) for i in ids]
         else:
-            stale = [] if b is None else [m for m in model[: next((k for k, m in enumerate(model) if m[1] >= b), len(model))]]
-            rest = model[len(stale):]
+            stale = [] if b is None else [m for m in model if m[1] < b]
+            rest = [m for m in model if b is None or m[1] >= b]
             if len(rest) < a:
                 with pytest.raises(RowBufferError, match=rf"take\({a}\)"):
                     buf.take(a, min_version=b, block=False)
@@ -186,3 +187,16 @@ def test_generated_rows_carry_the_version_that_made_them_through_slicing_and_the
     assert taken.data.get().batch["weight_version"].tolist() == list(taken.versions) == [0, 0, 4, 4]
     with pytest.raises(WorkerError, match=r"rank 0: set_weight_version\(version\) needs a version >= 0, got -2"):
         wg.load_version(-2)
+
+
+def test_discard_drops_stale_rows_anywhere_and_returns_them():
+    buf = RowBuffer(8)
+    buf.put(_rows([0, 1]), version=2)
+    buf.put(_rows([2]), version=1)  # an older version finished later (a slow replica)
+    buf.put(_rows([3]), version=3)
+    out = buf.discard(2)
+    assert out.dropped_versions == (1,) and out.dropped.get().batch["id"].tolist() == [2] and out.rows == 0
+    assert buf.versions() == [(2, 2), (3, 1)] and buf.dropped_rows == 1
+    assert buf.take(3).data.get().batch["id"].tolist() == [0, 1, 3]
+    with pytest.raises(RowBufferError, match=r"discard\(min_version\) must be a version >= 0"):
+        buf.discard(None)
