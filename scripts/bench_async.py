@@ -72,7 +72,7 @@ class Rollout(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def refit(self, version: int) -> None:
-        self.set_weight_version(version)
+        self.weight_version = version
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def restart(self, seed: int) -> None:

@@ -55,7 +55,7 @@ class ReplicaWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_version(self, version) -> int:
         """Stand-in for loading weights of ``version`` (a refit tells a ReshardWorker itself)."""
-        self.set_weight_version(version)
+        self.weight_version = version
         return self.weight_version
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -158,3 +158,15 @@ def test_a_views_calls_are_traced_on_the_groups_tracks(wg, tmp_path):
     with pytest.raises(DispatchError, match="trace its group"):
         with wg.replica(0).trace(tmp_path / "x.json"):
             pass
+
+
+def test_weight_versions_are_recorded_per_replica(wg):
+    assert wg.weight_versions == (0, 0) and wg.weight_version == 0
+    wg.replica(1).weight_version = 3  # what a refit into replica 1 records
+    assert wg.weight_versions == (0, 3) and wg.replica(1).weight_version == 3
+    with pytest.raises(DispatchError, match=r"replicas hold weight versions \(0, 3\); read weight_versions"):
+        wg.weight_version
+    wg.weight_version = 4
+    assert wg.weight_versions == (4, 4)
+    with pytest.raises(DispatchError, match=r"weight_version must be a version >= 0, got -1"):
+        wg.replicas([0]).weight_version = -1

@@ -80,7 +80,7 @@ def test_a_refit_into_one_replica_moves_only_its_bytes_and_leaves_the_others() -
     replicas = GEN.size("dp")
     refit = expected(LAYOUTS, GEN, seed=4)
     untouched = expected(LAYOUTS, GEN, seed=4, factor=0.0)  # a GEN rank starts at zero (seed=None)
-    pipe.set_weight_version(7)
+    pipe.weight_version = 7
     for i in range(replicas):
         view = gen.replica(i)
         plan = plan_between(pipe, view)

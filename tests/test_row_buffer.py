@@ -185,7 +185,7 @@ def test_generated_rows_carry_the_version_that_made_them_through_slicing_and_the
     taken = buf.take(4)
     assert taken.staleness(5) == 5 and taken.staleness(4) == 4  # the oldest row taken lags by that much
     assert taken.data.get().batch["weight_version"].tolist() == list(taken.versions) == [0, 0, 4, 4]
-    with pytest.raises(WorkerError, match=r"rank 0: set_weight_version\(version\) needs a version >= 0, got -2"):
+    with pytest.raises(WorkerError, match=r"rank 0: weight_version must be a version >= 0, got -2"):
         wg.load_version(-2)
 
 

@@ -417,7 +417,7 @@ class WorkerGroup:
 
     @property
     def weight_versions(self) -> tuple[int, ...]:
-        """The weight version of each dp replica, as recorded here (refits and :meth:`set_weight_version`).
+        """The weight version of each dp replica, as recorded here (by refits, or by setting :attr:`weight_version`).
 
         A record on the controller, kept without asking the ranks: ``reshard(..., version=v)``
         writes it for the replicas it refits (and each of their ranks learns ``v`` too, see
@@ -427,25 +427,31 @@ class WorkerGroup:
 
     @property
     def weight_version(self) -> int:
-        """The one version every replica holds (the trainer's, say); refused while replicas differ (rolling refits)."""
+        """The one version every replica holds (the trainer's, say); reading it is refused while replicas differ.
+
+        Setting it records ``version`` for every replica of this group (of this view: its replicas
+        alone), e.g. ``actor.weight_version += 1`` after each optimizer step, so that a reshard from
+        the actor carries the version on.  No rank is called (a refit tells its destination ranks itself).
+        """
         versions = set(self.weight_versions)
         if len(versions) != 1:
             raise DispatchError(f"the replicas hold weight versions {self.weight_versions}; read weight_versions for each one")
         return versions.pop()
 
-    def set_weight_version(self, version: int) -> None:
-        """Record that every replica of this group (of this view) now holds weights of ``version``.
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        for replica in self._own_replicas():
+            self.record_weight_version(replica, version)
 
-        E.g. the trainer after each optimizer step, so that ``reshard`` from it carries the version
-        on.  The ranks are not called (a refit tells its destination ranks itself).
-        """
-        if not is_int(version) or version < 0:
-            raise DispatchError(f"set_weight_version(version) needs a version >= 0, got {version!r}")
-        self._weight_versions[:] = [int(version)] * len(self._weight_versions)
+    def _own_replicas(self) -> Sequence[int]:
+        """The group's dp replicas this object covers (all of them; a view: its selection)."""
+        return range(len(self._weight_versions))
 
     def record_weight_version(self, replica: int, version: int) -> None:
-        """Record ``version`` for dp replica ``replica`` alone (what a refit into a replica view does)."""
-        self._weight_versions[replica] = version
+        """Record ``version`` for dp replica ``replica`` of this group alone."""
+        if not is_int(version) or version < 0:
+            raise DispatchError(f"weight_version must be a version >= 0, got {version!r}")
+        self._weight_versions[replica] = int(version)
 
     def replica(self, index: int) -> "ReplicaGroup":
         """This group restricted to dp replica ``index`` (all its tp, cp and pp ranks); see :meth:`replicas`."""
@@ -844,12 +850,11 @@ class ReplicaGroup(WorkerGroup):
         versions = self._group.weight_versions
         return tuple(versions[i] for i in self._selection.replicas)
 
-    def set_weight_version(self, version: int) -> None:
-        """Record ``version`` for this view's replicas in its group (the others keep theirs)."""
-        if not is_int(version) or version < 0:
-            raise DispatchError(f"set_weight_version(version) needs a version >= 0, got {version!r}")
-        for i in self._selection.replicas:
-            self._group.record_weight_version(i, int(version))
+    def record_weight_version(self, replica: int, version: int) -> None:
+        self._group.record_weight_version(replica, version)
+
+    def _own_replicas(self) -> Sequence[int]:
+        return self._selection.replicas
 
     @property
     def node_labels(self) -> list[str]:

@@ -88,20 +88,24 @@ def restrict_plan(plan: DispatchPlan, selection: ReplicaSelection, site: CallSit
     rank inside the view, else its output would be lost: that is refused, naming the method.
     """
     local = {g: s for s, g in enumerate(selection.ranks)}
-    run = [local[g] for g in plan.run_ranks if g in local]
+    run = sorted(local[g] for g in plan.run_ranks if g in local)
+    piece_of = [plan.piece_of_rank[g] for g in selection.ranks]  # by view rank
     number: dict[int, int] = {}
-    for g in sorted(plan.run_ranks, key=lambda g: local.get(g, len(local))):
-        if g in local:
-            number.setdefault(plan.piece_of_rank[g], len(number))
-    collect = sorted((local[g] for g in plan.collect_ranks if g in local), key=lambda s: (number.get(plan.piece_of_rank[selection.ranks[s]], -1), s))
-    held = {number[plan.piece_of_rank[selection.ranks[s]]] for s in collect if plan.piece_of_rank[selection.ranks[s]] in number}
-    if not run or held != set(range(len(number))):
+    for s in run:
+        number.setdefault(piece_of[s], len(number))
+    collect = sorted((local[g] for g in plan.collect_ranks if g in local and plan.piece_of_rank[g] in number),
+                     key=lambda s: (number[piece_of[s]], s))
+    if not run or {number[piece_of[s]] for s in collect} != set(range(len(number))):
         raise site.error(
             f"its plan collects from ranks {list(plan.collect_ranks)} of the group, which do not cover every data piece of "
             f"the {selection.label} view (ranks {list(selection.ranks)}); call it on the whole group"
         )
-    pieces = tuple(number.get(plan.piece_of_rank[g], 0) for g in selection.ranks)
-    return DispatchPlan(n_pieces=len(number), piece_of_rank=pieces, collect_ranks=tuple(collect), run_ranks=tuple(sorted(run)))
+    return DispatchPlan(
+        n_pieces=len(number),
+        piece_of_rank=tuple(number.get(p, 0) for p in piece_of),
+        collect_ranks=tuple(collect),
+        run_ranks=tuple(run),
+    )
 
 
 class RankSubset:

@@ -172,14 +172,16 @@ class Worker:
         """The version of the weights this rank holds: 0 at start, then what the last refit into it said.
 
         ``rankmesh.reshard.reshard(..., version=v)`` sets it on every destination rank it writes;
-        :meth:`stamp_weight_version` writes it into the rows a rank generates.
+        set it yourself for weights loaded otherwise (``self.weight_version = v``, or ``+= 1``
+        after an update, as weight-sync code elsewhere does).  :meth:`stamp_weight_version`
+        writes it into the rows a rank generates.
         """
         return self._rankmesh_weight_version
 
-    def set_weight_version(self, version: int) -> None:
-        """Say this rank now holds weights of ``version`` (a refit does it; call it for weights loaded otherwise)."""
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
         if not is_int(version) or version < 0:
-            raise DispatchError(f"rank {self.rank}: set_weight_version(version) needs a version >= 0, got {version!r}")
+            raise DispatchError(f"rank {self.rank}: weight_version must be a version >= 0, got {version!r}")
         self._rankmesh_weight_version = int(version)
 
     def stamp_weight_version(self, data: Any) -> Any:

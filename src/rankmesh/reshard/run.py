@@ -329,7 +329,7 @@ def reshard(
         # The next call of the group that lost the rank replaces it first (its _call), then runs.
         logger.warning("reshard: %s; running it once more after the dead ranks are replaced", err)
         stats = _reshard(src_group, dst_group, plan, transport, session, version)
-    dst_group.set_weight_version(version)
+    dst_group.weight_version = version
     return stats
 
 

@@ -433,7 +433,7 @@ class ReshardWorker(Worker):
             for view, (name, sl) in zip(views, job.local):
                 tensors[name][sl].copy_(view)
         if job.version is not None and not refused:  # with refused regions the second round says it
-            self.set_weight_version(job.version)
+            self.weight_version = job.version
         return RecvResult(received + direct_bytes, direct_bytes, refused, start, time.time(), copy_s, copy_cpu)
 
     @register(Dispatch.ONE_TO_ALL)
