@@ -65,7 +65,7 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "front door": (8, ("rankmesh",)),
     "compat": (8, ("rankmesh.compat",)),
     "megatron": (8, ("rankmesh.megatron",)),
-    "tools": (9, ("rankmesh.demo", "rankmesh.demo_cli", "rankmesh.demo_hang", "rankmesh.draw", "rankmesh.cli", "rankmesh.__main__", "rankmesh.tracing.plot")),
+    "tools": (9, ("rankmesh.demo", "rankmesh.demo_async", "rankmesh.demo_cli", "rankmesh.demo_hang", "rankmesh.draw", "rankmesh.cli", "rankmesh.__main__", "rankmesh.tracing.plot")),
 }
 
 #: Layers that import nothing from the package: everything else may lean on them.

@@ -23,6 +23,10 @@ in iteration K; the actor group (created with ``on_rank_death="replace"``) repla
 and retries the update, and the run must end with the same losses and weights as an undisturbed
 one (compare ``final_weights_sha256``; docs/ray_backend.md, "Recovery model", says why it is exact).
 
+``--async-staleness K`` lets the rollout's replicas generate on their own, trains on rows at most K
+weight versions old and refits one replica at a time (:mod:`rankmesh.demo_async`); with ``K=0``
+it reproduces the synchronous run's batches and final weights.
+
 Sampling seeds are fixed per row, so a run is deterministic (see docs/megatron.md).  Nothing here
 imports megatron-core or Ray at module level (the roles and the Ray backend are imported when the
 groups start), so ``rankmesh --help`` stays quick.  The command line (``rankmesh demo``, options and
@@ -42,6 +46,7 @@ import torch
 
 from rankmesh.data import DataProto
 from rankmesh.errors import RankMeshError, UsageError
+from rankmesh.demo_async import AsyncRollout, AsyncTally
 from rankmesh.demo_hang import HangDrill, run_hang_drill
 from rankmesh.layout import load_layout
 from rankmesh.megatron.group import shutdown_megatron_group, start_megatron_group
@@ -78,6 +83,7 @@ class DemoConfig:
     hang_rank: int | None = None  # --hang-rank: rankmesh.demo_hang
     kill_rank: int | None = None  # actor rank whose process is killed (with kill_at_iteration, 1-based)
     kill_at_iteration: int | None = None
+    async_staleness: int | None = None  # --async-staleness K: rankmesh.demo_async (None: the synchronous loop)
 
 
 @dataclass
@@ -105,6 +111,7 @@ class DemoResult:
     actor_mesh: str = ""
     critic_mesh: str = ""
     rollout_mesh: str = ""
+    rollout_replicas: int = 0
     refit_bytes: list[int] = field(default_factory=list)
     refit_minimum_bytes: int = 0
     final_rollout_diff: float = float("nan")
@@ -118,6 +125,7 @@ class DemoResult:
     replacements: list[dict[str, Any]] = field(default_factory=list)  # ReplacementReport fields per kill
     checks: dict[str, bool] = field(default_factory=dict)
     hang: HangDrill | None = None
+    asynchronous: AsyncTally | None = None  # --async-staleness: rows made, trained, dropped; rolling refits
 
     @property
     def ok(self) -> bool:
@@ -133,13 +141,14 @@ class DemoResult:
 
 
 def make_prompts(cfg: DemoConfig, vocab_size: int):
-    """``prompts`` rows, each prompt repeated ``samples_per_prompt`` times, one sampling seed per row."""
+    """``prompts`` rows, each prompt repeated ``samples_per_prompt`` times, one sampling seed and index (``row``) per row."""
     gen = torch.Generator().manual_seed(cfg.seed)
     base = torch.randint(0, vocab_size, (cfg.prompts, cfg.prompt_length), generator=gen)
     prompts = base.repeat_interleave(cfg.samples_per_prompt, dim=0)
     seeds = torch.arange(len(prompts), dtype=torch.int64) + cfg.seed * 1000
+    rows = torch.arange(len(prompts), dtype=torch.int64)  # which prompt a generated row answers
     return DataProto.from_dict(
-        {"prompts": prompts, "sample_seed": seeds}, meta_info={"response_length": cfg.response_length}
+        {"prompts": prompts, "sample_seed": seeds, "row": rows}, meta_info={"response_length": cfg.response_length}
     )
 
 
@@ -332,6 +341,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
         actor, ref, critic, source = start_groups(cfg, tcfg.to_dict())
         rollout = start_rollout(cfg, tcfg.to_dict())
         result.actor_mesh, result.critic_mesh, result.rollout_mesh = repr(actor.mesh), repr(critic.mesh), repr(rollout.mesh)
+        result.rollout_replicas = rollout.mesh.size("dp")
         # Planned once from the two meshes and the actor's own parameter attributes.
         plan = plan_between(actor, rollout)
         result.refit_minimum_bytes = rollout.world_size * sum(p.numel() * p.element_size() for p in ReferenceModel(tcfg).parameters())
@@ -356,6 +366,17 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
         reference = ReferenceModel(tcfg).eval()
         prompts = make_prompts(cfg, tcfg.vocab_size)
         resp = slice(cfg.prompt_length - 1, None)
+        source = None
+        if cfg.async_staleness is not None:
+            plans: dict[tuple[int, ...], Any] = {}
+
+            def refit_replica(view) -> int:
+                key = view.selection.replicas
+                if key not in plans:
+                    plans[key] = plan_between(actor, view)
+                return reshard(actor, view, plans[key]).bytes_moved
+
+            source = AsyncRollout(rollout, prompts, cfg.async_staleness, cfg.iterations, refit_replica)
         for it in range(cfg.iterations):
             bar.set_description(f"iteration {it + 1}/{cfg.iterations}")
             times: dict[str, float] = {}
@@ -367,7 +388,10 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
                 return value
 
             t_iter = time.perf_counter()
-            batch = timed("gen", rollout.generate_sequences, prompts)
+            if source is None:
+                batch = timed("gen", rollout.generate_sequences, prompts)
+            else:  # rows as the replicas finish them, at most K versions old
+                batch = timed("gen", source.take, it)
             batch = batch.union(timed("logp", actor.compute_log_prob, batch))
             batch = batch.union(timed("ref", ref.compute_ref_log_prob, batch))
             batch = batch.union(timed("values", critic.compute_values, batch))
@@ -393,10 +417,21 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
                 result.replacements.append(asdict(report))
                 tqdm.write(f"  {report.format()}", file=out)
             m_critic = timed("upd_critic", critic.update_critic, batch)
-            result.refit_bytes.append(timed("refit", reshard, actor, rollout, plan).bytes_moved)
+            actor.weight_version = it + 1
+            if source is None:
+                result.refit_bytes.append(timed("refit", reshard, actor, rollout, plan).bytes_moved)
+            else:  # idle replicas behind are refit one by one now, the others when they finish
+                timed("refit", source.updated, it + 1)
             times["total"] = time.perf_counter() - t_iter
-            # The update as the next rollout sees it: the refit rollout's log-probs on this batch.
-            new_lp = rollout.compute_log_prob(batch).batch["rollout_log_probs"]
+            if source is None:
+                # The update as the next rollout sees it: the refit rollout's log-probs on this batch.
+                new_lp = rollout.compute_log_prob(batch).batch["rollout_log_probs"]
+            else:  # the rollout is refit replica by replica: see the update through the actor itself
+                new_lp = actor.compute_log_prob(batch).batch["log_probs"]
+            # Rows made by the weights this step trained (all of them, synchronously) match the actor's.
+            made_now = batch.batch["weight_version"] == it
+            rollout_diff = (float((batch.batch["rollout_log_probs"] - lp)[made_now].abs().max()) if bool(made_now.any())
+                            else float("nan"))
             values_after = critic.compute_values(batch).batch["values"]
             stats = IterationStats(
                 iteration=it,
@@ -409,13 +444,17 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
                 logprob_diff=float((lp - expected_actor).abs().max()),
                 ref_diff=float((ref_lp - expected).abs().max()),
                 # The rollout generated with the weights of the last refit: they must be the actor's.
-                rollout_diff=float((batch.batch["rollout_log_probs"] - lp).abs().max()),
+                rollout_diff=rollout_diff,
                 times=times,
             )
             result.iterations.append(stats)
             tqdm.write(_table_row(stats), file=out)
             bar.update(1)
         bar.set_description("final check")
+        if source is not None:
+            result.asynchronous = source.finish()
+            result.refit_bytes.append(reshard(actor, rollout, plan).bytes_moved)  # every replica on the final weights
+            new_lp = rollout.compute_log_prob(batch).batch["rollout_log_probs"]
         weights, result.replica_max_diff = gathered_actor_weights(actor)
         result.final_weights_sha256 = weights_digest(weights)
         trained = ReferenceModel(tcfg).eval()
@@ -470,21 +509,37 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
 
 
 def _judge(result: DemoResult) -> None:
-    tol, its = result.config.tolerance, result.iterations
+    tol, its, tally = result.config.tolerance, result.iterations, result.asynchronous
     result.logprob_max_diff = max((s.logprob_diff for s in its), default=float("nan"))
+    # Asynchronously, only rows made by the weights a step trains can match the actor's log-probs.
+    measured = [s.rollout_diff for s in its if s.rollout_diff == s.rollout_diff]
+    replicas = max(1, result.rollout_replicas)
+    refits_exact = bool(result.refit_bytes) and all(b == result.refit_minimum_bytes for b in result.refit_bytes)
+    if tally is not None:
+        refits_exact = refits_exact and all(b * replicas == result.refit_minimum_bytes for b in tally.refit_bytes)
+    seen = "the refit rollout" if tally is None else "the actor's log-probs"
     result.checks = {
         "actor log-probs (3D-parallel) == one process with the actor's weights, every iteration": result.logprob_max_diff <= tol,
         "actor log-probs after training == reference from gathered weights": result.final_logprob_max_diff <= tol,
         "reference log-probs == single-process reference, every iteration": all(s.ref_diff <= tol for s in its),
-        "rollout log-probs == actor log-probs after every refit (same batch)":
-            bool(its) and all(s.rollout_diff <= tol for s in its) and result.final_rollout_diff <= tol,
-        "every refit moved exactly the bytes the rollout keeps": bool(result.refit_bytes)
-            and all(b == result.refit_minimum_bytes for b in result.refit_bytes),
+        ("rollout log-probs == actor log-probs after every refit (same batch)" if tally is None else
+         "rollout log-probs of rows made by the weights being trained == actor log-probs, and after the final refit"):
+            (len(measured) == len(its) if tally is None else bool(measured))
+            and all(d <= tol for d in measured) and result.final_rollout_diff <= tol,
+        ("every refit moved exactly the bytes the rollout keeps" if tally is None else
+         "every refit moved exactly the bytes its replicas keep (rolling: one replica's)"): refits_exact,
         "dp replicas hold identical weights": result.replica_max_diff <= tol,
-        "actor loss falls with every update (seen through the refit rollout)":
+        f"actor loss falls with every update (seen through {seen})":
             bool(its) and all(s.actor_loss_after < s.actor_loss for s in its),
         "critic loss falls with every update": bool(its) and all(s.critic_loss_after < s.critic_loss for s in its),
     }
+    if tally is not None:
+        k = tally.staleness
+        result.checks[f"every row trained on is at most {k} version(s) older than the weights it updates"] = (
+            len(tally.lags) == len(its) and tally.max_lag <= k)
+        result.checks["rows trained + dropped + left over = rows generated"] = (
+            tally.rows_trained == len(its) * result.config.prompts * result.config.samples_per_prompt
+            and tally.rows_trained + tally.rows_dropped + tally.rows_left == tally.rows_generated)
     if result.hang is not None:
         result.checks["--hang-rank: the timeout names the rank, its coordinates, node and collective"] = result.hang.ok
     if result.config.kill_rank is not None:
@@ -535,6 +590,12 @@ def format_summary(result: DemoResult) -> str:
         lines.append(f"refits: {len(result.refit_bytes)} x {result.refit_minimum_bytes / 1024:.0f} KiB "
                      f"(the minimum), rollout vs actor log-probs max diff "
                      f"{max([s.rollout_diff for s in its] + [result.final_rollout_diff]):.1e}")
+    tally = result.asynchronous
+    if tally is not None:
+        per = result.refit_minimum_bytes // max(1, result.rollout_replicas)
+        lines.append(f"asynchronous, K={tally.staleness}: rows generated {tally.rows_generated}, trained {tally.rows_trained}, "
+                     f"dropped as stale {tally.rows_dropped}, left over {tally.rows_left}; lag of the oldest row per step "
+                     f"{tally.lags} (at most {tally.staleness}); {len(tally.refit_bytes)} rolling refits x {per / 1024:.0f} KiB")
     for r in result.replacements:
         stuck = f" and blocked survivors {r['stuck']}" if r["stuck"] else ""
         lines.append(f"actor rank {result.config.kill_rank} killed: detected in {r['detected_s']:.2f}s; ranks {r['ranks']} "

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kill actor rank R's process (on entering update_actor); it is replaced in place")
     parser.add_argument("--kill-at-iteration", dest="kill_at_iteration", type=int, default=None, metavar="K",
                         help="the iteration (1-based) in which --kill-rank strikes (default 1)")
+    parser.add_argument("--async-staleness", dest="async_staleness", type=int, default=None, metavar="K",
+                        help="rollout replicas generate on their own; train on rows at most K weight versions old, "
+                             "refitting one replica at a time (K=0 gives the synchronous run's batches and weights)")
     parser.add_argument("--trace", dest="trace_path", metavar="PATH",
                         help="record every group call to a Chrome trace (open in ui.perfetto.dev; rankmesh trace summarize PATH)")
 
@@ -61,7 +64,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """The DemoConfig the options say (mesh sizes not given take DemoConfig's defaults)."""
     names = DemoConfig.__dataclass_fields__
     values = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    values.update({k: v for k, v in vars(args).items() if k in ("layout", "hang_rank", "kill_rank", "kill_at_iteration")})
+    values.update({k: v for k, v in vars(args).items()
+                   if k in ("layout", "hang_rank", "kill_rank", "kill_at_iteration", "async_staleness")})
     return DemoConfig(**values)
 
 
@@ -72,6 +76,8 @@ def checked_config(args: argparse.Namespace) -> DemoConfig:
     actor = demo.resolve_meshes(cfg)[0]
     if cfg.hang_rank is not None:  # a bad --hang-rank fails now, not after a minute of start-up
         check_hang_rank(cfg.hang_rank, actor)
+    if cfg.async_staleness is not None and cfg.async_staleness < 0:
+        raise UsageError(f"--async-staleness must be 0 or more (weight versions a row may lag), got {cfg.async_staleness}")
     if cfg.kill_at_iteration is not None and cfg.kill_rank is None:
         raise UsageError("--kill-at-iteration needs --kill-rank")
     if cfg.kill_rank is not None:

@@ -35,14 +35,21 @@ class RolloutWorker(MegatronReshardWorker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sample responses for this rank's prompts (one seeded generator per row).
 
-        Returns ``input_ids`` [b, P+R], ``responses`` and their log-probs ``rollout_log_probs`` [b, R].
+        Returns ``input_ids`` [b, P+R], ``responses`` and their log-probs ``rollout_log_probs`` [b, R],
+        each prompt's ``row`` and the ``weight_version`` the rows were made with.
         """
         length = int(prompts.meta_info["response_length"])
         seqs, logps = sample(self.model, prompts.batch["prompts"], length, prompts.batch["sample_seed"].tolist())
-        return DataProto.from_dict(
-            {"input_ids": seqs, "responses": seqs[:, -length:], "rollout_log_probs": logps},
+        out = DataProto.from_dict(
+            {"input_ids": seqs, "responses": seqs[:, -length:], "rollout_log_probs": logps, "row": prompts.batch["row"]},
             meta_info={**prompts.meta_info, "prompt_length": prompts.batch["prompts"].shape[1]},
         )
+        return self.stamp_weight_version(out)  # the version of the last refit: which policy made these rows
+
+    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def generate_sequences_later(self, prompts: DataProto) -> DataProto:
+        """:meth:`generate_sequences` as a non-blocking call: a replica generates while the controller goes on."""
+        return self.generate_sequences(prompts)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
