@@ -74,6 +74,11 @@ class Rollout(Worker):
     def refit(self, version: int) -> None:
         self.weight_version = version
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def refit_later(self, version: int) -> None:
+        """The refit as a non-blocking call: the replica's next call (its generation) runs after it."""
+        self.weight_version = version
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def restart(self, seed: int) -> None:
         self.seed, self.calls = seed, 0
@@ -148,8 +153,8 @@ def run_async(rollout, trainer, steps: int, rows: int, staleness: int, replicas:
         nonlocal made
         while idle and buffer.rows + per * (len(running) + 1) <= budget:
             i = idle.pop(0)
-            if held[i] < version:  # a rolling refit: this replica alone, the others keep generating
-                views[i].refit(version)
+            if held[i] < version:  # a rolling refit: this replica alone, the others keep generating;
+                views[i].refit_later(version)  # not waited for: the generation sent next runs after it
                 held[i] = version
             running[i] = views[i].generate_later(prompts(per, made))
             made += per
