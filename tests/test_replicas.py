@@ -170,3 +170,12 @@ def test_weight_versions_are_recorded_per_replica(wg):
     assert wg.weight_versions == (4, 4)
     with pytest.raises(DispatchError, match=r"weight_version must be a version >= 0, got -1"):
         wg.replicas([0]).weight_version = -1
+
+
+def test_a_view_is_made_once_and_a_view_of_a_view_is_the_groups():
+    wg = LocalWorkerGroup(ReplicaWorker, mesh=RankMesh(dp=4))
+    assert wg.replicas([2, 0]) is wg.replicas((2, 0)) and wg.replica(1) is wg.replicas([1])
+    assert wg.replicas([3, 1, 2]).replica(0) is wg.replica(3)  # index 0 of the view is group replica 3
+    assert wg.replicas([3, 1, 2]).replicas([2, 1]).selection.ranks == (2, 1)
+    with pytest.raises(DispatchError, match=r"0\.\.1 .*got \[2\]"):
+        wg.replicas([3, 1]).replica(2)

@@ -353,6 +353,7 @@ class WorkerGroup:
         #: rankmesh.reshard.run.ReshardSession of the reshards into this group (made by the first one).
         self.reshard_session: Any = None
         self._weight_versions = [0] * table.mesh.size("dp")  # per dp replica, as the controller recorded them
+        self._views: dict[tuple[int, ...], ReplicaGroup] = {}  # wg.replicas(...), made once per selection
         for name, bound in table.methods.items():
             setattr(self, name, GroupMethod(self, bound))
 
@@ -471,7 +472,12 @@ class WorkerGroup:
         """
         if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence):
             raise DispatchError(f"replicas(indices) takes a list of dp replica ids, got {type(indices).__name__}")
-        return ReplicaGroup(self, select_replicas(self.mesh, indices, "replicas(indices)"))
+        key = tuple(indices)
+        view = self._views.get(key) if all(type(i) is int for i in key) else None  # keys were checked once
+        if view is None:  # a view is made once (its plans and reshard session are kept with it)
+            selection = select_replicas(self.mesh, key, "replicas(indices)")  # checks them, names the argument
+            view = self._views[selection.replicas] = ReplicaGroup(self, selection)
+        return view
 
     def with_timeout(self, timeout_s: float | None = None, *, stall_warn_s: float | None = None) -> TimedGroup:
         """This group with every call bounded by ``timeout_s`` seconds (blocking or ``.get()``).
@@ -872,6 +878,13 @@ class ReplicaGroup(WorkerGroup):
 
     def shutdown(self) -> None:
         raise DispatchError(f"{self!r} is a view of its group; shut the group down instead")
+
+    def replicas(self, indices: Sequence[int]) -> "ReplicaGroup":
+        """Some of this view's replicas (``indices`` count in the view): a view of the group itself."""
+        if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence):
+            raise DispatchError(f"replicas(indices) takes a list of dp replica ids, got {type(indices).__name__}")
+        chosen = select_replicas(self.mesh, indices, "replicas(indices)").replicas
+        return self._group.replicas([self._selection.replicas[i] for i in chosen])
 
     @contextmanager
     def trace(self, path: str | os.PathLike[str]) -> Iterator[Recorder]:
