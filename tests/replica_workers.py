@@ -64,6 +64,12 @@ class ReplicaWorker(Worker):
         return list(self.log)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def linger(self, seconds: float) -> int:
+        """Sleep ``seconds`` (a call that outlives its timeout, for the hang report)."""
+        time.sleep(seconds)
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def fail_on(self, replica: int) -> int:
         if self._dp() == replica:
             raise RuntimeError(f"replica {replica} refuses")

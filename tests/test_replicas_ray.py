@@ -15,7 +15,7 @@ import torch
 
 import rankmesh
 from rankmesh import DataProto, RankMesh, RowBuffer
-from rankmesh.errors import WorkerError
+from rankmesh.errors import HangError, WorkerError
 from tests.replica_workers import ReplicaWorker
 
 pytest.importorskip("ray")
@@ -93,3 +93,15 @@ def test_an_error_on_a_replica_call_names_the_rank_and_its_replica(wg):
         wg.replica(1).fail_on(1)
     assert "replica 1 refuses" in str(info.value)
     assert [rank for rank, _, _ in wg.where()] == [0, 1, 2, 3]  # a worker's exception leaves the group usable
+
+
+def test_a_replica_call_past_its_timeout_is_reported_on_the_replicas_ranks(wg):
+    start = time.monotonic()
+    with pytest.raises(HangError) as info:
+        wg.replica(1).with_timeout(0.5).linger(1.5)
+    err = info.value
+    assert err.ranks == [2, 3] and sorted(h.rank for h in err.hangs) == [2, 3]  # the group's numbering
+    assert {h.coords["dp"] for h in err.hangs} == {1} and all(h.place.function == "linger" for h in err.hangs)
+    assert "ranks 2, 3 (tp0 dp1, tp1 dp1) on node 127.0.0.1: in linger" in str(err)
+    assert [rank for rank, _, _ in wg.where()] == [0, 1, 2, 3]  # waits behind the sleep on replica 1, then works
+    assert time.monotonic() - start < 10
