@@ -175,7 +175,7 @@ def run_async(rollout, trainer, steps: int, rows: int, staleness: int, replicas:
         if trains and trains[0] in done:
             finished_trains.append(trains.pop(0))
             version += 1
-        while submitted < steps and submitted - version < queue and _enough(buffer, rows, submitted - staleness):
+        while submitted < steps and submitted - version < queue and buffer.available(submitted - staleness) >= rows:
             taken = buffer.take(rows, min_version=max(0, submitted - staleness), block=False)
             assert taken.staleness(submitted) <= staleness, (taken.versions, submitted)
             trains.append(trainer.train(taken.data))  # the trainer's rank fetches the rows itself
@@ -194,11 +194,6 @@ def run_async(rollout, trainer, steps: int, rows: int, staleness: int, replicas:
         buffer.put(fut, version=held[i], block=False)
     assert made == buffer.put_rows == trained + buffer.dropped_rows + buffer.rows
     return Run(f"K={staleness}", trained, seconds, buffer.dropped_rows, worst, gen_s)
-
-
-def _enough(buffer: RowBuffer, rows: int, min_version: int) -> bool:
-    """Whether a take of ``rows`` at ``min_version`` would be served now (counting the rows it would drop)."""
-    return sum(n for v, n in buffer.versions() if v >= min_version) >= rows
 
 
 def ideal(runs: list[Run], rows: int, replicas: int, train_s: float) -> dict[str, float]:

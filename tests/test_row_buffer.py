@@ -200,3 +200,12 @@ def test_discard_drops_stale_rows_anywhere_and_returns_them():
     assert buf.take(3).data.get().batch["id"].tolist() == [0, 1, 3]
     with pytest.raises(RowBufferError, match=r"discard\(min_version\) must be a version >= 0"):
         buf.discard(None)
+
+
+def test_available_counts_the_rows_a_take_could_hand_out():
+    buf = RowBuffer(8)
+    buf.put(_rows([0, 1]), version=2)
+    buf.put(_rows([2, 3, 4]), version=1)
+    assert (buf.available(), buf.available(2), buf.available(3)) == (5, 2, 0)
+    buf.take(1, min_version=1)
+    assert buf.available(1) == 4 and buf.rows == 4  # nothing dropped: every row held is of version >= 1

@@ -70,7 +70,7 @@ class AsyncRollout:
         while True:
             self.buffer.discard(floor)
             self._service()
-            if sum(n for v, n in self.buffer.versions() if v >= floor) >= self.rows:
+            if self.buffer.available(floor) >= self.rows:
                 break
             wait(list(self.running.values()))
         taken = self.buffer.take(self.rows, min_version=floor, block=False)

@@ -543,7 +543,7 @@ class WorkerGroup:
     def _call(
         self, binding: Binding, args: Args, kwargs: Kwargs, timeout: float | None = None, stall_warn_s: float | None = None
     ) -> Any:
-        # Tracing off costs this one read of the observer; on, `seen` hears the call's life
+        # Tracing off costs one look for an observer (`_watcher`); on, `seen` hears the call's life
         # (rankmesh.tracing.observer: begin, phases, shipped objects, outputs, end).
         observer = self._watcher()
         seen = None if observer is None else self._observe(observer, binding, args, kwargs)

@@ -122,6 +122,11 @@ class RowBuffer:
         return (f"RowBuffer({self._held}/{self.capacity_rows} rows; put {self.put_rows}, taken {self.taken_rows}, "
                 f"dropped {self.dropped_rows})")
 
+    def available(self, min_version: int | None = None) -> int:
+        """Rows a take with ``min_version`` could hand out now (held rows of that version or newer)."""
+        with self._changed:
+            return sum(e.rows - e.start for e in self._entries if min_version is None or e.version >= min_version)
+
     def versions(self) -> list[tuple[int, int]]:
         """``(version, rows)`` of every put still (partly) held, oldest first."""
         with self._changed:
