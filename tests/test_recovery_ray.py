@@ -7,16 +7,20 @@ tp + 2 * dp for tp2·dp2) and from arithmetic, never read back from the code und
 from __future__ import annotations
 
 import logging
+import time
 
+import psutil
 import pytest
 
-from rankmesh.errors import RecoveryError, ShardLostError, WorkerDiedError
+from rankmesh.errors import BackendError, RecoveryError, ResourcePoolError, ShardLostError, WorkerDiedError
 from rankmesh.mesh import RankMesh
 
 pytest.importorskip("ray")
 
-from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
+from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, split_resource_pool  # noqa: E402
+from rankmesh.backends.ray.pool import Slot  # noqa: E402
 from rankmesh.backends.ray.recovery import exit_on_next_call  # noqa: E402
+from rankmesh.backends.ray.spares import Spare, spare_order  # noqa: E402
 from tests.recovery_workers import StateWorker  # noqa: E402
 
 #: tp2·dp2 by hand: rank -> (tp, dp).
@@ -137,3 +141,76 @@ def test_default_policy_still_stops_the_group(ray_session):
             wg.replace_dead_ranks()
     finally:
         wg.shutdown()
+
+
+def wait_for_warm_spare(wg: RayWorkerGroup, exclude: set[int], timeout: float = 90.0) -> dict:
+    """The group's one spare once warm, whose pid is none of ``exclude`` (a refill is a new process)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        spares = wg.spares
+        assert len(spares) <= 1, spares
+        if spares and spares[0]["warm"] and spares[0]["pid"] not in exclude:
+            return spares[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no warm spare within {timeout} s: {wg.spares}")
+
+
+def test_a_warm_spare_takes_the_dead_ranks_place_and_is_refilled(ray_session):
+    wg = RayWorkerGroup(
+        RayResourcePool([2], use_gpu=False, spares=1),
+        RayClassWithInitArgs(StateWorker, scale=2),
+        mesh=RankMesh(dp=2),
+        worker_env={"EXTRA": "kept"},
+        on_rank_death="replace",
+        call_timeout_s=120,
+    )
+    gone: list[int] = []
+    try:
+        pids = [a["pid"] for a in wg.whoami()]
+        spare = wait_for_warm_spare(wg, set(pids))
+        for victim, values in ((1, [1.0, 2.0]), (0, [3.0, 4.0])):
+            exit_on_next_call(wg, victim, "world_sum")
+            assert wg.world_sum(values) == [2 * sum(values)] * 2  # the retried call, as undisturbed
+            report = wg.replacements[-1]
+            assert report.ranks == [victim] and report.from_spares == [victim]
+            after = wg.whoami()
+            # The spare's process took the rank: same pid, the rank's environment and coordinates.
+            assert after[victim]["pid"] == spare["pid"] == report.new_pids[victim]
+            assert after[victim]["env"] == {"RANK": str(victim), "WORLD_SIZE": "2", "LOCAL_RANK": str(victim),
+                                            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "EXTRA": "kept"}
+            assert after[victim]["coords"] == {"tp": 0, "cp": 0, "ep": 0, "dp": victim, "pp": 0}
+            assert after[1 - victim]["pid"] == pids[1 - victim]  # the survivor kept its process
+            gone.append(pids[victim])
+            pids = [a["pid"] for a in after]
+            # The dead rank's bundle gets a new spare, in the background: a third process.
+            spare = wait_for_warm_spare(wg, set(pids) | set(gone))
+    finally:
+        wg.shutdown()
+    # Shutting the group down stops its spare too.
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(spare["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not psutil.pid_exists(spare["pid"])
+
+
+def test_spares_are_refused_where_they_cannot_work(ray_session):
+    with pytest.raises(ResourcePoolError, match="spares must be a non-negative integer"):
+        RayResourcePool([2], use_gpu=False, spares=-1)
+    with pytest.raises(BackendError, match="detached group keeps no spares"):
+        RayWorkerGroup(RayResourcePool([2], use_gpu=False, detached=True, spares=1), RayClassWithInitArgs(StateWorker),
+                       detached=True)
+    # A split view of a pool carries none: the standby bundles stay with the pool.
+    pool = RayResourcePool([2], use_gpu=False, spares=1)
+    assert [v.spares for v in split_resource_pool(pool, 1)] == [0, 0]
+    assert pool.reserved_cpus == 3
+
+
+def test_a_rank_tries_spares_on_its_own_node_first_then_warm_ones():
+    def spare(node: str, started: float) -> Spare:
+        return Spare(Slot(pg=None, entry=-1, bundle_index=0, node_id=node, node_ip="127.0.0.1"), None, f"ref-{node}-{started}", started)
+
+    far_warm, near_cold, near_warm, far_old = spare("b", 2.0), spare("a", 1.0), spare("a", 3.0), spare("b", 0.5)
+    warm = {far_warm.warm, near_warm.warm}
+    # By hand: node "a" first (warm before cold), then node "b" (warm before cold).
+    assert spare_order([far_warm, near_cold, near_warm, far_old], "a", warm) == [near_warm, near_cold, far_warm, far_old]
+    assert spare_order([far_warm, near_cold, near_warm, far_old], "c", set()) == [far_old, near_cold, far_warm, near_warm]

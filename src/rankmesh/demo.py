@@ -83,6 +83,7 @@ class DemoConfig:
     hang_rank: int | None = None  # --hang-rank: rankmesh.demo_hang
     kill_rank: int | None = None  # actor rank whose process is killed (with kill_at_iteration, 1-based)
     kill_at_iteration: int | None = None
+    spares: int = 0  # warm standby processes the actor's pool keeps (--spares N; a killed rank takes one)
     async_staleness: int | None = None  # --async-staleness K: rankmesh.demo_async (None: the synchronous loop)
 
 
@@ -298,9 +299,9 @@ def start_groups(cfg: DemoConfig, model: dict):
         "actor": RayClassWithInitArgs(ActorWorker, lr=cfg.actor_lr, clip_ratio=cfg.clip_ratio, **common),
         "ref": RayClassWithInitArgs(RefWorker, **common),
     })
-    # With a kill planned, the actor replaces a dead rank in place and retries the call once.
-    policy = {} if cfg.kill_rank is None else {"on_rank_death": "replace"}
-    roles = start_megatron_group(RayResourcePool(actor_counts, use_gpu=False, name_prefix="actor_pool"),
+    # With a kill planned (or spares kept), the actor replaces a dead rank in place and retries the call once.
+    policy = {} if cfg.kill_rank is None and not cfg.spares else {"on_rank_death": "replace"}
+    roles = start_megatron_group(RayResourcePool(actor_counts, use_gpu=False, name_prefix="actor_pool", spares=cfg.spares),
                                  colocated, actor_mesh, roles=["actor", "ref"], name_prefix="actor+ref", **policy)
     critic = start_megatron_group(RayResourcePool(critic_counts, use_gpu=False, name_prefix="critic_pool"),
                                   RayClassWithInitArgs(CriticWorker, lr=cfg.critic_lr, **common),
@@ -333,7 +334,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
     t_start = time.perf_counter()
     result = DemoResult(cfg)
     tcfg = TinyConfig(seed=cfg.seed, max_seq_len=cfg.prompt_length + cfg.response_length)
-    conn = ensure_ray(cfg.address, num_cpus=16)
+    conn = ensure_ray(cfg.address, num_cpus=16 + cfg.spares)
     bar = tqdm(total=cfg.iterations + 1, desc="starting groups", unit="step", disable=not (cfg.progress and sys.stderr.isatty()),
                file=sys.stderr)  # progress only on a terminal: a redirected stderr gets no bar
     actor = ref = critic = rollout = None
@@ -546,6 +547,9 @@ def _judge(result: DemoResult) -> None:
         # One replacement, of the killed rank (plus any survivor that stayed blocked, see docs/ray_backend.md).
         result.checks["the killed actor rank was replaced in place and the update retried"] = (
             len(result.replacements) == 1 and result.config.kill_rank in result.replacements[0]["ranks"])
+        if result.config.spares:
+            result.checks["--spares: a warm spare took the killed rank's place"] = bool(result.replacements) and (
+                result.config.kill_rank in result.replacements[0]["from_spares"])
 
 
 _PHASES = ("gen", "logp", "ref", "values", "adv", "upd_actor", "upd_critic", "refit", "total")
@@ -598,8 +602,11 @@ def format_summary(result: DemoResult) -> str:
                      f"{tally.lags} (at most {tally.staleness}); {len(tally.refit_bytes)} rolling refits x {per / 1024:.0f} KiB")
     for r in result.replacements:
         stuck = f" and blocked survivors {r['stuck']}" if r["stuck"] else ""
+        spare = (f" by warm spares (which had paid process start + import "
+                 f"{' / '.join(f'{a:.2f}s + {b:.2f}s' for a, b in r['spare_paid'].values())} before)" if r["from_spares"] else "")
+        start = "taking the spare" if r["from_spares"] else "process start"
         lines.append(f"actor rank {result.config.kill_rank} killed: detected in {r['detected_s']:.2f}s; ranks {r['ranks']} "
-                     f"(the dead one{stuck}) replaced in {r['total_s']:.2f}s = drain {r['drain_s']:.2f}s + process start "
+                     f"(the dead one{stuck}) replaced{spare} in {r['total_s']:.2f}s = drain {r['drain_s']:.2f}s + {start} "
                      f"{r['start_s']:.2f}s + import {r['import_s']:.2f}s + init {r['init_s']:.2f}s + restore "
                      f"{r['restore_s']:.2f}s + re-check {r['check_s']:.2f}s")
     lines.append(f"final actor weights sha256 {result.final_weights_sha256[:16]}")

@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kill actor rank R's process (on entering update_actor); it is replaced in place")
     parser.add_argument("--kill-at-iteration", dest="kill_at_iteration", type=int, default=None, metavar="K",
                         help="the iteration (1-based) in which --kill-rank strikes (default 1)")
+    parser.add_argument("--spares", dest="spares", type=int, default=None, metavar="N",
+                        help="the actor's pool keeps N warm standby processes; a killed rank's place goes to one")
     parser.add_argument("--async-staleness", dest="async_staleness", type=int, default=None, metavar="K",
                         help="rollout replicas generate on their own; train on rows at most K weight versions old, "
                              "refitting one replica at a time (K=0 gives the synchronous run's batches and weights)")
@@ -78,6 +80,8 @@ def checked_config(args: argparse.Namespace) -> DemoConfig:
         check_hang_rank(cfg.hang_rank, actor)
     if cfg.async_staleness is not None and cfg.async_staleness < 0:
         raise UsageError(f"--async-staleness must be 0 or more (weight versions a row may lag), got {cfg.async_staleness}")
+    if cfg.spares < 0:
+        raise UsageError(f"--spares must be 0 or more (warm standby processes of the actor), got {cfg.spares}")
     if cfg.kill_at_iteration is not None and cfg.kill_rank is None:
         raise UsageError("--kill-at-iteration needs --kill-rank")
     if cfg.kill_rank is not None:

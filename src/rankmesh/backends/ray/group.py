@@ -32,6 +32,7 @@ from .executor import RayExecutor
 from .hosts import HostSet, attach_hosts, build_workers, check_worker_env, start_hosts
 from .pool import RayResourcePool
 from .recovery import Recovery, ReplacementReport, probe_dead, replace_dead_ranks
+from .spares import refill_spares
 from .runtime import ensure_ray
 from .startup import StartupProgress, StartupReport
 
@@ -89,6 +90,8 @@ class RayWorkerGroup(WorkerGroup):
     the other ranks and refuses later calls; ``"keep"`` keeps the survivors until
     :meth:`replace_dead_ranks`; ``"replace"`` replaces the dead ranks and retries the failed
     blocking call once (see :mod:`.recovery` and the recovery model in docs/ray_backend.md).
+    On a pool with ``spares=N`` such a group keeps N warm standby processes that take a dead
+    rank's place without starting one (:mod:`.spares`; ``wg.spares`` lists them).
     ``bin_pack`` is verl's; only ``True`` is supported (:func:`check_bin_pack`).
     """
 
@@ -124,6 +127,11 @@ class RayWorkerGroup(WorkerGroup):
         table = MethodTable.build(ray_cls_with_init.cls, world, mesh, meshes, None, registry, type(self))
         if detached and not resource_pool.detached:
             raise BackendError("a detached group needs a detached pool: RayResourcePool(..., detached=True)")
+        if detached and resource_pool.spares:
+            raise BackendError(
+                f"a detached group keeps no spares (its actors are found by name, and a spare taking a rank's place "
+                f"would not hold it): create the pool without spares=, not spares={resource_pool.spares}"
+            )
         resource_pool.connect()  # not ensure_ray(): the pool sizes an embedded Ray for itself
         prefix = name_prefix or default_group_name(ray_cls_with_init, detached)
         startup = StartupProgress(prefix, world, progress)
@@ -148,6 +156,11 @@ class RayWorkerGroup(WorkerGroup):
         except BaseException:
             hosts.shutdown()
             raise
+        if resource_pool.spares and on_rank_death != "fail":
+            hosts.free_slots = resource_pool.spare_slots()
+            refill_spares(hosts)  # in the background: the group is usable now
+        elif resource_pool.spares:
+            logger.info("worker group %s keeps no spares: on_rank_death='fail' never replaces a rank", prefix)
         logger.info("started worker group %s: %d ranks, %s, nodes %s", prefix, world, table.mesh, self.placement)
         spans = self.spanning_groups()
         if spans:
@@ -376,8 +389,8 @@ class RayWorkerGroup(WorkerGroup):
     def replace_dead_ranks(self, timeout_s: float = DEFAULT_START_TIMEOUT) -> ReplacementReport | None:
         """Replace the group's dead ranks in place; ``None`` when no rank is dead.
 
-        Survivors keep their processes and state; each dead rank gets a new process in its own
-        bundle with the same rank, coordinates, environment and workers, every rank re-forms
+        Survivors keep their processes and state; each dead rank gets a warm spare (if the group
+        keeps any) or a new process in its own bundle, with the same rank, coordinates, environment and workers, every rank re-forms
         torch.distributed, and the new ranks restore their state from a live dp peer
         (:mod:`.recovery`).  Needs ``on_rank_death="keep"`` or ``"replace"``.  Raises
         ``ShardLostError`` when a dead rank's shard has no live copy (restart from a checkpoint)
@@ -396,6 +409,14 @@ class RayWorkerGroup(WorkerGroup):
     @property
     def on_rank_death(self) -> str:
         return self._recovery.policy
+
+    @property
+    def spares(self) -> list[dict[str, Any]]:
+        """The group's warm spares (``RayResourcePool(..., spares=N)``): node, pid and whether warm yet.
+
+        Spares are started after the group and after every replacement, in the background.
+        """
+        return [spare.describe() for spare in self._hosts.spares]
 
     @property
     def replacements(self) -> list[ReplacementReport]:

@@ -87,7 +87,8 @@ class HostSetup:
 class WorkerHost:
     """Ray actor body; wrapped with ``ray.remote`` by :func:`.hosts.launch_hosts` (options differ per group)."""
 
-    def __init__(self, rank: int, group_name: str) -> None:
+    def __init__(self, rank: int | None, group_name: str) -> None:
+        """``rank`` is ``None`` for a warm spare (:mod:`.spares`): it gets one when :meth:`setup` makes it a rank."""
         self._started_ns = time.time_ns()  # start-up report: the process is up, rankmesh imported
         self._rank = rank
         self._group_name = group_name
@@ -145,6 +146,7 @@ class WorkerHost:
         imported_ns = time.time_ns()
         if self._setup is not None:
             raise BackendError(f"rank {self._rank} of {self._group_name} is already set up")
+        self._rank = setup.rank  # a spare becomes the rank it replaces
         self._env_before = {k: os.environ.get(k) for k in setup.env}
         os.environ.update({k: str(v) for k, v in setup.env.items()})
         self._unify_devices()
@@ -178,6 +180,19 @@ class WorkerHost:
             import torch  # deferred: only a process with accelerators gets here
 
             torch.cuda.set_device(change.device_index)
+
+    def warm(self, roles: Mapping[str | None, RoleInit]) -> dict[str, Any]:
+        """A spare's start: import what a rank of its group would, then wait to become one.
+
+        Torch came with this module (:mod:`.rejoin`); receiving ``roles`` imports the worker
+        classes' modules (megatron-core, the user's); tensordict is imported too, which a rank's first DataProto would import.
+        Nothing is built: the rank, its environment and its workers come with :meth:`setup`.
+        Returns :meth:`node_info` with ``warm_ns``, when the imports ended.
+        """
+        from rankmesh.data.tensordicts import module as tensordict_module  # deferred: only spares pay it here
+
+        tensordict_module()
+        return {**self.node_info(), "roles": sorted(map(str, roles)), "warm_ns": time.time_ns()}
 
     def teardown(self) -> None:
         """Drop the role objects and restore the environment, so :meth:`setup` may run again.

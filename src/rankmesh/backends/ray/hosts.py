@@ -62,6 +62,11 @@ class HostSet:
     setups: list[HostSetup] = field(default_factory=list)  # what each rank was built with, to rebuild it
     #: Call headers and call slots of every executor over these processes (:class:`.wire.HeaderCache`).
     headers: HeaderCache = field(default_factory=HeaderCache)
+    #: The bundle each rank runs in (a rank that took a spare runs in the spare's bundle).
+    slots: list[Any] = field(default_factory=list)
+    #: Warm standby processes (:class:`.spares.Spare`) and the standby bundles that have none yet.
+    spares: list[Any] = field(default_factory=list)
+    free_slots: list[Any] = field(default_factory=list)
 
     @property
     def nodes(self) -> list[str | None]:
@@ -69,8 +74,8 @@ class HostSet:
         return [i.get("node_ip") for i in self.info] if self.info else [None] * len(self.actors)
 
     def kill(self) -> None:
-        """Kill every process now (no restart); the placement groups stay reserved."""
-        for actor in self.actors:
+        """Kill every process now, spares too (no restart); the placement groups stay reserved."""
+        for actor in [*self.actors, *(s.actor for s in self.spares)]:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception as exc:  # noqa: BLE001 - already dead
@@ -174,6 +179,7 @@ def launch_hosts(
         headers=HeaderCache(slots=CALL_SLOTS if ordered_calls(options) else 0),
     )
     hosts.places = pool.places()
+    hosts.slots = list(slots)
     try:
         pend = [Pending(a.node_info.remote(), r, "start") for r, a in enumerate(actors)]
         pend.append(Pending(actors[0].reserve_master_port.remote(), 0, "reserve_master_port"))

@@ -100,6 +100,12 @@ class RayResourcePool:
     use of the pool starts one with ``max(cores, reserved_cpus)`` logical CPUs (see
     :meth:`connect`), so ``RayResourcePool([8], use_gpu=False)`` places on a 2-core machine.
     GPUs are never invented: a ``use_gpu=True`` pool needs GPUs that exist.
+
+    ``spares=N`` reserves N more bundles, spread over the nodes, that belong to no rank: each
+    worker group on the pool that replaces dead ranks (``on_rank_death`` ``"keep"`` or
+    ``"replace"``) keeps a warm standby process in each, which takes a dead rank's place in a
+    fraction of the time a new process needs (:mod:`.spares`).  Views made by
+    :func:`split_resource_pool` and :func:`merge_resource_pool` carry no spares.
     """
 
     def __init__(
@@ -112,8 +118,12 @@ class RayResourcePool:
         ready_timeout: float = DEFAULT_READY_TIMEOUT,
         accelerator_type: str | None = None,
         node_labels: Mapping[str, str] | None = None,
+        spares: int = 0,
     ) -> None:
         self._counts = _check_counts(process_on_nodes)
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise ResourcePoolError(f"spares must be a non-negative integer (standby bundles), got {spares!r}")
+        self.spares = spares
         self.node_labels = validate_labels(node_labels, "node_labels", ResourcePoolError)
         if isinstance(max_colocate_count, bool) or not isinstance(max_colocate_count, int) or max_colocate_count < 1:
             raise ResourcePoolError(f"max_colocate_count must be a positive integer, got {max_colocate_count!r}")
@@ -127,6 +137,7 @@ class RayResourcePool:
         self.accelerator_type = accelerator_type
         self._lock = threading.RLock()
         self._slots: list[Slot] | None = None
+        self._spare_slots: list[Slot] = []
         self._pgs: list[Any] = []
         self._users = 0
         self._groups_on = [0] * sum(self._counts)  # worker groups on each bundle (root pools only)
@@ -150,8 +161,8 @@ class RayResourcePool:
 
     @property
     def reserved_cpus(self) -> float:
-        """Logical CPUs the whole pool reserves (every bundle of its root pools, views included)."""
-        return sum(sum(root._counts) * root.bundle["CPU"] for root in self._roots())
+        """Logical CPUs the whole pool reserves (every bundle of its root pools, views included, spares too)."""
+        return sum((sum(root._counts) + root.spares) * root.bundle["CPU"] for root in self._roots())
 
     def _roots(self) -> list[RayResourcePool]:
         """The root pools whose bundles this pool's ranks use, in rank order (itself for a root)."""
@@ -211,6 +222,17 @@ class RayResourcePool:
                 if root._slots is None:
                     root._slots = root._create(root.ready_timeout if timeout is None else timeout)
             return [root._slots[index] for root, index in self._members]
+
+    def spare_slots(self) -> list[Slot]:
+        """The standby bundles (``spares``), placed with the others on first use; a view of a pool has none.
+
+        A group on the pool keeps a warm process in each of them (:mod:`.spares`) to take a dead
+        rank's place without starting one.
+        """
+        if self._members != tuple((self, i) for i in range(sum(self._counts))):
+            return []
+        self.slots()
+        return list(self._spare_slots)
 
     def get_placement_groups(self) -> list[Any]:
         """The placement groups of this pool, in rank (node) order (verl's accessor)."""
@@ -294,7 +316,40 @@ class RayResourcePool:
             for b in range(self._counts[entry])
         ]
         logger.info("resource pool %s placed: %s", self.name_prefix, [(s.node_ip, s.node_id[:8]) for s in slots])
+        self._spare_slots = self._create_spares(timeout, nodes)
         return slots
+
+    def _create_spares(self, timeout: float, nodes: Mapping[str, Any]) -> list[Slot]:
+        """The ``spares`` standby bundles, one placement group spread over the nodes (best effort).
+
+        Spread, not packed: a spare on each node lets a dead rank be replaced on its own node.
+        Entry -1 marks them; they belong to no rank until a group swaps one in (:mod:`.spares`).
+        """
+        if not self.spares:
+            return []
+        lifetime = "detached" if self.detached else None
+        pg = placement_group(
+            [dict(self.bundle) for _ in range(self.spares)],
+            strategy="SPREAD",
+            name=f"{self.name_prefix}_spares",
+            lifetime=lifetime,
+            **({"bundle_label_selector": [dict(self.node_labels)] * self.spares} if self.node_labels else {}),
+        )
+        done, _ = ray.wait([pg.ready()], timeout=timeout)
+        if not done:
+            _remove_pg(pg)
+            self._remove_own()
+            raise ResourcePoolError(
+                f"resource pool {self.name_prefix!r}: its {self.spares} spare bundle(s) of {self.bundle} could not be "
+                f"placed within {timeout:g} s (the ranks' bundles were); ask for fewer spares, or declare more "
+                "logical CPUs (`rankmesh.backends.ray.ensure_ray(num_cpus=N)` before the first pool, N counting spares)"
+            )
+        self._pgs.append(pg)
+        table = placement_group_table(pg)["bundles_to_node_id"]
+        return [
+            Slot(pg=pg, entry=-1, bundle_index=b, node_id=table[b], node_ip=nodes.get(table[b], {}).get("NodeManagerAddress", ""))
+            for b in range(self.spares)
+        ]
 
     def _fits_now(self, done: set[Any], readies: list[Any]) -> bool:
         """Whether every unplaced entry fits the free resources of some live node right now."""
@@ -396,6 +451,7 @@ class RayResourcePool:
             _remove_pg(pg)
         self._pgs = []
         self._slots = None
+        self._spare_slots = []
 
 
 def _remove_pg(pg: Any) -> None:
@@ -465,6 +521,7 @@ def _view(pool: RayResourcePool, members: tuple[tuple[RayResourcePool, int], ...
     view = type(pool).__new__(type(pool))  # a compat pool's views keep verl's extra methods
     view.__dict__.update(pool.__dict__)
     view._members = members
+    view.spares = 0  # the standby bundles stay with the root pool (see RayResourcePool.spare_slots)
     view._counts = counts  # requested counts of the slice, entry by entry (the granted ones come from slots())
     return view
 

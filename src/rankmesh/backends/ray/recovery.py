@@ -12,9 +12,11 @@ when a rank dies; :func:`replace_dead_ranks` then rebuilds the group around them
    that failed with the death, queued before it).  Leaving closes its gloo connections, which
    ends the calls of peers that wait on it (see :mod:`.rejoin`); a survivor still busy after
    ``timeout_s`` is named in a :class:`~rankmesh.errors.RecoveryError` instead of waited for;
-3. **start**: one new host process per dead rank in the rank's own placement-group bundle: on
-   its old node, whose bundle is free again since the process died, or, when the node itself
-   is gone, wherever Ray re-placed the bundle (a node with room);
+3. **start**: a warm spare takes the dead rank's place when the group keeps spares
+   (:mod:`.spares`: on the rank's node if one is there, else any); otherwise one new host process
+   per dead rank in the rank's own placement-group bundle: on its old node, whose bundle is free
+   again since the process died, or, when the node itself is gone, wherever Ray re-placed the
+   bundle (a node with room);
 4. **re-form**: rank 0 (old or new) reserves a fresh MASTER_PORT (race-free, as at start-up);
    the new processes build their workers from the dead ranks' own setup (same rank, coordinates,
    environment, classes and constructor arguments; colocated roles together) while the
@@ -44,6 +46,7 @@ from rankmesh.mesh import RankCoords, RankMesh
 
 from .executor import RayExecutor
 from .hosts import HostSet, start_host
+from .spares import refill_spares, take_spares
 from .waiting import PROCESS_DIED, Pending, fetch_outputs
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,9 @@ class ReplacementReport:
     new_nodes: dict[int, str | None] = field(default_factory=dict)
     moved: dict[int, bool] = field(default_factory=dict)  # the new process runs on another Ray node
     stuck: list[int] = field(default_factory=list)  # survivors blocked for good, replaced with the dead
+    from_spares: list[int] = field(default_factory=list)  # ranks whose place a warm spare took
+    #: Per rank taken by a spare: (process start, import) seconds the spare paid before the death.
+    spare_paid: dict[int, tuple[float, float]] = field(default_factory=dict)
     new_pids: dict[int, int] = field(default_factory=dict)
     detected_s: float | None = None  # failed call submitted -> WorkerDiedError (set by the retry policy)
     drain_s: float = 0.0  # survivors' calls ended and they left torch.distributed
@@ -88,9 +94,13 @@ class ReplacementReport:
         detected = "" if self.detected_s is None else f"detected in {self.detected_s:.2f}s; "
         if self.stuck:
             detected += f"survivors {self.stuck} stayed blocked and were replaced too; "
+        if self.from_spares:
+            paid = ", ".join(f"{s:.2f} + {i:.2f}" for s, i in self.spare_paid.values())
+            detected += f"warm spares took ranks {self.from_spares} (they had paid process start + import {paid} before); "
+        start = "spare taken" if set(self.from_spares) == set(self.ranks) else "process start"
         return (
             f"replaced ranks {self.ranks} ({where}): {detected}replaced in {self.total_s:.2f}s = "
-            f"drain {self.drain_s:.2f} + process start {self.start_s:.2f} + import {self.import_s:.2f} + "
+            f"drain {self.drain_s:.2f} + {start} {self.start_s:.2f} + import {self.import_s:.2f} + "
             f"init {self.init_s:.2f} + restore {self.restore_s:.2f} + check {self.check_s:.2f}"
         )
 
@@ -215,9 +225,11 @@ def drain(hosts: HostSet, survivors: Sequence[int], dead: set[int], mesh: RankMe
 
 def start_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
     """Start one host per rank in the rank's bundle (old node, or where Ray re-placed it); their node info."""
+    if not ranks:
+        return {}
     if hosts.pool is None:
         raise RecoveryError("cannot replace ranks of a group attached with from_detached (it has no pool)", list(ranks))
-    slots = hosts.pool.slots()
+    slots = hosts.slots
     for rank in ranks:
         ray.kill(hosts.actors[rank], no_restart=True)  # make sure: a half-dead process holds its bundle
     deadline = time.monotonic() + timeout
@@ -298,7 +310,10 @@ def replace_dead_ranks(
             old_ids = {r: hosts.info[r].get("node_id") for r in dead}
             t1 = time.monotonic()
             report.drain_s = t1 - t0
-            info = start_replacements(hosts, report.ranks, timeout)
+            info = take_spares(hosts, report.ranks, timeout)
+            report.from_spares = sorted(info)
+            report.spare_paid = {r: (i["spare_start_s"], i["spare_import_s"]) for r, i in info.items()}
+            info.update(start_replacements(hosts, [r for r in report.ranks if r not in info], timeout))
             t2 = time.monotonic()
             report.start_s = t2 - t1
             report.new_nodes = {r: i.get("node_ip") for r, i in info.items()}
@@ -327,6 +342,7 @@ def replace_dead_ranks(
                 raise
         report.check_s = time.monotonic() - t4
         report.total_s = time.monotonic() - t0
+        refill_spares(hosts)  # in the background: the group is usable now
     finally:
         recovery.replacing = False
     recovery.reports.append(report)
