@@ -256,6 +256,13 @@ class ReshardError(MeshError):
     """A reshard cannot be planned or run: a parameter does not fit a mesh, or the two sides disagree."""
 
 
+class CheckpointError(RankMeshError, RuntimeError):
+    """A checkpoint cannot be saved or loaded: no such path, a directory in use, or a model that does not fit it.
+
+    The message names the checkpoint directory and, for a mismatch, the tensor and both shapes.
+    """
+
+
 class PeerReadError(RankMeshError, OSError):
     """Reading another process's memory (``process_vm_readv``) failed; ``errno`` says why.
 

@@ -1,7 +1,7 @@
 """Megatron-core integration: workers whose process groups come from ``parallel_state``.
 
 ``import rankmesh.megatron`` is light: names are loaded on first use, and only the worker-side
-modules (``worker``, ``model``, ``pipeline``, ``roles``) import megatron-core (~3 s).  The
+modules (``worker``, ``model``, ``pipeline``, ``roles``, ``checkpoint``) import megatron-core (~3 s).  The
 controller-side pieces (``check``, ``group``, ``reference``) never do.
 
 * :class:`MegatronWorker` -- torch.distributed + ``initialize_model_parallel`` from the group's mesh.

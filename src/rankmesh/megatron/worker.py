@@ -12,6 +12,9 @@ MegatronWorker tears parallel_state down and rebuilds it from the same mesh, re-
 process group its modules captured at construction (megatron-core's tensor-parallel layers keep
 ``self.tp_group``); the new rank receives its modules' parameters and buffers, its optimizers'
 state and the torch RNG state from its live dp peer (:meth:`MegatronWorker.restore_from_peer`).
+When no live peer holds a shard, or the run moves to another mesh, :meth:`MegatronWorker.save_checkpoint`
+and :meth:`MegatronWorker.load_checkpoint` write and read the weights and optimizer state in the whole model's
+coordinates (:mod:`rankmesh.megatron.checkpoint`), so any mesh of the same model resumes from it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from megatron.core import parallel_state as ps
 from rankmesh.backends.ray.rendezvous import init_torch_distributed
 from rankmesh.dispatch.modes import Dispatch
 from rankmesh.dispatch.register import register
+from rankmesh.megatron import checkpoint
 from rankmesh.megatron.check import RankReport
 from rankmesh.mesh import DistGlobalInfo, DistRankInfo, RankMesh
 from rankmesh.megatron.layouts import MegatronReshardWorker
@@ -374,6 +378,54 @@ class MegatronWorker(MegatronReshardWorker):
             self._megatron_up = False
             release_parallel_state()
         return True
+
+    # ----- checkpoints on any mesh (rankmesh.megatron.checkpoint) -------------------------------
+
+    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules a checkpoint holds, by attribute name (the names are part of the keys).
+
+        Default: every public ``torch.nn.Module`` attribute; private ones (the actor's
+        ``_sampler``, an unsharded copy for rollouts) are left out.  Override to choose.
+        """
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.nn.Module) and not k.startswith("_")}
+
+    def checkpoint_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The optimizers whose state a checkpoint holds, by attribute name (default: every public one)."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.optim.Optimizer) and not k.startswith("_")}
+
+    def _shard_place(self) -> checkpoint.ShardPlace:
+        return checkpoint.ShardPlace(
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+        )
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str, weight_version: int | None = None) -> checkpoint.CheckpointReport:
+        """Write the checkpointed modules' weights and the optimizers' state into the new directory ``path``.
+
+        Every tensor is saved in global coordinates, so :meth:`load_checkpoint` reads it on any
+        mesh of the same model.  ``path`` must be a directory every rank sees, new or empty.
+        ``weight_version`` is recorded with it (default: this rank's own ``weight_version``; a
+        trainer's versions are recorded by the controller: pass ``wg.weight_version``).
+        """
+        version = self.weight_version if weight_version is None else weight_version
+        return checkpoint.save(str(path), self.checkpoint_modules(), self.checkpoint_optimizers(),
+                               self.megatron_mesh(), self.rank, self._shard_place(), version)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str, optimizers: bool = True) -> checkpoint.CheckpointReport:
+        """Read the checkpoint at ``path``, saved on this mesh or any other, into this rank's modules and optimizers.
+
+        dist_checkpointing reads each rank's pieces of the whole tensors, whatever mesh cut them
+        when they were saved.  ``optimizers=False`` reads the weights only and resets the
+        optimizers' state.  This rank's ``weight_version`` becomes the saved one; the reports
+        carry it, for the controller's record (``wg.weight_version = reports[0].weight_version``).
+        """
+        report = checkpoint.load(str(path), self.checkpoint_modules(), self.checkpoint_optimizers(),
+                                 self.megatron_mesh(), self.rank, self._shard_place(), with_optimizers=optimizers)
+        self.weight_version = report.weight_version
+        return report
 
     # ----- replacing dead ranks (rankmesh.backends.ray.recovery) -------------------------------
 
