@@ -18,8 +18,12 @@ big for the cluster; shutdown and reuse of the pool; bad input; node removed (su
 on a simulated cluster, see tests/reliability_node_loss.py).  Recovery (``on_rank_death``, see
 docs/ray_backend.md): an 8-rank megatron group (tp2·pp2·dp2) whose ranks are killed and replaced
 three times in a row, each retried call returning the undisturbed log-probs with the survivors'
-pids unchanged; replacement impossible (dp = 1); node removed and its ranks re-placed on a
-spare node (simulated cluster).  Their replacement times, split into process start, import,
+pids unchanged, then the same with a warm spare taking each dead rank's place (target 5 s);
+replacement impossible (dp = 1); the 8-rank group shrunk by a death (``on_rank_death="shrink"``,
+target 10 s) and grown back (``grow(1)``, target 30 s); the actor resumed from checkpoints on two
+other meshes (tests/checkpoint_drill.py); node removed and its ranks re-placed on a spare node,
+then, with one spare and no room, a spare taking a rank, a node lost with no spare left (shrink)
+and a node added back (grow) (simulated cluster).  Their replacement times, split into process start, import,
 init, restore and re-check, are printed under the table.
 
 Hang scenarios (a tp2·dp2 group of tests.hang_workers.HangWorker with real gloo groups): stuck in
@@ -357,6 +361,76 @@ def megatron_killed_and_replaced(victims: tuple[int, ...] = (5, 0, 3), spares: i
         wg.shutdown()
 
 
+#: Issue targets for a shrink and a grow (seconds, this machine).
+SHRINK_TARGET_S = 10.0
+GROW_TARGET_S = 30.0
+
+
+def megatron_shrunk_and_grown(victim: int = 5) -> Probe:
+    """tp2·pp2·dp2 actor group, on_rank_death="shrink": a rank dies, its replica goes (tp2·pp2·dp1), then grow(1)."""
+    import torch
+
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool
+    from rankmesh.backends.ray.recovery import exit_on_next_call
+    from rankmesh.data import DataProto
+    from rankmesh.megatron.group import collect_reports, start_megatron_group
+    from rankmesh.megatron.reference import TinyConfig
+    from rankmesh.megatron.roles import ActorWorker
+    from rankmesh.mesh import RankMesh
+
+    cfg = TinyConfig()
+    wg = start_megatron_group(
+        RayResourcePool([8], use_gpu=False),
+        RayClassWithInitArgs(ActorWorker, model=cfg.to_dict(), lr=1e-3, micro_batches=2),
+        RankMesh(tp=2, pp=2, dp=2),
+        on_rank_death="shrink",
+        call_timeout_s=RECOVERY_LIMIT_S,
+        progress=False,
+    )
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (8, 12), generator=torch.Generator().manual_seed(7))
+        data = DataProto.from_dict({"input_ids": ids}, meta_info={"prompt_length": 4})
+        want = wg.compute_log_prob(data).batch["log_probs"]
+        pids = [r.pid for r in collect_reports(wg)]
+        exit_on_next_call(wg, victim, "compute_log_prob")
+        shrunk_lp = wg.compute_log_prob(data).batch["log_probs"]  # dies, the replica is dropped, retried on dp1
+        shrink = wg.remeshes[-1]
+        mesh = RankMesh(tp=2, pp=2, dp=2)
+        lost = mesh.rank_coords(victim).dp
+        kept = [r.pid for r in collect_reports(wg)] == [p for r, p in enumerate(pids) if mesh.rank_coords(r).dp != lost]
+        grown = wg.grow(1)
+        grown_lp = wg.compute_log_prob(data).batch["log_probs"]
+        diff = max(float((shrunk_lp - want).abs().max()), float((grown_lp - want).abs().max()))
+        shrink_s = (shrink.detected_s or 0.0) + shrink.total_s
+        RECOVERY_LINES.append("  " + shrink.format())
+        RECOVERY_LINES.append("  " + grown.format())
+        RECOVERY_LINES.append(
+            f"target: shrink (detection + re-form) <= {SHRINK_TARGET_S:g} s: {shrink_s:.1f} s -> "
+            f"{'met' if shrink_s <= SHRINK_TARGET_S else 'MISSED'}; grow <= {GROW_TARGET_S:g} s: {grown.total_s:.1f} s -> "
+            f"{'met' if grown.total_s <= GROW_TARGET_S else 'MISSED'}; all 8 rows answered after each, log-probs "
+            f"within {diff:.1e} of the undisturbed ones")
+        ok = shrunk_lp.shape == want.shape and diff <= 1e-5 and kept and wg.mesh == mesh and shrink.lost_replicas == [lost]
+        return Probe(None, shrink.detected_s, diff <= 1e-5, ok,
+                     shown=f"shrunk to {shrink.new_mesh} in {shrink.total_s:.1f} s, grown back in {grown.total_s:.1f} s, "
+                           f"survivor pids kept: {kept}")
+    finally:
+        wg.shutdown()
+
+
+def resume_on_another_mesh() -> Probe:
+    """The actor saved on tp2·pp2·dp2, resumed on tp1·pp2·dp4, then tp4·dp2 (tests/checkpoint_drill.py)."""
+    from tests.checkpoint_drill import resume_on_another_mesh as chain
+
+    got = chain()
+    meshes = " -> ".join(str(m) for m in got["meshes"])
+    RECOVERY_LINES.append(
+        f"  resume on another mesh ({meshes}): save {max(got['save_s']):.2f} s, load {max(got['load_s']):.2f} s "
+        f"(slowest rank); weights after resuming within {got['max_abs_deviation']:.1e} of the uninterrupted run "
+        f"({got['tolerance_used']:.0%} of the tolerance); with reset Adam state "
+        f"{got['fresh_optimizer']['ratio']:.0f}x the tolerance (so the state is really restored)")
+    return Probe(None, None, got["ok"], got["ok"], shown=f"{len(got['meshes'])} meshes, deviation {got['max_abs_deviation']:.1e}")
+
+
 def replacement_impossible() -> Probe:
     """tp2 (dp = 1): the dead rank's shard has no live copy -> ShardLostError naming it."""
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -387,9 +461,17 @@ def node_removed_and_replaced() -> Probe:
     except DriverError as exc:
         return Probe(RuntimeError(f"driver failed: {str(exc).strip().splitlines()[-1:]}"), None, False, False)
     RECOVERY_LINES.append("  node removed: " + report.get("format", ""))
+    shrink = report.get("shrink") or {}
+    if shrink.get("shrink"):
+        RECOVERY_LINES.append("  then, replace_or_shrink with 1 spare: the spare took rank 3 in "
+                              f"{shrink['spare_taken']['seconds']:.2f} s; its node removed with no spare or room left, "
+                              f"the group was usable again {shrink['seconds']:.1f} s later (health checks, "
+                              "3 s waiting for room, then the shrink): " + shrink["shrink"]["format"])
+        RECOVERY_LINES.append(f"  node added back: {shrink['grow']['format']}")
     moved = all(report["nodes_after"][r] not in (None, report["victim"]) for r in report["ranks_on_victim"])
     good = (report.get("result") == [10.0] * 4 and report.get("replaced") == report.get("ranks_on_victim")
-            and moved and report.get("survivor_pids_kept"))
+            and moved and report.get("survivor_pids_kept")
+            and shrink.get("result") == [3.0, 3.0] and shrink.get("result_after_grow") == [10.0] * 4)
     shown = f"ranks {report.get('replaced')} re-placed on node(s) {sorted({report['nodes_after'][r] for r in report['ranks_on_victim']})}"
     return Probe(None, report.get("seconds"), report.get("result") == [10.0] * 4, good, shown=shown)
 
@@ -432,9 +514,12 @@ def recovery_scenarios(node_loss: bool, demo: bool = False) -> list[tuple[str, C
         ("killed x3, a warm spare takes each (8-rank megatron)", lambda: megatron_killed_and_replaced(spares=1),
          RECOVERY_LIMIT_S),
         ("replacement impossible (dp = 1)", replacement_impossible, SCENARIO_LIMIT_S),
+        ("killed, replica dropped, then grown (8-rank megatron)", megatron_shrunk_and_grown, RECOVERY_LIMIT_S),
+        ("resume on another mesh (8-rank megatron, 3 meshes)", resume_on_another_mesh, RECOVERY_LIMIT_S),
     ]
     if node_loss:
-        out.append(("node removed, ranks re-placed elsewhere", node_removed_and_replaced, RECOVERY_LIMIT_S))
+        out.append(("node removed: replaced; then spare, no room: shrink, grow", node_removed_and_replaced,
+                    RECOVERY_LIMIT_S))
     if demo:
         out.append(("demo killed == demo undisturbed", demo_equality, 2 * DEMO_LIMIT_S + 30))
     return out

@@ -54,10 +54,83 @@ def run() -> dict:
         report["survivor_pids_kept"] = all(after[r]["pid"] == before[r]["pid"] for r in range(4)
                                            if r not in report["replaced"])
         wg.shutdown()
+        report["shrink"] = shrink_then_grow(cluster, [n for i, n in enumerate(nodes) if i != victim_index])
     finally:
         ray.shutdown()
         cluster.shutdown()
     return report
+
+
+def shrink_then_grow(cluster, nodes) -> dict:
+    """Spare, spares exhausted, shrink, grow, on the two 2-CPU nodes left plus a 1-CPU node for a spare.
+
+    A tp2·dp2 group, one replica per 2-CPU node, ``spares=1`` (the spare can only go to the 1-CPU
+    node), ``on_rank_death="replace_or_shrink"``: (1) rank 3 dies and the spare takes its place;
+    (2) once the refilled spare is warm (in rank 3's old bundle), its node is removed with rank 2
+    on it: no spare is left and no node has room, so the group drops replica 1 (tp2·dp1); (3) a
+    node joins and ``grow(1)`` brings tp2·dp2 back.
+    """
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rankmesh.backends.ray.recovery import exit_on_next_call
+    from rankmesh.backends.ray.simulated import LOOPBACK
+    from rankmesh.mesh import RankMesh
+    from tests.recovery_workers import StateWorker
+
+    def wait_warm_spare(exclude: set) -> dict:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            spares = wg.spares
+            if spares and spares[0]["warm"] and spares[0]["pid"] not in exclude:
+                return spares[0]
+            time.sleep(0.1)
+        raise TimeoutError(f"no warm spare: {wg.spares}")
+
+    out: dict = {}
+    small = cluster.add_node(num_cpus=1, object_store_memory=80 << 20, node_ip_address=LOOPBACK)
+    cluster.wait_for_nodes()
+    nodes = [*nodes, small]
+    wg = RayWorkerGroup(RayResourcePool([2, 2], use_gpu=False, spares=1), RayClassWithInitArgs(StateWorker, scale=1),
+                        mesh=RankMesh(tp=2, dp=2), on_rank_death="replace_or_shrink", call_timeout_s=120)
+    try:
+        by_node = {n.node_id: i for i, n in enumerate(nodes)}
+        wg.set_state([[10.0 * (r % 2) + k for k in (1, 2, 3)] for r in range(4)])  # tp rank r % 2
+        before = wg.whoami()
+        spare = wait_warm_spare(set())
+        out["spare_on_small_node"] = by_node[spare["node_id"]] == len(nodes) - 1
+        # (1) A warm spare takes rank 3's place.
+        exit_on_next_call(wg, 3, "world_sum")
+        out["result_spare"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])
+        rep = wg.replacements[-1]
+        out["spare_taken"] = {"ranks": rep.ranks, "from_spares": rep.from_spares, "format": rep.format(),
+                              "seconds": (rep.detected_s or 0.0) + rep.total_s}
+        # (2) The refilled spare sits in rank 3's old bundle, on rank 2's node: remove that node.
+        refill = wait_warm_spare({spare["pid"]})
+        victim = by_node[wg.node_of(2)]
+        out["refill_on_victim"] = by_node[refill["node_id"]] == victim
+        out["ranks_on_victim"] = [r for r in range(4) if by_node[wg.node_of(r)] == victim]
+        cluster.remove_node(nodes[victim], allow_graceful=False)
+        removed = time.monotonic()
+        out["result"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])  # on tp2·dp1: ranks 0, 1 sum 1 + 2
+        out["seconds"] = time.monotonic() - removed
+        shrunk = wg.remeshes[-1] if wg.remeshes else None
+        out["shrink"] = {"lost_replicas": shrunk.lost_replicas, "dead": shrunk.dead, "format": shrunk.format(),
+                         "detected_s": shrunk.detected_s, "total_s": shrunk.total_s} if shrunk else None
+        out["mesh_after_shrink"] = repr(wg.mesh)
+        out["survivor_pids_kept"] = [a["pid"] for a in wg.whoami()] == [before[0]["pid"], before[1]["pid"]]
+        # (3) Capacity comes back: grow to tp2·dp2 again.
+        cluster.add_node(num_cpus=2, object_store_memory=80 << 20, node_ip_address=LOOPBACK)
+        cluster.wait_for_nodes()
+        start = time.monotonic()
+        grown = wg.grow(1)
+        out["grow_seconds"] = time.monotonic() - start
+        out["grow"] = {"added": grown.added, "peers": {str(k): v for k, v in grown.peers.items()}, "format": grown.format(),
+                       "total_s": grown.total_s}
+        out["mesh_after_grow"] = repr(wg.mesh)
+        out["state_after_grow"] = wg.get_state()
+        out["result_after_grow"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])
+    finally:
+        wg.shutdown()
+    return out
 
 
 def main() -> None:

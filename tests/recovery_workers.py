@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from rankmesh.backends.ray.rendezvous import init_torch_distributed
+from rankmesh.data import DataProto
 from rankmesh.dispatch import Dispatch, register
 from rankmesh.worker import Worker
 
@@ -46,6 +47,11 @@ class StateWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def get_state(self) -> list[float]:
         return self.state.tolist()
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def tag_rows(self, data: DataProto) -> DataProto:
+        """The rows this rank got, each tagged with the rank."""
+        return DataProto.from_dict({"x": data.batch["x"], "rank": torch.full((len(data),), self.rank)})
 
     @register(Dispatch.ONE_TO_ALL)
     def world_sum(self, values: list[float]) -> float:

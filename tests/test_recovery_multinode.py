@@ -1,4 +1,5 @@
-"""A node removed from a simulated cluster: its ranks are replaced on the spare node, survivors kept.
+"""A node removed from a simulated cluster: its ranks are replaced on the spare node, survivors kept;
+then, with no room left, a group shrinks instead and grows back when a node joins.
 
 The scenario runs in a subprocess driver (``tests/recovery_node_loss.py``, through
 ``tests.drivers.run_module``) because the test session already holds its one Ray connection; it
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from rankmesh.mesh import RankMesh
 from tests.drivers import run_module
 
 
@@ -22,3 +24,18 @@ def test_removed_node_ranks_are_re_placed_on_a_node_with_room():
     spare = ({0, 1, 2} - set(report["nodes_before"])).pop()
     assert all(report["nodes_after"][r] == spare for r in report["replaced"]), report
     assert report["survivor_pids_kept"], report
+
+    # Then on_rank_death="replace_or_shrink" with one spare: a warm spare takes a dead rank's place;
+    # when a node is lost with no spare left and no room, the group drops the replica (tp2·dp2 ->
+    # tp2·dp1); a node added back lets grow(1) bring it back.
+    shrink = report["shrink"]
+    assert shrink["spare_on_small_node"] and shrink["result_spare"] == [10.0] * 4, shrink
+    assert shrink["spare_taken"]["ranks"] == [3] == shrink["spare_taken"]["from_spares"], shrink
+    assert shrink["refill_on_victim"] and shrink["ranks_on_victim"] == [2], shrink
+    assert shrink["shrink"]["lost_replicas"] == [1] and shrink["shrink"]["dead"] == [2], shrink
+    assert shrink["result"] == [3.0, 3.0] and shrink["survivor_pids_kept"], shrink  # 1 + 2 on ranks 0, 1
+    assert shrink["mesh_after_shrink"] == repr(RankMesh(tp=2, dp=1)), shrink
+    assert shrink["grow"]["added"] == [2, 3] and shrink["grow"]["peers"] == {"2": 0, "3": 1}, shrink
+    assert shrink["mesh_after_grow"] == repr(RankMesh(tp=2, dp=2)), shrink
+    assert shrink["state_after_grow"] == [[1.0, 2.0, 3.0], [11.0, 12.0, 13.0]] * 2, shrink  # copied by tp rank
+    assert shrink["result_after_grow"] == [10.0] * 4, shrink

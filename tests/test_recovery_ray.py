@@ -11,7 +11,9 @@ import time
 
 import psutil
 import pytest
+import torch
 
+from rankmesh.data import DataProto
 from rankmesh.errors import BackendError, RecoveryError, ResourcePoolError, ShardLostError, WorkerDiedError
 from rankmesh.mesh import RankMesh
 
@@ -214,3 +216,80 @@ def test_a_rank_tries_spares_on_its_own_node_first_then_warm_ones():
     # By hand: node "a" first (warm before cold), then node "b" (warm before cold).
     assert spare_order([far_warm, near_cold, near_warm, far_old], "a", warm) == [near_warm, near_cold, far_warm, far_old]
     assert spare_order([far_warm, near_cold, near_warm, far_old], "c", set()) == [far_old, near_cold, far_warm, near_warm]
+
+
+def test_shrink_drops_the_dead_ranks_replica_and_grow_adds_one_back(ray_session, caplog):
+    # pp2·dp2 by hand (order tp-cp-ep-dp-pp): rank = dp + 2 * pp, so ranks 0..3 are
+    # (dp0 pp0), (dp1 pp0), (dp0 pp1), (dp1 pp1).  Each rank's state is its shard's: 10 * pp + k.
+    wg = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(StateWorker, scale=3),
+                        mesh=RankMesh(pp=2, dp=2), on_rank_death="shrink", call_timeout_s=120)
+    try:
+        pp_of = {0: 0, 1: 0, 2: 1, 3: 1}
+        wg.set_state([[10.0 * pp_of[r] + k for k in (1, 2, 3)] for r in range(4)])
+        wg.bump()
+        wg.weight_version = 7
+        pids = [a["pid"] for a in wg.whoami()]
+        exit_on_next_call(wg, 3, "world_sum")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="rankmesh"):
+            # Replica 1 (ranks 1, 3) is dropped; on pp2·dp1 the kept ranks 0, 2 are ranks 0, 1, and the
+            # retried call (the caller's unchanged list) sums values[0] and values[1]: 3 * (1 + 2).
+            assert wg.world_sum([1.0, 2.0, 3.0, 4.0]) == [9.0, 9.0]
+        loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("rankmesh")]
+        assert len(loud) == 1 and "dropped dp replicas [1] (dead ranks [3])" in loud[0], loud
+        report = wg.remeshes[-1]
+        assert (report.kind, report.lost_replicas, report.dead) == ("shrink", [1], [3]) and report.detected_s is not None
+        assert wg.mesh == RankMesh(pp=2, dp=1) and wg.world_size == 2 and wg.weight_versions == (7,)
+        after = wg.whoami()
+        assert [a["pid"] for a in after] == [pids[0], pids[2]] and [a["counter"] for a in after] == [1, 1]
+        assert [a["coords"]["pp"] for a in after] == [0, 1] and [a["dist_world"] for a in after] == [2, 2]
+        assert [(a["env"]["RANK"], a["env"]["WORLD_SIZE"]) for a in after] == [("0", "2"), ("1", "2")]
+        # The lost replica's live rank 1 was stopped: its process is gone.
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(pids[1]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not psutil.pid_exists(pids[1])
+
+        grown = wg.grow(1)
+        # dp2 again: kept ranks 0, 1 (pp0, pp1) go back to ranks 0, 2; the new replica is ranks 1, 3,
+        # restored from the live rank of its shard.
+        assert grown.added == [1, 3] and grown.peers == {1: 0, 3: 2}
+        assert wg.mesh == RankMesh(pp=2, dp=2) and wg.weight_versions == (7, 7)
+        now = wg.whoami()
+        assert [now[0]["pid"], now[2]["pid"]] == [pids[0], pids[2]] and {now[1]["pid"], now[3]["pid"]}.isdisjoint(pids)
+        assert [a["counter"] for a in now] == [1, 0, 1, 0]  # survivors' objects kept; new ones built
+        assert wg.get_state() == [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [11.0, 12.0, 13.0], [11.0, 12.0, 13.0]]
+        assert wg.world_sum([1.0, 2.0, 3.0, 4.0]) == [30.0] * 4  # the grown world reduces: 3 * 10
+        assert [r.kind for r in wg.remeshes] == ["shrink", "grow"]
+    finally:
+        wg.shutdown()
+
+
+def test_a_shrink_that_leaves_no_replica_names_the_shard(ray_session):
+    wg = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(StateWorker), mesh=RankMesh(tp=2),
+                        on_rank_death="keep", call_timeout_s=120)
+    try:
+        exit_on_next_call(wg, 1, "world_sum")
+        with pytest.raises(WorkerDiedError):
+            wg.world_sum([1.0, 2.0])
+        with pytest.raises(ShardLostError, match=r"no dp replica is left.*dp = 1.*rank 1 \(tp1\).*checkpoint"):
+            wg.shrink_dead_replicas(timeout_s=60)
+    finally:
+        wg.shutdown()
+
+
+def test_after_a_shrink_the_global_batch_is_split_over_the_replicas_left(ray_session):
+    wg = RayWorkerGroup(RayResourcePool([3], use_gpu=False), RayClassWithInitArgs(StateWorker), mesh=RankMesh(dp=3),
+                        on_rank_death="shrink", call_timeout_s=120)
+    try:
+        exit_on_next_call(wg, 1, "tag_rows")
+        three = DataProto.from_dict({"x": torch.arange(3.0)})
+        # 3 rows cannot be split over the 2 replicas left: the retried call says so, and why.
+        with pytest.raises(RecoveryError, match=r"shrank to .*dp=2.*replicas \[1\].*does not divide over the 2 replicas"):
+            wg.tag_rows(three)
+        assert wg.mesh == RankMesh(dp=2) and torch.equal(three.batch["x"], torch.arange(3.0))  # the caller's batch untouched
+        out = wg.tag_rows(DataProto.from_dict({"x": torch.arange(4.0)}))
+        # Every row once, in order, 2 per replica: nothing lost with the dead replica.
+        assert out.batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0] and out.batch["rank"].tolist() == [0, 0, 1, 1]
+    finally:
+        wg.shutdown()

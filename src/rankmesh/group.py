@@ -357,6 +357,27 @@ class WorkerGroup:
         for name, bound in table.methods.items():
             setattr(self, name, GroupMethod(self, bound))
 
+    def _reshape(self, mesh: RankMesh, weight_versions: Sequence[int]) -> None:
+        """The group shrank or grew to ``mesh`` (its backend holds the new ranks already).
+
+        Every method is planned again for the new mesh; what was planned or made for the old one
+        (registered meshes' plans, ad-hoc bindings, replica views, the reshard session) is
+        dropped.  ``weight_versions``: the new replicas' versions, in dp order.  A trace or a
+        receive setting stays.
+        """
+        table = MethodTable.build(self._table.worker_cls, mesh.world_size, mesh, None, self._table.role,
+                                  self._table.registry, type(self), self._table.late_meshes)
+        for name in self._table.methods:
+            delattr(self, name)
+        self._table = table
+        self._registered_plans.clear()
+        self._adhoc.clear()
+        self._views.clear()
+        self.reshard_session = None
+        self._weight_versions = list(weight_versions)
+        for name, bound in table.methods.items():
+            setattr(self, name, GroupMethod(self, bound))
+
     # ----- introspection -----------------------------------------------------------------------
 
     @property

@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable, Iterator, Mapping
 from rankmesh.dispatch.modes import Dispatch
 from rankmesh.dispatch.register import register
 from rankmesh.dispatch.spec import DEFAULT_MESH
-from rankmesh.errors import DispatchError, WorkerError
+from rankmesh.errors import DispatchError, RecoveryError, WorkerError
 from rankmesh.backend import ObjectTransport, Shared, check_receive
 from rankmesh.mesh import DistRankInfo, RankCoords, RankMesh
 from rankmesh.data.buffer import stamp_version
@@ -345,3 +345,20 @@ def construct(cls: type, ctx: WorkerContext, args: tuple[Any, ...] = (), kwargs:
             return cls(*args, **dict(kwargs or {}))
         except Exception as exc:
             raise WorkerError.from_exception(exc, ctx.rank, ctx.coords(), f"{cls.__name__}.__init__", ctx.node) from exc
+
+
+def move(worker: Any, ctx: WorkerContext) -> None:
+    """Give a live worker its new place after its group shrank or grew (:mod:`rankmesh.backends.ray.remesh`).
+
+    The worker keeps its state (parameters, optimizer, caches); only where it stands changes:
+    rank, world size and mesh (its shard, i.e. every coordinate but dp, stays the same).  The dp
+    ranks a worker registered for meshes of its own (verl's ``_register_dispatch_collect_info``)
+    are dropped, since they were computed for the old world: register them again in
+    ``rejoin_distributed``, which runs next.
+    """
+    if not isinstance(worker, Worker):
+        raise RecoveryError(f"cannot move a {type(worker).__name__} to rank {ctx.rank} of a re-meshed group: only a "
+                            "rankmesh Worker knows its place (derive the class from rankmesh.Worker)", [ctx.rank])
+    worker._rankmesh_context = ctx
+    worker._rankmesh_dispatch_dp_rank.clear()
+    worker._rankmesh_collect_dp_rank.clear()

@@ -74,8 +74,9 @@ def start_megatron_group(
         if verify:
             verify_group(checked, mesh, allreduce=allreduce)
             group.record_startup("cross-checked")
-            # After dead ranks are replaced, parallel_state is rebuilt everywhere: prove it again.
-            group.add_recovery_check(lambda: verify_group(checked, mesh, allreduce=True))
+            # After dead ranks are replaced (or the group shrank or grew), parallel_state is rebuilt
+            # everywhere: prove it again, against the group's mesh as it is then.
+            group.add_recovery_check(lambda: verify_group(checked, allreduce=True))
     except BaseException:
         group.shutdown()
         raise

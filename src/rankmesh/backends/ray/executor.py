@@ -58,8 +58,10 @@ class CallStats:
 
 
 #: What a group does when a rank's process dies: ``fail`` (stop the others, refuse later calls),
-#: ``keep`` (keep the survivors for ``replace_dead_ranks()``), ``replace`` (replace and retry once).
-ON_RANK_DEATH: tuple[str, ...] = ("fail", "keep", "replace")
+#: ``keep`` (keep the survivors for ``replace_dead_ranks()``), ``replace`` (replace and retry once),
+#: ``shrink`` (drop the dead ranks' dp replicas and retry once), ``replace_or_shrink`` (replace;
+#: shrink when no process can be had for a dead rank).
+ON_RANK_DEATH: tuple[str, ...] = ("fail", "keep", "replace", "shrink", "replace_or_shrink")
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,13 @@ class RayExecutor:
         logger.error("worker group failed: %s; stopping its %d processes", err, self.world_size)
         self.hosts.kill()
 
+    def reshape(self, coords: Sequence[RankCoords]) -> None:
+        """The group shrank or grew (:mod:`.remesh`): ``hosts`` holds the new ranks' processes, in
+        rank order, and ``coords`` their coordinates; accept calls again."""
+        self.world_size = len(self.hosts.actors)
+        self.coords = list(coords)
+        self.recovered()
+
     def abandon(self, err: RankMeshError) -> None:
         """Fail the group for good (dead ranks could not be replaced): stop every process."""
         self._failed = err
@@ -215,7 +224,7 @@ class RayExecutor:
             if self.on_rank_death == "fail":
                 advice = "and its processes were stopped; shut it down and start a new group"
             else:
-                advice = "and the survivors are kept: call replace_dead_ranks() first"
+                advice = "and the survivors are kept: call replace_dead_ranks() (or shrink_dead_replicas()) first"
             raise WorkerDiedError(
                 f.rank,
                 f.method,

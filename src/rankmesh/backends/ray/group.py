@@ -21,8 +21,8 @@ import uuid
 from typing import Any, Mapping, Sequence
 
 from rankmesh.dispatch.modes import DispatchRegistry
-from rankmesh.errors import BackendError, WorkerDiedError, WorkerError
-from rankmesh.group import MethodTable, WorkerGroup
+from rankmesh.errors import BackendError, PaddingError, RecoveryError, WorkerDiedError, WorkerError
+from rankmesh.group import MethodTable, PerRank, WorkerGroup
 from rankmesh.mesh import RankMesh
 from rankmesh.placement import Placement, RankPlace
 from rankmesh.validate import optional_seconds, positive_seconds
@@ -32,6 +32,7 @@ from .executor import RayExecutor
 from .hosts import HostSet, attach_hosts, build_workers, check_worker_env, start_hosts
 from .pool import RayResourcePool
 from .recovery import Recovery, ReplacementReport, probe_dead, replace_dead_ranks
+from .remesh import RemeshReport, grow, shrink_dead_replicas
 from .spares import refill_spares
 from .runtime import ensure_ray
 from .startup import StartupProgress, StartupReport
@@ -40,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_START_TIMEOUT = 300.0
 """Seconds to wait for every rank's process to start and its worker to be built."""
+
+#: The ``on_rank_death`` policies that may drop dp replicas (:mod:`.remesh`).
+SHRINKING = ("shrink", "replace_or_shrink")
+#: The policies under which the group recovers by itself and retries the failed call once.
+RETRYING = ("replace", *SHRINKING)
 
 
 def check_bin_pack(bin_pack: Any) -> None:
@@ -89,7 +95,10 @@ class RayWorkerGroup(WorkerGroup):
     ``on_rank_death`` says what a dead rank process does to the group: ``"fail"`` (default) stops
     the other ranks and refuses later calls; ``"keep"`` keeps the survivors until
     :meth:`replace_dead_ranks`; ``"replace"`` replaces the dead ranks and retries the failed
-    blocking call once (see :mod:`.recovery` and the recovery model in docs/ray_backend.md).
+    blocking call once (see :mod:`.recovery` and the recovery model in docs/ray_backend.md);
+    ``"shrink"`` drops the dead ranks' dp replicas and retries once on the others, and
+    ``"replace_or_shrink"`` replaces, or shrinks when no process can be had (:mod:`.remesh`;
+    ``wg.grow(k)`` adds replicas back).
     On a pool with ``spares=N`` such a group keeps N warm standby processes that take a dead
     rank's place without starting one (:mod:`.spares`; ``wg.spares`` lists them).
     ``bin_pack`` is verl's; only ``True`` is supported (:func:`check_bin_pack`).
@@ -191,6 +200,7 @@ class RayWorkerGroup(WorkerGroup):
         self._recovery = recovery
         self._startup = startup
         self._install(executor, table)
+        recovery.add_group(self)  # re-planned when a shrink or a grow changes the mesh
 
     @staticmethod
     def _drive(
@@ -201,6 +211,11 @@ class RayWorkerGroup(WorkerGroup):
         on_rank_death: str = "fail",
     ) -> tuple[RayExecutor, Recovery]:
         """A new executor over ``hosts`` and the recovery state of its ``on_rank_death`` policy."""
+        if on_rank_death in SHRINKING and table.extra_meshes:
+            raise BackendError(
+                f"on_rank_death={on_rank_death!r} changes the group's dp size, which its named meshes "
+                f"{sorted(table.extra_meshes)} cannot follow; use 'replace' (or 'keep'), or give the group one mesh"
+            )
         coords = [table.mesh.rank_coords(r) for r in range(len(hosts.actors))]
         executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s, on_rank_death)
         return executor, Recovery(on_rank_death)
@@ -402,6 +417,68 @@ class RayWorkerGroup(WorkerGroup):
             logger.warning("%s", report.format())
         return report
 
+    def shrink_dead_replicas(self, timeout_s: float = DEFAULT_START_TIMEOUT) -> RemeshReport | None:
+        """Drop the dp replicas of the dead ranks and go on with the others; ``None`` when no rank is dead.
+
+        The kept processes keep their state and move to their rank in the mesh with ``dp`` minus
+        the lost replicas; torch.distributed and megatron's parallel_state are re-formed for it,
+        every method is planned for it (a batch is split over the remaining replicas) and the
+        recovery checks run (:mod:`.remesh`).  Raises ``ShardLostError`` when no replica would be
+        left.  Needs a policy other than ``"fail"``; the group's policy ``"shrink"`` does this by
+        itself on a death.
+        """
+        timeout_s = positive_seconds(timeout_s, "shrink_dead_replicas(timeout_s)", BackendError)
+        return self._shrink(timeout_s)
+
+    def _shrink(self, timeout_s: float, log: bool = True) -> RemeshReport | None:
+        executor = self.executor
+        if self._hosts.closed:
+            raise RecoveryError("cannot shrink the group: it has been shut down")
+        if executor.failed is not None and not isinstance(executor.failed, WorkerDiedError):
+            raise RecoveryError(f"cannot shrink the group: it failed for good earlier ({executor.failed})")
+        if executor.on_rank_death == "fail" and executor.failed is not None:
+            raise RecoveryError("cannot shrink the group: it was created with on_rank_death='fail', so its survivors "
+                                "were stopped", sorted(executor.dead))
+        dead = set(executor.dead) or probe_dead(self._hosts)
+        if not dead:
+            return None
+        rec = self._recovery
+        replacing, rec.replacing = rec.replacing, True
+        try:
+            report = shrink_dead_replicas(self._hosts, executor, self.mesh, rec, dead, timeout_s, self.weight_versions)
+        finally:
+            rec.replacing = replacing
+        if log:
+            logger.warning("%s", report.format())
+        return report
+
+    def grow(self, replicas: int = 1, timeout_s: float = DEFAULT_START_TIMEOUT) -> RemeshReport:
+        """Add ``replicas`` dp replicas, copying their state from the live ones; the next call uses them.
+
+        Processes come from the group's warm spares, then from bundles it holds without a rank
+        (left by a shrink), then from new placement groups on nodes with room; when they cannot
+        all be had within ``timeout_s`` nothing changes and ``RecoveryError`` says so.  Then every
+        rank re-forms torch.distributed (and parallel_state) for the mesh with ``dp + replicas``,
+        each new rank restores its state from the live rank holding its shard, and the recovery
+        checks run (:mod:`.remesh`).
+        """
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise BackendError(f"grow(replicas=...) must be a positive integer, got {replicas!r}")
+        timeout_s = positive_seconds(timeout_s, "grow(timeout_s)", BackendError)
+        rec = self._recovery
+        replacing, rec.replacing = rec.replacing, True
+        try:
+            report = grow(self._hosts, self.executor, self.mesh, rec, replicas, timeout_s, self.weight_versions)
+        finally:
+            rec.replacing = replacing
+        logger.warning("%s", report.format())
+        return report
+
+    @property
+    def remeshes(self) -> list[RemeshReport]:
+        """Every shrink and grow done so far, with its timings (shared by the role groups)."""
+        return list(self._recovery.remeshes)
+
     def add_recovery_check(self, check: Any) -> None:
         """Run ``check()`` after every replacement (e.g. megatron's cross-check); it raises on a mismatch."""
         self._recovery.checks.append(check)
@@ -426,9 +503,23 @@ class RayWorkerGroup(WorkerGroup):
     def _call(
         self, binding: Any, args: Any, kwargs: Any, timeout: float | None = None, stall_warn_s: float | None = None
     ) -> Any:
-        return self._guarded(binding, lambda: super(RayWorkerGroup, self)._call(binding, args, kwargs, timeout, stall_warn_s))
+        def rerun() -> Any:  # after a shrink: the same call, planned for the new mesh
+            return super(RayWorkerGroup, self)._call(self._rebound(binding), args, kwargs, timeout, stall_warn_s)
 
-    def _guarded(self, binding: Any, run: Any) -> Any:
+        return self._guarded(binding, lambda: super(RayWorkerGroup, self)._call(binding, args, kwargs, timeout, stall_warn_s),
+                             rerun)
+
+    def _rebound(self, binding: Any) -> Any:
+        """``binding`` resolved again on the group's current method table (its mesh changed)."""
+        bound = self._table.methods.get(binding.name)
+        if bound is not None and (bound.binding.role, bound.binding.target) == (binding.role, binding.target):
+            return bound.binding
+        if isinstance(binding.entry, PerRank):
+            raise RecoveryError(f"{binding.name}: the group's mesh changed (a shrink) and this call names its ranks "
+                                "in the old numbering; call it again for the new mesh", [])
+        return self._table.resolve(binding.name, binding.method, binding.site.params)
+
+    def _guarded(self, binding: Any, run: Any, rerun: Any = None) -> Any:
         """Run one call (``run``) under the ``on_rank_death="replace"`` policy: replace, then retry once.
 
         Only a blocking call is retried (a non-blocking one raises from its future; the next
@@ -438,10 +529,10 @@ class RayWorkerGroup(WorkerGroup):
         group (``wg.replicas``) run their calls through here too.
         """
         rec = self._recovery
-        if rec.policy != "replace" or rec.replacing:
+        if rec.policy not in RETRYING or rec.replacing:
             return run()
         if self.executor.failed is not None:
-            self.replace_dead_ranks()
+            self._recover(None)
         start = time.monotonic()
         try:
             return run()
@@ -456,12 +547,45 @@ class RayWorkerGroup(WorkerGroup):
                     raise
                 self.executor.fail(WorkerDiedError(min(dead), binding.name, f"found dead after: {err.detail}", ranks=sorted(dead)))
             detected = time.monotonic() - start
-            logger.info("%s: %s; replacing the dead ranks and retrying once", binding.name, err)
-            report = replace_dead_ranks(self._hosts, self.executor, self.mesh, rec, DEFAULT_START_TIMEOUT)
+            logger.info("%s: %s; recovering (%s) and retrying once", binding.name, err, rec.policy)
+            report = self._recover(detected)
             if report is not None:  # a handled failure is one line: what died, what was done, how long
-                report.detected_s = detected
                 logger.warning("%s: %s; retrying the call once", binding.name, report.format())
+            if isinstance(report, RemeshReport):
+                if rerun is None:  # a replica view's call: its replicas were numbered for the old mesh
+                    raise RecoveryError(
+                        f"{binding.name}: the group shrank to {report.new_mesh} (dp replicas {report.lost_replicas} "
+                        "dropped), so the replica view this call was made on no longer exists; take a new view "
+                        "(wg.replica(i)) and call again", report.dead)
+                try:
+                    return rerun()
+                except PaddingError as exc:
+                    raise RecoveryError(
+                        f"{binding.name}: the group shrank to {report.new_mesh} after losing dp replicas "
+                        f"{report.lost_replicas} (dead ranks {report.dead}), and the retried call's batch does not "
+                        f"divide over the {report.new_mesh.size('dp')} replicas left ({exc}); pass a global batch "
+                        "divisible by every dp size the group may shrink to, or use on_rank_death='replace'",
+                        report.dead,
+                    ) from exc
         return run()
+
+    def _recover(self, detected: float | None) -> Any:
+        """Bring a group with dead ranks back to work by its policy: replace them, or shrink, or replace else shrink."""
+        rec = self._recovery
+        if rec.policy == "shrink":
+            report = self._shrink(DEFAULT_START_TIMEOUT, log=detected is None)
+        else:
+            def shrink_instead(dead: set[int]) -> RemeshReport:
+                return shrink_dead_replicas(self._hosts, self.executor, self.mesh, rec, dead, DEFAULT_START_TIMEOUT,
+                                            self.weight_versions, drained=True)
+
+            fallback = shrink_instead if rec.policy == "replace_or_shrink" else None
+            report = replace_dead_ranks(self._hosts, self.executor, self.mesh, rec, DEFAULT_START_TIMEOUT, fallback)
+            if report is not None and detected is None:  # no failed call to log it with
+                logger.warning("%s", report.format())
+        if report is not None:
+            report.detected_s = detected
+        return report
 
     # ----- lifetime --------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from rankmesh.mesh import RankMesh
 from rankmesh.sharedmem import register_store_processes
 from rankmesh.devices import unify_visible_devices
 from rankmesh.tracing.recorder import FETCH_MARK, KEEP_MAX, timed_call
-from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke
+from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke, move
 
 from .rejoin import exit_on_call, leave, rejoin, restore
 from .rendezvous import reserve_port
@@ -150,22 +150,24 @@ class WorkerHost:
         self._env_before = {k: os.environ.get(k) for k in setup.env}
         os.environ.update({k: str(v) for k, v in setup.env.items()})
         self._unify_devices()
-        node = ray.util.get_node_ip_address()
         for role, spec in setup.roles.items():
-            ctx = WorkerContext(
-                rank=setup.rank,
-                world_size=setup.world_size,
-                mesh=setup.mesh,
-                meshes=dict(setup.meshes),
-                local_rank=setup.local_rank,
-                local_world_size=setup.local_world_size,
-                node=node,
-                role=role,
-                objects=self._objects,
-            )
-            self._workers[role] = construct(spec.cls, ctx, tuple(spec.args), dict(spec.kwargs))
+            self._workers[role] = construct(spec.cls, self._context(setup, role), tuple(spec.args), dict(spec.kwargs))
         self._setup = setup
         return imported_ns, time.time_ns()
+
+    def _context(self, setup: HostSetup, role: str | None) -> WorkerContext:
+        """Where ``role``'s worker stands in the group, as ``setup`` says."""
+        return WorkerContext(
+            rank=setup.rank,
+            world_size=setup.world_size,
+            mesh=setup.mesh,
+            meshes=dict(setup.meshes),
+            local_rank=setup.local_rank,
+            local_world_size=setup.local_world_size,
+            node=ray.util.get_node_ip_address(),
+            role=role,
+            objects=self._objects,
+        )
 
     def _unify_devices(self) -> None:
         """CUDA_VISIBLE_DEVICES as the one visibility variable (see :mod:`rankmesh.devices`)."""
@@ -348,8 +350,17 @@ class WorkerHost:
         """A survivor: every role drops its process groups, then the default group is destroyed."""
         self._left_backend = leave(self._workers)
 
-    def rejoin_distributed(self, env: Mapping[str, str]) -> None:
-        """A survivor: take the new rendezvous variables, re-form the default group, rebuild the roles' groups."""
+    def rejoin_distributed(self, env: Mapping[str, str], setup: HostSetup | None = None) -> None:
+        """A survivor: take the new rendezvous variables, re-form the default group, rebuild the roles' groups.
+
+        ``setup``: the rank's new place when its group shrank or grew (:mod:`.remesh`): rank,
+        world size, mesh and environment change, the workers and their state stay.
+        """
+        if setup is not None:
+            os.environ.update(setup.env)
+            for role, worker in self._workers.items():
+                move(worker, self._context(setup, role))
+            self._setup, self._rank = setup, setup.rank
         os.environ.update(env)
         rejoin(self._workers, self._left_backend)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -46,7 +47,7 @@ from rankmesh.mesh import RankCoords, RankMesh
 
 from .executor import RayExecutor
 from .hosts import HostSet, start_host
-from .spares import refill_spares, take_spares
+from .spares import prune_dead_spares, refill_spares, take_spares
 from .waiting import PROCESS_DIED, Pending, fetch_outputs
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ logger = logging.getLogger(__name__)
 STUCK_GRACE_S = 5.0
 #: How long a liveness probe waits for an idle rank's answer when no death was recorded (seconds).
 PROBE_TIMEOUT = 5.0
+#: With ``on_rank_death="replace_or_shrink"``: how long a dead rank's bundle may take to be placed
+#: again (its node gone, Ray looking for room) before the group shrinks instead (seconds).
+PLACE_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -117,6 +121,19 @@ class Recovery:
     checks: list[Callable[[], Any]] = field(default_factory=list)
     reports: list[ReplacementReport] = field(default_factory=list)
     replacing: bool = False
+    #: Every shrink and grow done (:class:`.remesh.RemeshReport`).
+    remeshes: list[Any] = field(default_factory=list)
+    #: The role groups over these processes (weak references), re-planned when the mesh changes.
+    groups: list[weakref.ref] = field(default_factory=list)
+
+    def add_group(self, group: Any) -> None:
+        self.groups.append(weakref.ref(group))
+
+    def live_groups(self) -> list[Any]:
+        """The role groups still referenced somewhere (a dropped role group needs no re-planning)."""
+        alive = [g() for g in self.groups]
+        self.groups = [ref for ref, g in zip(self.groups, alive) if g is not None]
+        return [g for g in alive if g is not None]
 
 
 def shard_of(mesh: RankMesh, rank: int) -> RankCoords:
@@ -248,10 +265,12 @@ def start_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float) -> 
     return dict(zip(actors, info))
 
 
-def reform(hosts: HostSet, new: Sequence[int], survivors: Sequence[int], timeout: float) -> list[tuple[int, int]]:
+def reform(hosts: HostSet, new: Sequence[int], survivors: Sequence[int], timeout: float, moved: bool = False) -> list[tuple[int, int]]:
     """A fresh rendezvous for the whole world: new ranks build their workers, survivors rejoin.
 
-    Returns each new rank's (classes imported, workers built) times on its own clock (ns).
+    ``moved``: the survivors changed rank (a shrink or a grow, :mod:`.remesh`), so each also gets
+    its new setup (``hosts.setups``).  Returns each new rank's (classes imported, workers built)
+    times on its own clock (ns).
     """
     addr, port = fetch_outputs([Pending(hosts.actors[0].reserve_master_port.remote(True), 0, "reserve_master_port")], timeout)[0]
     hosts.master = (addr, port)
@@ -259,7 +278,8 @@ def reform(hosts: HostSet, new: Sequence[int], survivors: Sequence[int], timeout
     for rank, setup in enumerate(hosts.setups):
         hosts.setups[rank] = dataclasses.replace(setup, env={**setup.env, **env})
     pend = [Pending(hosts.actors[r].setup.remote(hosts.setups[r]), r, "setup (replacement)", hosts.nodes[r]) for r in new]
-    pend += [Pending(hosts.actors[r].rejoin_distributed.remote(env), r, "rejoin_distributed", hosts.nodes[r]) for r in survivors]
+    pend += [Pending(hosts.actors[r].rejoin_distributed.remote(env, hosts.setups[r] if moved else None), r,
+                     "rejoin_distributed", hosts.nodes[r]) for r in survivors]
     done = fetch_outputs(pend, timeout=timeout)
     return [tuple(d) for d in done[: len(new)]]
 
@@ -274,10 +294,25 @@ def restore(hosts: HostSet, peers: Mapping[int, int], timeout: float) -> None:
         fetch_outputs(pend, timeout=timeout)
 
 
+def bundles_placed(hosts: HostSet, ranks: Sequence[int], timeout: float) -> bool:
+    """Whether the bundles of ``ranks`` are placed (again) within ``timeout``: a new process can start there."""
+    deadline = time.monotonic() + timeout
+    for pg in {id(hosts.slots[r].pg): hosts.slots[r].pg for r in ranks}.values():
+        if not pg.wait(timeout_seconds=max(0.1, deadline - time.monotonic())):
+            return False
+    return True
+
+
 def replace_dead_ranks(
-    hosts: HostSet, executor: RayExecutor, mesh: RankMesh, recovery: Recovery, timeout: float
-) -> ReplacementReport | None:
-    """Replace every dead rank of the group in place (see the module docstring); ``None`` if none is dead."""
+    hosts: HostSet, executor: RayExecutor, mesh: RankMesh, recovery: Recovery, timeout: float,
+    shrink: Callable[[set[int]], Any] | None = None,
+) -> Any:
+    """Replace every dead rank of the group in place (see the module docstring); ``None`` if none is dead.
+
+    ``shrink`` (policy ``"replace_or_shrink"``): when neither a spare nor a placed bundle is there
+    for a dead rank within :data:`PLACE_TIMEOUT_S`, the drained group is handed to
+    ``shrink(dead)`` instead (:func:`.remesh.shrink_dead_replicas`), whose report is returned.
+    """
     if hosts.closed:
         raise RecoveryError("cannot replace dead ranks: the group has been shut down")
     failed = executor.failed
@@ -286,7 +321,7 @@ def replace_dead_ranks(
     if executor.on_rank_death == "fail" and failed is not None:
         raise RecoveryError(
             "cannot replace dead ranks: the group was created with on_rank_death='fail', so its survivors were "
-            "stopped; create it with on_rank_death='keep' or 'replace'",
+            "stopped; create it with on_rank_death='keep', 'replace', 'shrink' or 'replace_or_shrink'",
             sorted(executor.dead),
         )
     t0 = time.monotonic()
@@ -310,6 +345,12 @@ def replace_dead_ranks(
             old_ids = {r: hosts.info[r].get("node_id") for r in dead}
             t1 = time.monotonic()
             report.drain_s = t1 - t0
+            prune_dead_spares(hosts)
+            unspared = report.ranks[len(hosts.spares):]
+            if shrink is not None and unspared and not bundles_placed(hosts, unspared, PLACE_TIMEOUT_S):
+                logger.warning("no process can be had for ranks %s (no spare, their bundles are not placed within %gs): "
+                               "shrinking the group instead", unspared, PLACE_TIMEOUT_S)
+                return shrink(dead)
             info = take_spares(hosts, report.ranks, timeout)
             report.from_spares = sorted(info)
             report.spare_paid = {r: (i["spare_start_s"], i["spare_import_s"]) for r, i in info.items()}

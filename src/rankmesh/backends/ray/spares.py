@@ -70,15 +70,42 @@ def start_spare(hosts: HostSet, slot: Slot) -> Spare:
 
 
 def refill_spares(hosts: HostSet) -> list[Spare]:
-    """A new spare in every standby bundle that has none (after the group starts, after a replacement)."""
-    if hosts.closed or not hosts.setups:
+    """Spares up to the pool's ``spares`` count, in bundles the group holds without a rank (after the
+    group starts, after a replacement or a grow); the other free bundles (a shrink's) stay free."""
+    if hosts.closed or not hosts.setups or hosts.pool is None:
         return []
-    new = [start_spare(hosts, slot) for slot in hosts.free_slots]
-    hosts.free_slots.clear()
+    room = max(0, hosts.pool.spares - len(hosts.spares))
+    slots, hosts.free_slots = hosts.free_slots[:room], hosts.free_slots[room:]
+    new = [start_spare(hosts, slot) for slot in slots]
     hosts.spares.extend(new)
     if new:
         logger.info("worker group %s: %d spare process(es) starting", hosts.name_prefix, len(new))
     return new
+
+
+def prune_dead_spares(hosts: HostSet, timeout: float = 1.0) -> list[Spare]:
+    """Drop the spares whose process is gone (their node died with the rank, say); returns them.
+
+    One ping to each spare at once; a spare still importing answers late and counts as alive.
+    Their bundles become free again (a bundle on a dead node is re-placed by Ray when it can be).
+    """
+    if not hosts.spares:
+        return []
+    refs = {spare.actor.ping.remote(): spare for spare in hosts.spares}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout, fetch_local=False)
+    gone = []
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except rex.RayError:
+            gone.append(refs[ref])
+    for spare in gone:
+        hosts.spares.remove(spare)
+        hosts.free_slots.append(spare.slot)
+    if gone:
+        logger.warning("worker group %s: %d spare process(es) died (on %s)", hosts.name_prefix, len(gone),
+                       sorted({s.slot.node_ip for s in gone}))
+    return gone
 
 
 def spare_order(spares: Sequence[Spare], node_id: str | None, warm: Collection[Any]) -> list[Spare]:

@@ -1,0 +1,324 @@
+"""Changing a group's dp size in place: drop the replicas of dead ranks (shrink), add new ones (grow).
+
+Why: a dead rank is replaced in place (:mod:`.recovery`) when a process can be had for it.  When
+none can (its node is gone, no other node has room, no spare is left), a data-parallel job can
+still go on with one replica fewer, and take it back when capacity returns: every dp replica is
+a whole copy of the model, so dropping one loses no state, and a new one copies its state from a
+live replica.  Both keep every surviving process and everything in it; what changes is where
+each process stands: its rank, the world size, the mesh (``dp`` - lost or + added), its
+torch.distributed world and megatron's parallel_state.
+
+Which rank a process gets is the replica arithmetic of :func:`rankmesh.replicas.select_replicas`:
+the kept replicas of the old mesh, in order, are the new mesh's replicas ``0..dp'-1`` (shrink);
+the old replicas are the new mesh's first ones and the added replicas come after them (grow).
+Expert parallelism (``ep > 1``) is refused: its groups span the dense replicas.
+
+Shrink (:func:`shrink_dead_replicas`; the survivors have drained, as for a replacement):
+
+1. **plan** the lost replicas (every dead rank's dp coordinate) and the new mesh; refused with
+   :class:`~rankmesh.errors.ShardLostError` when no replica would be left (``dp = 1``, or every
+   replica lost a rank), naming the shard and the way out (a checkpoint);
+2. **stop** the lost replicas' live ranks; their bundles stay the group's (``HostSet.free_slots``)
+   for a later grow or spare;
+3. **re-form**: the new rank 0 reserves a fresh MASTER_PORT; every kept process gets its new
+   setup (rank, world size, mesh, RANK/WORLD_SIZE), its workers move there
+   (:func:`rankmesh.worker.move`) and it rejoins (a MegatronWorker rebuilds parallel_state for
+   the new mesh);
+4. **re-plan** the controller's side (the executor and every role group) and run the checks
+   (megatron: parallel_state cross-checked against the new mesh).
+
+Grow (:func:`grow`): processes first (warm spares, then bundles the group holds without a rank,
+then a new STRICT_PACK placement group per replica on any node with room), so that a grow that
+cannot get them fails before touching the group; then every rank leaves torch.distributed, the
+new processes build their workers and the old ones move and rejoin, each new rank restores from
+the live rank holding its shard (:meth:`rankmesh.worker.Worker.restore_from_peer`), and the
+checks run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import ray
+from ray.util.placement_group import placement_group
+
+from rankmesh.errors import RecoveryError, ShardLostError
+from rankmesh.mesh import RankMesh
+from rankmesh.replicas import select_replicas
+
+from .executor import RayExecutor
+from .hosts import HostSet, start_host
+from .pool import Slot
+from .recovery import Recovery, drain, reform, restore, shard_of
+from .spares import refill_spares, spare_order
+from .waiting import Pending, fetch_outputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Remesh:
+    """Where every process of a group goes when its dp size changes.
+
+    ``moves``: old rank -> new rank of every kept process; ``dropped``: old ranks not kept (the
+    lost replicas); ``added``: new ranks without a process yet (the added replicas).
+    """
+
+    old: RankMesh
+    new: RankMesh
+    moves: dict[int, int]
+    dropped: tuple[int, ...] = ()
+    added: tuple[int, ...] = ()
+    lost_replicas: tuple[int, ...] = ()
+
+
+def shrink_plan(mesh: RankMesh, dead: Sequence[int]) -> Remesh:
+    """The group without the dp replicas of ``dead`` ranks; :class:`ShardLostError` if none is left."""
+    lost = sorted({mesh.rank_coords(r).dp for r in dead})
+    kept = [d for d in range(mesh.size("dp")) if d not in lost]
+    if not kept:
+        shards = {r: mesh.rank_coords(r) for r in sorted(dead)}
+        named = ", ".join(c.rank_text(r) for r, c in shards.items())
+        why = "dp = 1" if mesh.size("dp") == 1 else f"every one of the {mesh.size('dp')} dp replicas lost a rank"
+        raise ShardLostError(
+            f"cannot shrink the group: no dp replica is left without a dead rank ({why}; dead: {named}), so no live "
+            "copy of the model remains; restart the group from a checkpoint (e.g. MegatronWorker.load_checkpoint)",
+            ranks=sorted(dead),
+            shards=shards,
+        )
+    selection = select_replicas(mesh, kept, "shrink")
+    moves = {old: new for new, old in enumerate(selection.ranks)}
+    dropped = tuple(r for r in range(mesh.world_size) if r not in moves)
+    return Remesh(mesh, selection.mesh, moves, dropped=dropped, lost_replicas=tuple(lost))
+
+
+def grow_plan(mesh: RankMesh, replicas: int) -> Remesh:
+    """The group with ``replicas`` more dp replicas, after the old ones."""
+    sizes = mesh.sizes
+    new = RankMesh(tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"], dp=sizes["dp"] + replicas, order=mesh.order)
+    selection = select_replicas(new, range(sizes["dp"]), "grow")  # view rank s is old rank s
+    moves = dict(enumerate(selection.ranks))
+    added = tuple(r for r in range(new.world_size) if r not in set(moves.values()))
+    return Remesh(mesh, new, moves, added=added)
+
+
+@dataclass
+class RemeshReport:
+    """What one shrink or grow did, and how long its steps took (seconds, controller clock)."""
+
+    kind: str  # "shrink" or "grow"
+    old_mesh: RankMesh
+    new_mesh: RankMesh
+    lost_replicas: list[int] = field(default_factory=list)  # shrink: the replicas dropped
+    dead: list[int] = field(default_factory=list)  # shrink: the dead ranks (old numbering)
+    added: list[int] = field(default_factory=list)  # grow: the new ranks
+    from_spares: list[int] = field(default_factory=list)  # grow: new ranks whose process was a warm spare
+    peers: dict[int, int] = field(default_factory=dict)  # grow: new rank -> the live rank it restored from
+    detected_s: float | None = None
+    drain_s: float = 0.0
+    start_s: float = 0.0  # grow: processes had (spares taken, new ones started)
+    reform_s: float = 0.0
+    restore_s: float = 0.0
+    check_s: float = 0.0
+    total_s: float = 0.0
+
+    def format(self) -> str:
+        detected = "" if self.detected_s is None else f"detected in {self.detected_s:.2f}s; "
+        if self.kind == "shrink":
+            what = f"dropped dp replicas {self.lost_replicas} (dead ranks {self.dead})"
+            steps = f"drain {self.drain_s:.2f} + re-form {self.reform_s:.2f} + re-check {self.check_s:.2f}"
+        else:
+            spares = f", {len(self.from_spares)} from warm spares" if self.from_spares else ""
+            what = f"added ranks {self.added}{spares}, restored from ranks {sorted(set(self.peers.values()))}"
+            steps = (f"processes {self.start_s:.2f} + drain {self.drain_s:.2f} + re-form {self.reform_s:.2f} + "
+                     f"restore {self.restore_s:.2f} + re-check {self.check_s:.2f}")
+        return f"{self.kind} {self.old_mesh} -> {self.new_mesh}: {what}; {detected}done in {self.total_s:.2f}s = {steps}"
+
+
+def _move_hosts(hosts: HostSet, plan: Remesh, new_actors: dict[int, Any], new_info: dict[int, dict], new_slots: dict[int, Slot]) -> None:
+    """Put the processes in their new rank order, with setups for the new mesh (MASTER set by :func:`reform`)."""
+    world = plan.new.world_size
+    old = (list(hosts.actors), list(hosts.info), list(hosts.slots), list(hosts.setups), list(hosts.names))
+    actors, info, slots, setups, names = ([None] * world for _ in range(5))
+    template = old[3][0]
+    for src, dst in plan.moves.items():
+        actors[dst], info[dst], slots[dst], setups[dst], names[dst] = (old[0][src], old[1][src], old[2][src], old[3][src],
+                                                                       old[4][src])
+    for dst in plan.added:
+        actors[dst], info[dst], slots[dst] = new_actors[dst], new_info[dst], new_slots[dst]
+        setups[dst], names[dst] = template, f"{hosts.name_prefix}_{dst}"
+    for rank in range(world):
+        env = {**setups[rank].env, "RANK": str(rank), "WORLD_SIZE": str(world)}
+        setups[rank] = dataclasses.replace(setups[rank], rank=rank, world_size=world, mesh=plan.new, meshes={}, env=env)
+        info[rank] = {**info[rank], "rank": rank}
+    hosts.actors, hosts.info, hosts.slots, hosts.setups, hosts.names = actors, info, slots, setups, names
+
+
+def _finish(hosts: HostSet, executor: RayExecutor, recovery: Recovery, plan: Remesh, versions: Sequence[int]) -> None:
+    """The controller's side after the processes re-formed: executor and every role group re-planned."""
+    executor.reshape([plan.new.rank_coords(r) for r in range(plan.new.world_size)])
+    for group in recovery.live_groups():
+        group._reshape(plan.new, versions)
+
+
+def _run_checks(recovery: Recovery, executor: RayExecutor, ranks: Sequence[int]) -> None:
+    for check in recovery.checks:
+        try:
+            check()
+        except BaseException as exc:
+            executor.abandon(RecoveryError(f"the re-meshed group failed its check: {exc}", list(ranks)))
+            raise
+
+
+def shrink_dead_replicas(
+    hosts: HostSet, executor: RayExecutor, mesh: RankMesh, recovery: Recovery, dead: set[int], timeout: float,
+    versions: Sequence[int], drained: bool = False,
+) -> RemeshReport:
+    """Drop the dp replicas of the ``dead`` ranks and go on with the others (module docstring, "Shrink").
+
+    ``drained``: the survivors already left torch.distributed (the replacement path drained them
+    before finding that no process could be had).  On a failure the group is failed for good.
+    """
+    t0 = time.monotonic()
+    plan = shrink_plan(mesh, sorted(dead))
+    report = RemeshReport("shrink", mesh, plan.new, list(plan.lost_replicas), sorted(dead))
+    try:
+        survivors = [r for r in range(mesh.world_size) if r not in dead]
+        if not drained:
+            more, _ = drain(hosts, survivors, dead, mesh, timeout)
+            if more - set(plan.dropped):
+                # Died while the others drained, in a kept replica: that replica goes too.
+                dead |= more
+                plan = shrink_plan(mesh, sorted(dead))
+                report = RemeshReport("shrink", mesh, plan.new, list(plan.lost_replicas), sorted(dead))
+        t1 = time.monotonic()
+        report.drain_s = t1 - t0
+        for rank in plan.dropped:  # the dead and the lost replicas' live ranks
+            ray.kill(hosts.actors[rank], no_restart=True)
+            hosts.free_slots.append(hosts.slots[rank])
+        _move_hosts(hosts, plan, {}, {}, {})
+        reform(hosts, [], list(range(plan.new.world_size)), timeout, moved=True)
+        t2 = time.monotonic()
+        report.reform_s = t2 - t1
+        kept_versions = [v for d, v in enumerate(versions) if d not in plan.lost_replicas]
+        _finish(hosts, executor, recovery, plan, kept_versions)
+    except Exception as exc:
+        err = exc if isinstance(exc, RecoveryError) else RecoveryError(f"shrinking the group after the death of ranks "
+                                                                        f"{sorted(dead)} failed: {exc}", sorted(dead))
+        executor.abandon(err)
+        if err is exc:
+            raise
+        raise err from exc
+    _run_checks(recovery, executor, list(range(plan.new.world_size)))
+    report.check_s = time.monotonic() - t2
+    report.total_s = time.monotonic() - t0
+    recovery.remeshes.append(report)
+    return report
+
+
+def _processes_for(hosts: HostSet, plan: Remesh, timeout: float) -> tuple[dict[int, Any], dict[int, dict], dict[int, Slot], list[int]]:
+    """A process for every added rank: warm spares, then the group's free bundles, then new placement groups.
+
+    Returns (actors, node infos, bundles, ranks that got a spare).  Nothing of the group is
+    touched; on failure what was started here is stopped and spares go back.
+    """
+    added = list(plan.added)
+    actors: dict[int, Any] = {}
+    slots: dict[int, Slot] = {}
+    spared: list[int] = []
+    warm_refs: dict[int, Any] = {}
+    taken_spares = []
+    try:
+        ready, _ = ray.wait([s.warm for s in hosts.spares], num_returns=len(hosts.spares), timeout=0, fetch_local=False)
+        for spare in spare_order(hosts.spares, None, set(ready))[: len(added)]:
+            rank = added[len(actors)]
+            hosts.spares.remove(spare)
+            taken_spares.append(spare)
+            actors[rank], slots[rank], warm_refs[rank] = spare.actor, spare.slot, spare.warm
+            spared.append(rank)
+        left = [r for r in added if r not in actors]
+        free = [hosts.free_slots.pop(0) for _ in range(min(len(left), len(hosts.free_slots)))]
+        per_replica = plan.new.world_size // plan.new.size("dp")
+        need = len(left) - len(free)
+        if need > 0:
+            if need % per_replica:
+                raise RecoveryError(f"grow: {need} process(es) short, not whole replicas of {per_replica}")
+            pool = hosts.pool
+            deadline = time.monotonic() + timeout
+            for _ in range(need // per_replica):
+                pg = placement_group([dict(pool.bundle) for _ in range(per_replica)], strategy="STRICT_PACK",
+                                     name=f"{hosts.name_prefix}_grow{len(hosts.pg_ids)}")
+                hosts.pg_ids.append(pg.id.hex())  # removed with the group
+                if not pg.wait(timeout_seconds=max(0.1, deadline - time.monotonic())):
+                    raise RecoveryError(
+                        f"grow: no node has room for a replica of {per_replica} x {pool.bundle} within {timeout:g} s; "
+                        "free resources (or add a node), or keep spares (RayResourcePool(..., spares=N))")
+                node = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
+                free += [Slot(pg=pg, entry=-1, bundle_index=b, node_id=node, node_ip="") for b in range(per_replica)]
+        for rank, slot in zip(left, free):
+            actors[rank] = start_host(hosts.pool, slot, None, hosts.name_prefix, False, hosts.options)
+            slots[rank] = slot
+        pend = [Pending(warm_refs[r], r, "spare") if r in warm_refs else Pending(actors[r].node_info.remote(), r, "start")
+                for r in added]
+        info = dict(zip(added, fetch_outputs(pend, timeout=timeout)))
+    except BaseException:
+        for rank, actor in actors.items():
+            if rank not in spared:
+                ray.kill(actor, no_restart=True)
+        hosts.spares.extend(taken_spares)
+        hosts.free_slots.extend(s for r, s in slots.items() if r not in spared)
+        raise
+    return actors, info, slots, spared
+
+
+def grow(
+    hosts: HostSet, executor: RayExecutor, mesh: RankMesh, recovery: Recovery, replicas: int, timeout: float,
+    versions: Sequence[int],
+) -> RemeshReport:
+    """Add ``replicas`` dp replicas (module docstring, "Grow"); state comes from the live replicas."""
+    if hosts.pool is None:
+        raise RecoveryError("cannot grow a group attached with from_detached (it has no pool)")
+    if executor.failed is not None:
+        raise RecoveryError(f"cannot grow the group: it has failed ({executor.failed}); replace or shrink first")
+    t0 = time.monotonic()
+    plan = grow_plan(mesh, replicas)
+    report = RemeshReport("grow", mesh, plan.new, added=list(plan.added))
+    actors, info, slots, spared = _processes_for(hosts, plan, timeout)
+    report.from_spares = sorted(spared)
+    t1 = time.monotonic()
+    report.start_s = t1 - t0
+    try:
+        drain(hosts, list(range(mesh.world_size)), set(), mesh, timeout)
+        t2 = time.monotonic()
+        report.drain_s = t2 - t1
+        old_actors = {old: hosts.actors[old] for old in plan.moves}
+        _move_hosts(hosts, plan, actors, info, slots)
+        moved = [plan.moves[old] for old in old_actors]
+        reform(hosts, list(plan.added), moved, timeout, moved=True)
+        t3 = time.monotonic()
+        report.reform_s = t3 - t2
+        # Each new rank restores from the live rank holding its shard (the lowest; old ranks only).
+        report.peers = {r: min(p for p in moved if shard_of(plan.new, p) == shard_of(plan.new, r)) for r in plan.added}
+        restore(hosts, report.peers, timeout)
+        t4 = time.monotonic()
+        report.restore_s = t4 - t3
+        # A new replica's weights are its peers': so is its version.
+        copied = {plan.new.rank_coords(r).dp: versions[plan.new.rank_coords(p).dp] for r, p in report.peers.items()}
+        new_versions = [versions[d] if d < len(versions) else copied[d] for d in range(plan.new.size("dp"))]
+        _finish(hosts, executor, recovery, plan, new_versions)
+    except Exception as exc:
+        err = exc if isinstance(exc, RecoveryError) else RecoveryError(f"growing the group by {replicas} replica(s) failed: {exc}")
+        executor.abandon(err)
+        if err is exc:
+            raise
+        raise err from exc
+    _run_checks(recovery, executor, list(plan.added))
+    report.check_s = time.monotonic() - t4
+    report.total_s = time.monotonic() - t0
+    recovery.remeshes.append(report)
+    refill_spares(hosts)
+    return report
