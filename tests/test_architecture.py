@@ -46,7 +46,7 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     # Import nothing from the package at all (checked separately, see FOUNDATION).
     "foundation": (0, ("rankmesh.errors", "rankmesh.validate", "rankmesh.lazy")),
     "mesh": (1, ("rankmesh.mesh",)),
-    "serialization": (1, ("rankmesh.serialization", "rankmesh.sharedmem", "rankmesh.peermem")),
+    "serialization": (1, ("rankmesh.serialization", "rankmesh.sharedmem", "rankmesh.peermem", "rankmesh.ring")),
     "placement": (2, ("rankmesh.placement",)),
     "reshard planner": (2, ("rankmesh.reshard",)),
     "data": (2, ("rankmesh.data",)),

@@ -275,6 +275,25 @@ class PeerReadError(RankMeshError, OSError):
         return self.errno in (errno.EPERM, errno.EACCES, errno.ENOSYS, errno.ESRCH)
 
 
+class RingError(RankMeshError, RuntimeError):
+    """A shared-memory command ring (:mod:`rankmesh.ring`) cannot be used: bad sizes, aborted, wrong party."""
+
+
+class RingTimeout(RingError, TimeoutError):
+    """A ring party waited past its deadline (for a message, or for a free slot)."""
+
+
+class RingPeerDied(RingError):
+    """A ring party's peer process exited while it waited; ``pid`` names the peer."""
+
+    def __init__(self, message: str, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.pid))
+
+
 class RecoveryError(BackendError):
     """Dead ranks could not be replaced (a survivor stayed blocked, a new process failed to start).
 

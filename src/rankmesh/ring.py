@@ -1,0 +1,278 @@
+"""A fixed-size shared-memory command ring: one writer, N readers on one machine, eventfd doorbells, no hang on a dead peer.
+
+Why: a group call sent as one Ray task per rank costs the controller ~0.2 ms of CPU per rank
+(docs/performance.md), so an 8-rank no-op takes 2.7-4.8 ms here and grows with ranks.  A
+persistent channel per node lets one write reach every local rank: the writer (a node agent, or
+the controller for its own node) puts one message, and each reader (a rank's host process)
+takes it from the same pages.  This module is that channel alone, with no Ray and no rankmesh
+call format in it (the design notes: ``../shared/notes/low_latency_paths.md``, section 4).
+
+**Layout.** One memfd, mapped by every party: a header (magic, sizes, the abort flag), then
+``slots`` slots, each a sequence number, a length, one "read" flag per reader and
+``slot_bytes`` of payload.  Message ``k`` (0-based) goes to slot ``k % slots``.
+
+**Protocol** (vLLM's ``shm_broadcast``).  The writer waits until every reader has read what the
+slot held (all its flags set), clears the flags, writes length and payload, and publishes the
+slot's sequence number ``k + 1`` last.  Reader ``r`` waits for its next message's sequence number
+to appear, copies the payload out, and sets its flag.  x86 keeps stores in order (TSO), so a
+reader that sees the sequence number sees the payload; a weakly ordered CPU (ARM) would need a
+fence between the two stores, which pure Python cannot issue: :func:`check_platform` refuses
+such machines rather than risk a torn read.
+
+**Waiting.**  Every wait spins for at most ``spin_s`` (0 by default when there are more readers
+than cores: 8 ranks share 2 cores here, and a spinning reader starves the one that should run),
+then blocks in ``select`` on the party's eventfd doorbell and the peers' pidfds.  The writer
+rings each reader's doorbell after publishing; a reader rings the writer's after setting a flag
+on a full ring.  Every wait has a deadline (:class:`~rankmesh.errors.RingTimeout`); a peer that
+exits (its pidfd becomes readable) raises :class:`~rankmesh.errors.RingPeerDied` naming it at
+once, and :meth:`Ring.abort` by any party makes every waiter raise.  Idle, a reader blocks in the
+kernel: no CPU.
+
+**Cleanup.**  The memfd and eventfds are anonymous: the kernel frees them when the last fd or
+mapping closes, so nothing is left in ``/dev/shm``, even after a SIGKILL.
+
+**Sharing.**  Processes not forked from the writer (Ray actors) receive the fds over a Unix
+socket (:func:`send_ring` / :func:`receive_ring`, SCM_RIGHTS), with the ring's sizes and the
+writer's pid.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import platform
+import select
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from rankmesh.errors import RingError, RingPeerDied, RingTimeout
+
+MAGIC = 0x524D5247  # "RMRG"
+HEADER = struct.Struct("<IIIII")  # magic, readers, slots, slot_bytes, aborted
+SEQ_LEN = struct.Struct("<QQ")  # a slot's sequence number (k + 1 once message k is in) and payload length
+HEADER_BYTES = 64
+MAX_READERS = 64
+#: Longest a blocked wait sleeps before it looks at the abort flag again (seconds).
+POLL_SLICE_S = 0.05
+
+
+def check_platform() -> None:
+    """Refuse CPUs whose stores may be seen out of order without a fence (see the module docstring)."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64", "i686", "i386"):
+        raise RingError(f"the shared-memory ring needs x86's store ordering; this is {machine}: use the Ray path")
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """A ring's sizes: ``readers`` parties read every message; ``slots`` messages may be in flight."""
+
+    readers: int
+    slots: int = 8
+    slot_bytes: int = 64 << 10
+
+    def __post_init__(self) -> None:
+        for name, value, top in (("readers", self.readers, MAX_READERS), ("slots", self.slots, 1 << 16),
+                                 ("slot_bytes", self.slot_bytes, 1 << 30)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                raise RingError(f"RingSpec.{name} must be an integer from 1 to {top}, got {value!r}")
+
+    @property
+    def slot_stride(self) -> int:
+        return SEQ_LEN.size + MAX_READERS + self.slot_bytes
+
+    @property
+    def size(self) -> int:
+        return HEADER_BYTES + self.slots * self.slot_stride
+
+
+class Ring:
+    """One party's end of a ring: the writer (``reader is None``) or reader ``reader``.
+
+    Made by :meth:`create` (the writer, which owns the fds) or :meth:`attach` (any party, from the
+    fds).  ``peers`` are the pids whose exit ends every wait with :class:`RingPeerDied`: the
+    writer's, for a reader; the readers', for the writer (:meth:`watch`).
+    """
+
+    def __init__(self, spec: RingSpec, memfd: int, doorbells: Sequence[int], reader: int | None, spin_s: float | None) -> None:
+        check_platform()
+        self.spec = spec
+        self.reader = reader
+        self._fds = [memfd, *doorbells]  # doorbells[0]: the writer's; doorbells[1 + r]: reader r's
+        self._mm = mmap.mmap(memfd, spec.size)
+        self._bell = doorbells[0] if reader is None else doorbells[1 + reader]
+        self._reader_bells = list(doorbells[1:])
+        self._writer_bell = doorbells[0]
+        self._next = 0  # the next message this party writes or reads
+        self._peers: dict[int, int] = {}  # pidfd -> pid
+        cores = os.cpu_count() or 1
+        self.spin_s = (20e-6 if spec.readers < cores else 0.0) if spin_s is None else spin_s
+        self._all_read = b"\x01" * spec.readers
+
+    # ----- making and sharing ---------------------------------------------------------------
+
+    @classmethod
+    def create(cls, spec: RingSpec, spin_s: float | None = None) -> "Ring":
+        """A new ring, this process its writer."""
+        memfd = os.memfd_create("rankmesh-ring", os.MFD_CLOEXEC)
+        os.ftruncate(memfd, spec.size)
+        bells = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(spec.readers + 1)]
+        ring = cls(spec, memfd, bells, None, spin_s)
+        HEADER.pack_into(ring._mm, 0, MAGIC, spec.readers, spec.slots, spec.slot_bytes, 0)
+        for slot in range(spec.slots):  # an empty slot counts as read by everyone
+            ring._mm[ring._flags(slot)] = ring._all_read
+        return ring
+
+    @classmethod
+    def attach(cls, fds: Sequence[int], reader: int, spin_s: float | None = None) -> "Ring":
+        """Reader ``reader``'s end, from the fds :meth:`fds` lists (this process owns them from now on)."""
+        memfd = fds[0]
+        head = mmap.mmap(memfd, HEADER_BYTES)
+        magic, readers, slots, slot_bytes, _ = HEADER.unpack_from(head, 0)
+        head.close()
+        if magic != MAGIC:
+            raise RingError(f"fd {memfd} is not a rankmesh ring (magic {magic:#x})")
+        spec = RingSpec(readers, slots, slot_bytes)
+        if not 0 <= reader < readers or len(fds) != readers + 2:
+            raise RingError(f"cannot attach as reader {reader} of a ring with {readers} readers from {len(fds)} fds")
+        return cls(spec, memfd, fds[1:], reader, spin_s)
+
+    def fds(self) -> list[int]:
+        """The memfd, then the writer's doorbell, then every reader's: what a reader attaches with."""
+        return list(self._fds)
+
+    def watch(self, pids: Sequence[int]) -> None:
+        """End every wait of this party with :class:`RingPeerDied` when one of ``pids`` exits."""
+        for pid in pids:
+            try:
+                self._peers[os.pidfd_open(pid)] = pid
+            except ProcessLookupError:
+                raise RingPeerDied(f"ring peer pid {pid} is gone already", pid) from None
+
+    # ----- writing and reading --------------------------------------------------------------
+
+    def write(self, payload: bytes | memoryview, timeout: float | None = None) -> int:
+        """Put one message every reader will read; returns its number.  Waits while the ring is full."""
+        if self.reader is not None:
+            raise RingError(f"reader {self.reader} cannot write to the ring")
+        self._check_alive()
+        size = len(payload)
+        if size > self.spec.slot_bytes:
+            raise RingError(f"a message of {size} bytes does not fit a slot of {self.spec.slot_bytes}: send it out of "
+                            "band (the object store) and put a reference in the ring")
+        slot = self._next % self.spec.slots
+        flags = self._flags(slot)
+        self._wait(lambda: self._mm[flags] == self._all_read, timeout, "a free slot (every reader done with it)")
+        base = self._slot(slot)
+        self._mm[flags] = bytes(self.spec.readers)
+        body = base + SEQ_LEN.size + MAX_READERS
+        self._mm[body:body + size] = payload
+        struct.pack_into("<Q", self._mm, base + 8, size)
+        struct.pack_into("<Q", self._mm, base, self._next + 1)  # published last
+        for bell in self._reader_bells:
+            os.eventfd_write(bell, 1)
+        self._next += 1
+        return self._next - 1
+
+    def read(self, timeout: float | None = None) -> bytes:
+        """The next message (a copy), waiting for it."""
+        if self.reader is None:
+            raise RingError("the writer cannot read its own ring")
+        self._check_alive()
+        slot = self._next % self.spec.slots
+        base = self._slot(slot)
+        want = self._next + 1
+        self._wait(lambda: struct.unpack_from("<Q", self._mm, base)[0] == want, timeout, f"message {self._next}")
+        size = struct.unpack_from("<Q", self._mm, base + 8)[0]
+        body = base + SEQ_LEN.size + MAX_READERS
+        out = self._mm[body:body + size]
+        self._mm[self._flags(slot).start + self.reader] = 1
+        os.eventfd_write(self._writer_bell, 1)  # the writer may be waiting for this slot
+        self._next += 1
+        return out
+
+    def abort(self) -> None:
+        """Make every party's waits raise :class:`RingError` (a party gives up; the ring is dead)."""
+        struct.pack_into("<I", self._mm, 16, 1)
+        for bell in [self._writer_bell, *self._reader_bells]:
+            os.eventfd_write(bell, 1)
+
+    @property
+    def aborted(self) -> bool:
+        return struct.unpack_from("<I", self._mm, 16)[0] != 0
+
+    def close(self) -> None:
+        """Unmap and close this party's fds (the kernel frees the ring with the last one)."""
+        self._mm.close()
+        for fd in [*self._fds, *self._peers]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds, self._peers = [], {}
+
+    # ----- internals ------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.aborted:
+            raise RingError("the ring was aborted by one of its parties; open a new one")
+
+    def _slot(self, slot: int) -> int:
+        return HEADER_BYTES + slot * self.spec.slot_stride
+
+    def _flags(self, slot: int) -> slice:
+        start = self._slot(slot) + SEQ_LEN.size
+        return slice(start, start + self.spec.readers)
+
+    def _wait(self, ready, timeout: float | None, what: str) -> None:
+        """Until ``ready()``: spin up to ``spin_s``, then block on the doorbell and the peers' pidfds."""
+        if ready():
+            return
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        spin_end = time.perf_counter() + self.spin_s
+        while time.perf_counter() < spin_end:
+            os.sched_yield()
+            if ready():
+                return
+        watched = [self._bell, *self._peers]
+        while True:
+            if self.aborted:
+                raise RingError(f"the ring was aborted while this party waited for {what}")
+            left = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                party = "writer" if self.reader is None else f"reader {self.reader}"
+                raise RingTimeout(f"ring {party}: no {what} within {timeout:g} s")
+            readable, _, _ = select.select(watched, [], [], left)
+            for fd in readable:
+                if fd in self._peers:
+                    pid = self._peers[fd]
+                    raise RingPeerDied(f"ring peer pid {pid} exited while this party waited for {what}", pid)
+                try:
+                    os.eventfd_read(fd)
+                except BlockingIOError:
+                    pass
+            if ready():
+                return
+
+
+def send_ring(conn: socket.socket, ring: Ring) -> None:
+    """Hand ``ring``'s fds and the writer's pid to the process at the other end of Unix socket ``conn``."""
+    meta = json.dumps({"pid": os.getpid()}).encode()
+    socket.send_fds(conn, [struct.pack("<I", len(meta)) + meta], ring.fds())
+
+
+def receive_ring(conn: socket.socket, reader: int, spin_s: float | None = None) -> Ring:
+    """Reader ``reader``'s end of the ring :func:`send_ring` sent; it watches the writer's pid."""
+    data, fds, _, _ = socket.recv_fds(conn, 4096, MAX_READERS + 2)
+    if len(data) < 4:
+        raise RingError("the ring's sender closed the socket before sending it")
+    (size,) = struct.unpack_from("<I", data, 0)
+    meta = json.loads(data[4:4 + size])
+    ring = Ring.attach(fds, reader, spin_s)
+    ring.watch([int(meta["pid"])])
+    return ring
