@@ -53,6 +53,11 @@ class StateWorker(Worker):
         """The rows this rank got, each tagged with the rank."""
         return DataProto.from_dict({"x": data.batch["x"], "rank": torch.full((len(data),), self.rank)})
 
+    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def tag_rows_later(self, data: DataProto) -> DataProto:
+        """:meth:`tag_rows` as a non-blocking call."""
+        return self.tag_rows(data)
+
     @register(Dispatch.ONE_TO_ALL)
     def world_sum(self, values: list[float]) -> float:
         """All-reduce (sum) of ``values[rank] * scale`` over the whole world."""

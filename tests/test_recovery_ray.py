@@ -281,5 +281,12 @@ def test_after_a_shrink_the_global_batch_is_split_over_the_replicas_left(ray_ses
         out = wg.tag_rows(DataProto.from_dict({"x": torch.arange(4.0)}))
         # Every row once, in order, 2 per replica: nothing lost with the dead replica.
         assert out.batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0] and out.batch["rank"].tolist() == [0, 0, 1, 1]
+        # A death in a non-blocking call fails its future; the next call shrinks first (dp 2 -> 1), then runs.
+        exit_on_next_call(wg, 1, "tag_rows_later")
+        with pytest.raises(WorkerDiedError):
+            wg.tag_rows_later(DataProto.from_dict({"x": torch.arange(4.0)})).get()
+        out = wg.tag_rows(DataProto.from_dict({"x": torch.arange(4.0)}))
+        assert out.batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0] and out.batch["rank"].tolist() == [0] * 4
+        assert wg.mesh == RankMesh(dp=1) and [r.lost_replicas for r in wg.remeshes] == [[1], [1]]
     finally:
         wg.shutdown()

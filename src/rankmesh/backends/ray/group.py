@@ -531,8 +531,9 @@ class RayWorkerGroup(WorkerGroup):
         rec = self._recovery
         if rec.policy not in RETRYING or rec.replacing:
             return run()
-        if self.executor.failed is not None:
-            self._recover(None)
+        if self.executor.failed is not None:  # an earlier (non-blocking) call's death: recover first
+            if isinstance(self._recover(None), RemeshReport):
+                run = self._replanned(binding, rerun, self._recovery.remeshes[-1])
         start = time.monotonic()
         try:
             return run()
@@ -552,22 +553,30 @@ class RayWorkerGroup(WorkerGroup):
             if report is not None:  # a handled failure is one line: what died, what was done, how long
                 logger.warning("%s: %s; retrying the call once", binding.name, report.format())
             if isinstance(report, RemeshReport):
-                if rerun is None:  # a replica view's call: its replicas were numbered for the old mesh
-                    raise RecoveryError(
-                        f"{binding.name}: the group shrank to {report.new_mesh} (dp replicas {report.lost_replicas} "
-                        "dropped), so the replica view this call was made on no longer exists; take a new view "
-                        "(wg.replica(i)) and call again", report.dead)
-                try:
-                    return rerun()
-                except PaddingError as exc:
-                    raise RecoveryError(
-                        f"{binding.name}: the group shrank to {report.new_mesh} after losing dp replicas "
-                        f"{report.lost_replicas} (dead ranks {report.dead}), and the retried call's batch does not "
-                        f"divide over the {report.new_mesh.size('dp')} replicas left ({exc}); pass a global batch "
-                        "divisible by every dp size the group may shrink to, or use on_rank_death='replace'",
-                        report.dead,
-                    ) from exc
+                run = self._replanned(binding, rerun, report)
         return run()
+
+    def _replanned(self, binding: Any, rerun: Any, report: RemeshReport) -> Any:
+        """The call to run after a shrink: ``rerun`` (planned for the new mesh), with its errors explained."""
+        if rerun is None:  # a replica view's call: its replicas were numbered for the old mesh
+            raise RecoveryError(
+                f"{binding.name}: the group shrank to {report.new_mesh} (dp replicas {report.lost_replicas} "
+                "dropped), so the replica view this call was made on no longer exists; take a new view "
+                "(wg.replica(i)) and call again", report.dead)
+
+        def run() -> Any:
+            try:
+                return rerun()
+            except PaddingError as exc:
+                raise RecoveryError(
+                    f"{binding.name}: the group shrank to {report.new_mesh} after losing dp replicas "
+                    f"{report.lost_replicas} (dead ranks {report.dead}), and the call's batch does not divide over "
+                    f"the {report.new_mesh.size('dp')} replicas left ({exc}); pass a global batch divisible by every "
+                    "dp size the group may shrink to, or use on_rank_death='replace'",
+                    report.dead,
+                ) from exc
+
+        return run
 
     def _recover(self, detected: float | None) -> Any:
         """Bring a group with dead ranks back to work by its policy: replace them, or shrink, or replace else shrink."""
