@@ -291,6 +291,7 @@ def test_console_script_and_python_m(tmp_path):
         (["--kill-at-iteration", "2"], "--kill-at-iteration needs --kill-rank"),
         (["--kill-rank", "8"], "--kill-rank must be an actor rank, 0 to 7"),  # cpu_demo's actor: tp2·pp2·dp2
         (["--kill-rank", "1", "--kill-at-iteration", "5"], "between 1 and --iterations (4)"),
+        (["--spares", "-1"], "--spares must be 0 or more (warm standby processes of the actor), got -1"),
         # Every option against the layout and the model (the demo model: 4 heads, hidden 32, 2 layers, 32 rows).
         (["--layout", "nosuch"], "--layout nosuch: unknown layout 'nosuch'"),
         (["--no-layout", "--actor-tp", "3"], "--actor-tp 3: the demo model's num_heads=4 is not divisible by tp=3"),
