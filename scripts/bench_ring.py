@@ -4,7 +4,9 @@
 What a persistent local call path can cost before any rankmesh call format is on it: the
 controller writes one small message into a ring (:mod:`rankmesh.ring`) that N reader processes
 read; each answers on its own one-reader ring, and the round trip ends when all N answers are in.
-Against it, the same N-way round trip as Ray actor tasks (``ray.get([a.echo.remote(m) ...])``),
+A third path puts rankmesh's call format on the ring: call headers encoded by the controller,
+decoded and run through ``invoke`` on a real ``Worker`` at each reader (``calls``).  Against them,
+the same N-way round trip as Ray actor tasks (``ray.get([a.echo.remote(m) ...])``),
 the path a group call takes today.  Both alternate in blocks within one run (the machine is
 shared and noisy).  Printed, for each N: p50 and p99 of back-to-back round trips, the first
 round trip after ``--idle-s`` of idleness, and the readers' CPU while idle.
@@ -19,6 +21,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import pickle
 import socket
 import statistics
 import sys
@@ -34,21 +37,31 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import psutil  # noqa: E402
 
+from rankmesh.backend import RankCall  # noqa: E402
+from rankmesh.backends.ray.wire import encode_rank_call  # noqa: E402
 from rankmesh.ring import Ring, RingSpec, receive_ring, send_ring  # noqa: E402
 from tests import ring_workers  # noqa: E402
 
 
 class RingGroup:
-    """N echo readers on one ring, each answering on its own reply ring."""
+    """N echo readers on one ring, each answering on its own reply ring.
 
-    def __init__(self, ranks: int) -> None:
+    ``calls``: a round trip is a rankmesh call instead of raw bytes: the controller encodes one
+    call header per rank (:func:`rankmesh.backends.ray.wire.encode_rank_call`) and pickles them
+    into one message (one header when all are equal, as for a broadcast call); each reader decodes its own, runs ``NoopWorker.noop`` through
+    :func:`rankmesh.worker.invoke` and answers the pickled output, which the controller unpickles.
+    """
+
+    def __init__(self, ranks: int, calls: bool = False) -> None:
+        self.calls = calls
         ctx = multiprocessing.get_context("spawn")
         self.ring = Ring.create(RingSpec(readers=ranks, slots=8, slot_bytes=4096))
         address = f"\0rankmesh-bench-ring-{uuid.uuid4().hex}"
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         server.bind(address)
         server.listen(ranks)
-        self.procs = [ctx.Process(target=ring_workers.echo, args=(address, r), daemon=True) for r in range(ranks)]
+        self.procs = [ctx.Process(target=ring_workers.echo, args=(address, r, calls, ranks), daemon=True)
+                      for r in range(ranks)]
         for p in self.procs:
             p.start()
         self.replies = []
@@ -60,9 +73,15 @@ class RingGroup:
         self.ring.watch([p.pid for p in self.procs])
 
     def round_trip(self, payload: bytes) -> None:
+        if self.calls:
+            headers = [encode_rank_call(None, "noop", RankCall(r, (len(payload),), {}))[0] for r in range(len(self.procs))]
+            # Ranks whose headers are equal (a broadcast call) share one: each reader decodes one header.
+            payload = pickle.dumps(headers[0] if len(set(headers)) == 1 else headers, protocol=5)
         self.ring.write(payload, timeout=30)
         for reply in self.replies:
-            reply.read(timeout=30)
+            out = reply.read(timeout=30)
+            if self.calls:
+                pickle.loads(out)
 
     def cpu_s(self) -> float:
         return sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in self.procs)
@@ -146,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     ensure_ray(num_cpus=4, logging_level="ERROR", log_to_driver=False)
     rows = []
     for ranks in [int(n) for n in args.ranks.split(",") if n]:
-        groups = {"ring": RingGroup(ranks), "ray": RayGroup(ranks)}
+        groups = {"ring": RingGroup(ranks), "calls": RingGroup(ranks, calls=True), "ray": RayGroup(ranks)}
         try:
             for g in groups.values():
                 measure(g, args.block, args.block)  # warm up
@@ -168,14 +187,17 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             for g in groups.values():
                 g.close()
+    print("ring: raw bytes through the ring; calls: rankmesh call headers decoded and run on a Worker at each rank; "
+          "ray: one Ray actor task per rank")
     print(f"{'ranks':>5} {'path':>5} {'p50 ms':>8} {'p99 ms':>8} {'after idle ms':>14} {'idle CPU/rank':>14}")
     for r in rows:
         print(f"{r['ranks']:5d} {r['path']:>5} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['after_idle_ms']:14.3f} "
               f"{r['idle_cpu_per_rank']:14.2%}")
     for ranks in sorted({r["ranks"] for r in rows}):
-        ring = next(r for r in rows if r["ranks"] == ranks and r["path"] == "ring")
         ray = next(r for r in rows if r["ranks"] == ranks and r["path"] == "ray")
-        print(f"{ranks} ranks: the ring's p50 round trip is {ray['p50_ms'] / ring['p50_ms']:.1f}x faster than Ray's")
+        for name in ("ring", "calls"):
+            mine = next(r for r in rows if r["ranks"] == ranks and r["path"] == name)
+            print(f"{ranks} ranks: {name} p50 round trip {ray['p50_ms'] / mine['p50_ms']:.1f}x faster than Ray's")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return {"rows": rows}

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import struct
 import time
 
+from rankmesh.backends.ray.wire import decode_call
+from rankmesh.dispatch import Dispatch, register
 from rankmesh.errors import RingError
+from rankmesh.mesh import RankMesh
 from rankmesh.ring import Ring, RingSpec, receive_ring, send_ring
+from rankmesh.worker import Worker, WorkerContext, construct, invoke
 
 
 def connect(address: str) -> socket.socket:
@@ -56,16 +61,35 @@ def wait_then_report(address: str, reader: int, timeout: float) -> None:
     answer(sock, got)
 
 
-def echo(address: str, reader: int) -> None:
-    """Serve round trips: read a message, write it back on this reader's own reply ring, until b"stop"."""
+class NoopWorker(Worker):
+    """A rankmesh Worker whose method does nothing: what a call costs around the method."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def noop(self, value: int) -> int:
+        return value
+
+
+def echo(address: str, reader: int, calls: bool = False, world: int = 1) -> None:
+    """Serve round trips until b"stop": write each message back on this reader's own reply ring.
+
+    ``calls``: each message is a pickled rankmesh call header (:mod:`rankmesh.backends.ray.wire`) for
+    every reader, or a list of one per reader; this reader decodes its own and runs it on a :class:`NoopWorker` through
+    :func:`rankmesh.worker.invoke`, as a rank's host does, and answers the pickled output.
+    """
     sock = connect(address)
     ring = receive_ring(sock, reader)
     reply = Ring.create(RingSpec(readers=1, slots=4, slot_bytes=4096))
     send_ring(sock, reply)
+    worker = construct(NoopWorker, WorkerContext(rank=reader, world_size=world, mesh=RankMesh(dp=world))) if calls else None
     while True:
         msg = ring.read(timeout=None)
         if msg == b"stop":
             break
+        if worker is not None:
+            sent = pickle.loads(msg)  # one header for every rank, or one per rank
+            call = decode_call(sent if isinstance(sent, bytes) else sent[reader], ())
+            out = invoke(worker, call.method, call.args, call.kwargs, return_output=call.return_output)
+            msg = pickle.dumps(out, protocol=5)
         reply.write(msg, timeout=30)
     ring.close()
     reply.close()
