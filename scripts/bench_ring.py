@@ -4,8 +4,8 @@
 What a persistent local call path can cost before any rankmesh call format is on it: the
 controller writes one small message into a ring (:mod:`rankmesh.ring`) that N reader processes
 read; each answers on its own one-reader ring, and the round trip ends when all N answers are in.
-A third path puts rankmesh's call format on the ring: call headers encoded by the controller,
-decoded and run through ``invoke`` on a real ``Worker`` at each reader (``calls``).  Against them,
+A third path puts rankmesh's call format on the ring: a call header installed once per rank,
+then slot numbers and arguments, run through ``invoke`` on a real ``Worker`` at each reader (``calls``).  Against them,
 the same N-way round trip as Ray actor tasks (``ray.get([a.echo.remote(m) ...])``),
 the path a group call takes today.  Both alternate in blocks within one run (the machine is
 shared and noisy).  Printed, for each N: p50 and p99 of back-to-back round trips, the first
@@ -46,14 +46,15 @@ from tests import ring_workers  # noqa: E402
 class RingGroup:
     """N echo readers on one ring, each answering on its own reply ring.
 
-    ``calls``: a round trip is a rankmesh call instead of raw bytes: the controller encodes one
-    call header per rank (:func:`rankmesh.backends.ray.wire.encode_rank_call`) and pickles them
-    into one message (one header when all are equal, as for a broadcast call); each reader decodes its own, runs ``NoopWorker.noop`` through
+    ``calls``: a round trip is a rankmesh call instead of raw bytes: the first call installs its
+    header (:func:`rankmesh.backends.ray.wire.encode_rank_call`, one for every rank of a broadcast
+    call) under a slot, later calls send the slot and their arguments; each reader runs ``NoopWorker.noop`` through
     :func:`rankmesh.worker.invoke` and answers the pickled output, which the controller unpickles.
     """
 
     def __init__(self, ranks: int, calls: bool = False) -> None:
         self.calls = calls
+        self.installed = False
         ctx = multiprocessing.get_context("spawn")
         self.ring = Ring.create(RingSpec(readers=ranks, slots=8, slot_bytes=4096))
         address = f"\0rankmesh-bench-ring-{uuid.uuid4().hex}"
@@ -74,9 +75,13 @@ class RingGroup:
 
     def round_trip(self, payload: bytes) -> None:
         if self.calls:
-            headers = [encode_rank_call(None, "noop", RankCall(r, (len(payload),), {}))[0] for r in range(len(self.procs))]
-            # Ranks whose headers are equal (a broadcast call) share one: each reader decodes one header.
-            payload = pickle.dumps(headers[0] if len(set(headers)) == 1 else headers, protocol=5)
+            args = (len(payload),)
+            if self.installed:  # the header is installed on every rank: send its slot and the arguments
+                payload = pickle.dumps(("call", 0, args), protocol=5)
+            else:  # a broadcast call: one header for every rank, installed as slot 0
+                header = encode_rank_call(None, "noop", RankCall(0, args, {}))[0]
+                payload = pickle.dumps(("install", 0, header), protocol=5)
+                self.installed = True
         self.ring.write(payload, timeout=30)
         for reply in self.replies:
             out = reply.read(timeout=30)

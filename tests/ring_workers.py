@@ -12,6 +12,7 @@ import pickle
 import socket
 import struct
 import time
+from dataclasses import replace
 
 from rankmesh.backends.ray.wire import decode_call
 from rankmesh.dispatch import Dispatch, register
@@ -72,22 +73,28 @@ class NoopWorker(Worker):
 def echo(address: str, reader: int, calls: bool = False, world: int = 1) -> None:
     """Serve round trips until b"stop": write each message back on this reader's own reply ring.
 
-    ``calls``: each message is a pickled rankmesh call header (:mod:`rankmesh.backends.ray.wire`) for
-    every reader, or a list of one per reader; this reader decodes its own and runs it on a :class:`NoopWorker` through
-    :func:`rankmesh.worker.invoke`, as a rank's host does, and answers the pickled output.
+    ``calls``: each message is a rankmesh call: the first one of a method installs its header
+    (:mod:`rankmesh.backends.ray.wire`) under a slot number, later ones send the slot and their
+    arguments; the reader runs it on a :class:`NoopWorker` through :func:`rankmesh.worker.invoke`, as a
+    rank's host does, and answers the pickled output.
     """
     sock = connect(address)
     ring = receive_ring(sock, reader)
     reply = Ring.create(RingSpec(readers=1, slots=4, slot_bytes=4096))
     send_ring(sock, reply)
+    slots: dict = {}
     worker = construct(NoopWorker, WorkerContext(rank=reader, world_size=world, mesh=RankMesh(dp=world))) if calls else None
     while True:
         msg = ring.read(timeout=None)
         if msg == b"stop":
             break
         if worker is not None:
-            sent = pickle.loads(msg)  # one header for every rank, or one per rank
-            call = decode_call(sent if isinstance(sent, bytes) else sent[reader], ())
+            kind, slot, body = pickle.loads(msg)
+            if kind == "install":  # the header once, kept by slot (as the Ray path's call slots do)
+                slots[slot] = decode_call(body, ())
+                call = slots[slot]
+            else:  # the slot and this call's arguments
+                call = replace(slots[slot], args=body)
             out = invoke(worker, call.method, call.args, call.kwargs, return_output=call.return_output)
             msg = pickle.dumps(out, protocol=5)
         reply.write(msg, timeout=30)
