@@ -302,3 +302,17 @@ def test_a_rolling_refit_moves_one_replica_at_a_time_and_leaves_the_others(group
         assert_shards(train.shards(), new)
     finally:
         train.refill(1)
+
+
+def test_a_group_with_named_meshes_refuses_to_change_its_dp_size(groups) -> None:
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rankmesh.errors import BackendError, RecoveryError
+
+    train, _, _ = groups
+    with pytest.raises(RecoveryError, match=r"named meshes \['gen'\] cannot change their dp size"):
+        train.grow(1)
+    # The shrinking policies are refused when the group is made, before any process starts.
+    with pytest.raises(BackendError, match=r"on_rank_death='shrink' changes the group's dp size.*\['gen'\]"):
+        RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=1),
+                       mesh=TRAIN, meshes={"gen": GEN}, on_rank_death="shrink")
+

@@ -31,7 +31,7 @@ from .classes import RayClassWithInitArgs, fused_worker_class, unwrap_actor_clas
 from .executor import RayExecutor
 from .hosts import HostSet, attach_hosts, build_workers, check_worker_env, start_hosts
 from .pool import RayResourcePool
-from .recovery import Recovery, ReplacementReport, probe_dead, replace_dead_ranks
+from .recovery import Recovery, ReplacementReport, check_recoverable, probe_dead, replace_dead_ranks
 from .remesh import RemeshReport, grow, shrink_dead_replicas
 from .spares import refill_spares
 from .runtime import ensure_ray
@@ -136,6 +136,11 @@ class RayWorkerGroup(WorkerGroup):
         table = MethodTable.build(ray_cls_with_init.cls, world, mesh, meshes, None, registry, type(self))
         if detached and not resource_pool.detached:
             raise BackendError("a detached group needs a detached pool: RayResourcePool(..., detached=True)")
+        if on_rank_death in SHRINKING and table.extra_meshes:  # before any process starts
+            raise BackendError(
+                f"on_rank_death={on_rank_death!r} changes the group's dp size, which its named meshes "
+                f"{sorted(table.extra_meshes)} cannot follow; use 'replace' (or 'keep'), or give the group one mesh"
+            )
         if detached and resource_pool.spares:
             raise BackendError(
                 f"a detached group keeps no spares (its actors are found by name, and a spare taking a rank's place "
@@ -211,11 +216,6 @@ class RayWorkerGroup(WorkerGroup):
         on_rank_death: str = "fail",
     ) -> tuple[RayExecutor, Recovery]:
         """A new executor over ``hosts`` and the recovery state of its ``on_rank_death`` policy."""
-        if on_rank_death in SHRINKING and table.extra_meshes:
-            raise BackendError(
-                f"on_rank_death={on_rank_death!r} changes the group's dp size, which its named meshes "
-                f"{sorted(table.extra_meshes)} cannot follow; use 'replace' (or 'keep'), or give the group one mesh"
-            )
         coords = [table.mesh.rank_coords(r) for r in range(len(hosts.actors))]
         executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s, on_rank_death)
         return executor, Recovery(on_rank_death)
@@ -432,13 +432,8 @@ class RayWorkerGroup(WorkerGroup):
 
     def _shrink(self, timeout_s: float, log: bool = True) -> RemeshReport | None:
         executor = self.executor
-        if self._hosts.closed:
-            raise RecoveryError("cannot shrink the group: it has been shut down")
-        if executor.failed is not None and not isinstance(executor.failed, WorkerDiedError):
-            raise RecoveryError(f"cannot shrink the group: it failed for good earlier ({executor.failed})")
-        if executor.on_rank_death == "fail" and executor.failed is not None:
-            raise RecoveryError("cannot shrink the group: it was created with on_rank_death='fail', so its survivors "
-                                "were stopped", sorted(executor.dead))
+        check_recoverable(self._hosts, executor, "shrink the group")
+        self._check_remeshable("shrink")
         dead = set(executor.dead) or probe_dead(self._hosts)
         if not dead:
             return None
@@ -465,6 +460,7 @@ class RayWorkerGroup(WorkerGroup):
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise BackendError(f"grow(replicas=...) must be a positive integer, got {replicas!r}")
         timeout_s = positive_seconds(timeout_s, "grow(timeout_s)", BackendError)
+        self._check_remeshable("grow")
         rec = self._recovery
         replacing, rec.replacing = rec.replacing, True
         try:
@@ -473,6 +469,12 @@ class RayWorkerGroup(WorkerGroup):
             rec.replacing = replacing
         logger.warning("%s", report.format())
         return report
+
+    def _check_remeshable(self, what: str) -> None:
+        """Named meshes cannot follow a change of the dp size (the policies are refused at creation too)."""
+        if self._table.extra_meshes:
+            raise RecoveryError(f"cannot {what} the group: its named meshes {sorted(self._table.extra_meshes)} cannot "
+                                "change their dp size with it; replace dead ranks instead (replace_dead_ranks)")
 
     @property
     def remeshes(self) -> list[RemeshReport]:

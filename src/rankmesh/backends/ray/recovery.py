@@ -294,6 +294,21 @@ def restore(hosts: HostSet, peers: Mapping[int, int], timeout: float) -> None:
         fetch_outputs(pend, timeout=timeout)
 
 
+def check_recoverable(hosts: HostSet, executor: RayExecutor, what: str) -> None:
+    """Refuse to ``what`` (replace, shrink) a group that is shut down, failed for good, or stopped by policy."""
+    if hosts.closed:
+        raise RecoveryError(f"cannot {what}: the group has been shut down")
+    failed = executor.failed
+    if failed is not None and not isinstance(failed, WorkerDiedError):
+        raise RecoveryError(f"cannot {what}: the group failed for good earlier ({failed})")
+    if executor.on_rank_death == "fail" and failed is not None:
+        raise RecoveryError(
+            f"cannot {what}: the group was created with on_rank_death='fail', so its survivors were "
+            "stopped; create it with on_rank_death='keep', 'replace', 'shrink' or 'replace_or_shrink'",
+            sorted(executor.dead),
+        )
+
+
 def bundles_placed(hosts: HostSet, ranks: Sequence[int], timeout: float) -> bool:
     """Whether the bundles of ``ranks`` are placed (again) within ``timeout``: a new process can start there."""
     deadline = time.monotonic() + timeout
@@ -313,17 +328,7 @@ def replace_dead_ranks(
     for a dead rank within :data:`PLACE_TIMEOUT_S`, the drained group is handed to
     ``shrink(dead)`` instead (:func:`.remesh.shrink_dead_replicas`), whose report is returned.
     """
-    if hosts.closed:
-        raise RecoveryError("cannot replace dead ranks: the group has been shut down")
-    failed = executor.failed
-    if failed is not None and not isinstance(failed, WorkerDiedError):
-        raise RecoveryError(f"cannot replace dead ranks: the group failed for good earlier ({failed})")
-    if executor.on_rank_death == "fail" and failed is not None:
-        raise RecoveryError(
-            "cannot replace dead ranks: the group was created with on_rank_death='fail', so its survivors were "
-            "stopped; create it with on_rank_death='keep', 'replace', 'shrink' or 'replace_or_shrink'",
-            sorted(executor.dead),
-        )
+    check_recoverable(hosts, executor, "replace dead ranks")
     t0 = time.monotonic()
     dead = set(executor.dead) or probe_dead(hosts, min(PROBE_TIMEOUT, timeout))
     if not dead:

@@ -51,10 +51,10 @@ from rankmesh.mesh import RankMesh
 from rankmesh.replicas import select_replicas
 
 from .executor import RayExecutor
-from .hosts import HostSet, start_host
+from .hosts import HostSet, actor_name, start_host
 from .pool import Slot
 from .recovery import Recovery, drain, reform, restore, shard_of
-from .spares import refill_spares, spare_order
+from .spares import refill_spares, spare_order, warm_refs
 from .waiting import Pending, fetch_outputs
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def _move_hosts(hosts: HostSet, plan: Remesh, new_actors: dict[int, Any], new_in
                                                                        old[4][src])
     for dst in plan.added:
         actors[dst], info[dst], slots[dst] = new_actors[dst], new_info[dst], new_slots[dst]
-        setups[dst], names[dst] = template, f"{hosts.name_prefix}_{dst}"
+        setups[dst], names[dst] = template, actor_name(hosts.name_prefix, dst)
     for rank in range(world):
         env = {**setups[rank].env, "RANK": str(rank), "WORLD_SIZE": str(world)}
         setups[rank] = dataclasses.replace(setups[rank], rank=rank, world_size=world, mesh=plan.new, meshes={}, env=env)
@@ -229,19 +229,15 @@ def _processes_for(hosts: HostSet, plan: Remesh, timeout: float) -> tuple[dict[i
     added = list(plan.added)
     actors: dict[int, Any] = {}
     slots: dict[int, Slot] = {}
-    spared: list[int] = []
-    warm_refs: dict[int, Any] = {}
-    taken_spares = []
+    taken: dict[int, Any] = {}  # added rank -> the spare that takes it
+    free: list[Slot] = []  # bundles for new processes: the group's free ones, then new placement groups
     try:
-        ready, _ = ray.wait([s.warm for s in hosts.spares], num_returns=len(hosts.spares), timeout=0, fetch_local=False)
-        for spare in spare_order(hosts.spares, None, set(ready))[: len(added)]:
-            rank = added[len(actors)]
+        for rank, spare in zip(added, spare_order(hosts.spares, None, warm_refs(hosts.spares))):
             hosts.spares.remove(spare)
-            taken_spares.append(spare)
-            actors[rank], slots[rank], warm_refs[rank] = spare.actor, spare.slot, spare.warm
-            spared.append(rank)
+            taken[rank] = spare
+            actors[rank], slots[rank] = spare.actor, spare.slot
         left = [r for r in added if r not in actors]
-        free = [hosts.free_slots.pop(0) for _ in range(min(len(left), len(hosts.free_slots)))]
+        free += [hosts.free_slots.pop(0) for _ in range(min(len(left), len(hosts.free_slots)))]
         per_replica = plan.new.world_size // plan.new.size("dp")
         need = len(left) - len(free)
         if need > 0:
@@ -262,17 +258,17 @@ def _processes_for(hosts: HostSet, plan: Remesh, timeout: float) -> tuple[dict[i
         for rank, slot in zip(left, free):
             actors[rank] = start_host(hosts.pool, slot, None, hosts.name_prefix, False, hosts.options)
             slots[rank] = slot
-        pend = [Pending(warm_refs[r], r, "spare") if r in warm_refs else Pending(actors[r].node_info.remote(), r, "start")
+        pend = [Pending(taken[r].warm, r, "spare") if r in taken else Pending(actors[r].node_info.remote(), r, "start")
                 for r in added]
         info = dict(zip(added, fetch_outputs(pend, timeout=timeout)))
     except BaseException:
         for rank, actor in actors.items():
-            if rank not in spared:
+            if rank not in taken:
                 ray.kill(actor, no_restart=True)
-        hosts.spares.extend(taken_spares)
-        hosts.free_slots.extend(s for r, s in slots.items() if r not in spared)
+        hosts.spares.extend(taken.values())
+        hosts.free_slots.extend(free)  # every bundle taken here goes back, whether a process started in it or not
         raise
-    return actors, info, slots, spared
+    return actors, info, slots, list(taken)
 
 
 def grow(

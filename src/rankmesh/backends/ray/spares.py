@@ -108,6 +108,14 @@ def prune_dead_spares(hosts: HostSet, timeout: float = 1.0) -> list[Spare]:
     return gone
 
 
+def warm_refs(spares: Sequence[Spare]) -> set[Any]:
+    """The warm-up references of ``spares`` that have answered (those spares are warm), asking without waiting."""
+    if not spares:
+        return set()
+    ready, _ = ray.wait([s.warm for s in spares], num_returns=len(spares), timeout=0, fetch_local=False)
+    return set(ready)
+
+
 def spare_order(spares: Sequence[Spare], node_id: str | None, warm: Collection[Any]) -> list[Spare]:
     """Spares in the order a rank on ``node_id`` tries them: its node first, then warm (``warm``:
     the warm-up references that have answered) before cold, then oldest first."""
@@ -128,8 +136,7 @@ def take_spares(hosts: HostSet, ranks: Sequence[int], timeout: float) -> dict[in
     for rank in sorted(ranks):
         if not hosts.spares:
             break
-        ready, _ = ray.wait([s.warm for s in hosts.spares], num_returns=len(hosts.spares), timeout=0, fetch_local=False)
-        for spare in spare_order(hosts.spares, hosts.slots[rank].node_id, set(ready)):
+        for spare in spare_order(hosts.spares, hosts.slots[rank].node_id, warm_refs(hosts.spares)):
             hosts.spares.remove(spare)
             try:
                 info = ray.get(spare.warm, timeout=max(0.1, deadline - time.monotonic()))
