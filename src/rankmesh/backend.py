@@ -44,6 +44,8 @@ class RankCall:
     back its plain output, which travels on inside a future.
     ``receive``: ``"copy"`` asks the rank for private copies of its inputs up front instead of
     copy-on-write views (``@register(receive=...)``, ``wg.set_receive``); ``None``/``"cow"``: views.
+    ``blocking=False``: the outputs go into a future, which other processes may fetch (on Ray such
+    a call is one task per rank; a blocking one may take a call session, ``rankmesh.backends.ray.session``).
     """
 
     rank: int
@@ -53,6 +55,7 @@ class RankCall:
     trace: bool = False
     receive: str | None = None
     keep: int = 0
+    blocking: bool = True
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,10 @@ class Backend(Protocol):
         the host's clock read between sending and receiving; ``[]`` for a backend whose ranks hand
         their timings over at once (in-process), or once it is closed.
         """
+
+    def control_paths(self) -> list[str]:
+        """Per rank, how a blocking call with inline arguments reaches it: ``"in-process"``, ``"session"``
+        (a shared-memory call session, ``rankmesh.backends.ray.session``) or ``"ray"`` (one Ray task)."""
 
     def close(self) -> None:
         """Stop the ranks and release what they hold; later calls raise.  Idempotent."""

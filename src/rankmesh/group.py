@@ -669,8 +669,11 @@ class WorkerGroup:
         timed = seen is not None
         keep = 0 if seen is None else seen.timed(len(ranks))
         receive = self._receive or binding.method.receive
+        blocking = binding.method.blocking
         calls = [
-            RankCall(rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect, timed, receive, keep)
+            RankCall(
+                rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect, timed, receive, keep, blocking
+            )
             for rank, (args, kwargs) in zip(ranks, per_rank)
         ]
         if seen is None:
@@ -833,8 +836,12 @@ class WorkerGroup:
         travel inside the call, below the store's threshold),
         ``fallback`` (the first reason a copy was made), ``fd_source``, and byte counters.  The
         in-process backend shares one process, so its ranks report the same counters.
+        ``control`` says how calls reach the rank (:meth:`rankmesh.backend.Backend.control_paths`):
+        ``"session"`` for blocking calls with inline arguments through a call session, else
+        ``"ray"`` (one task per rank) or ``"in-process"``.
         """
-        return self.execute_all("rankmesh_transport_info")
+        infos = self.execute_all("rankmesh_transport_info")
+        return [{**info, "control": path} for info, path in zip(infos, self._executor.control_paths())]
 
     execute_all_sync = execute_all
     execute_rank_zero_sync = execute_rank_zero

@@ -155,6 +155,10 @@ class RankSubset:
         """The group backend's (traces of a view's calls are kept on the group's tracks, in group ranks)."""
         return self.backend.drain_timings()
 
+    def control_paths(self) -> list[str]:
+        paths = self.backend.control_paths()
+        return [paths[r] for r in self.selection.ranks]
+
     def close(self) -> None:
         raise DispatchError(f"a {self.selection.label} view cannot be shut down on its own; shut the group down")
 

@@ -46,6 +46,7 @@ import select
 import socket
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -112,6 +113,7 @@ class Ring:
         cores = os.cpu_count() or 1
         self.spin_s = (20e-6 if spec.readers < cores else 0.0) if spin_s is None else spin_s
         self._all_read = b"\x01" * spec.readers
+        self._release = weakref.finalize(self, Ring._free, self._mm, self._fds, self._peers)
 
     # ----- making and sharing ---------------------------------------------------------------
 
@@ -152,6 +154,10 @@ class Ring:
                 self._peers[os.pidfd_open(pid)] = pid
             except ProcessLookupError:
                 raise RingPeerDied(f"ring peer pid {pid} is gone already", pid) from None
+
+    def peer_pids(self) -> list[int]:
+        """The pids this party watches (:meth:`watch`)."""
+        return list(self._peers.values())
 
     # ----- writing and reading --------------------------------------------------------------
 
@@ -195,9 +201,41 @@ class Ring:
         self._next += 1
         return out
 
+    def poll(self) -> bytes | None:
+        """The next message if it is in (a copy), else ``None`` at once: for a party that waits on
+        several rings together (:meth:`wait_fds`, then ``select``) instead of blocking on one."""
+        if self.reader is None:
+            raise RingError("the writer cannot read its own ring")
+        self._check_alive()
+        base = self._slot(self._next % self.spec.slots)
+        if struct.unpack_from("<Q", self._mm, base)[0] != self._next + 1:
+            return None
+        return self.read(timeout=0)
+
+    def wait_fds(self) -> list[int]:
+        """What to ``select`` on to wake when this party may go on: its doorbell, then its peers' pidfds."""
+        return [self._bell, *self._peers]
+
+    def check_peers(self, readable: Sequence[int]) -> None:
+        """Raise :class:`RingPeerDied` if one of ``readable`` (from ``select`` on :meth:`wait_fds`) is
+        a peer's pidfd; drain the doorbell if it is among them."""
+        for fd in readable:
+            if fd in self._peers:
+                raise RingPeerDied(f"ring peer pid {self._peers[fd]} exited", self._peers[fd])
+            if fd == self._bell:
+                try:
+                    os.eventfd_read(fd)
+                except BlockingIOError:
+                    pass
+
     def abort(self) -> None:
-        """Make every party's waits raise :class:`RingError` (a party gives up; the ring is dead)."""
-        struct.pack_into("<I", self._mm, 16, 1)
+        """Make every party's waits raise :class:`RingError` (a party gives up; the ring is dead).
+
+        A no-op once this party has closed its end."""
+        try:
+            struct.pack_into("<I", self._mm, 16, 1)
+        except (TypeError, ValueError):  # closed (by another thread of this party, too)
+            return
         for bell in [self._writer_bell, *self._reader_bells]:
             os.eventfd_write(bell, 1)
 
@@ -206,14 +244,21 @@ class Ring:
         return struct.unpack_from("<I", self._mm, 16)[0] != 0
 
     def close(self) -> None:
-        """Unmap and close this party's fds (the kernel frees the ring with the last one)."""
-        self._mm.close()
-        for fd in [*self._fds, *self._peers]:
+        """Unmap and close this party's fds (the kernel frees the ring with the last one).
+
+        A ring dropped without closing is closed when it is collected."""
+        self._release()
+
+    @staticmethod
+    def _free(mm: mmap.mmap, fds: list[int], peers: dict[int, int]) -> None:
+        mm.close()
+        for fd in [*fds, *peers]:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self._fds, self._peers = [], {}
+        fds.clear()
+        peers.clear()
 
     # ----- internals ------------------------------------------------------------------------
 

@@ -217,6 +217,9 @@ class LocalExecutor:
         """``[]``: in-process ranks hand their timings to the recorder as each call ends (``deliver``)."""
         return []
 
+    def control_paths(self) -> list[str]:
+        return ["in-process"] * self.world_size
+
     def close(self) -> None:
         """Drop the worker objects; later calls raise."""
         self._closed = True

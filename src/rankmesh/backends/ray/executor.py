@@ -13,6 +13,10 @@
   its unfinished ranks where they are (:meth:`RayExecutor.inspect`, :mod:`.hangs`) and raises
   :class:`~rankmesh.errors.HangError`; past ``stall_warn_s`` it logs the same report once and
   goes on.
+* Blocking calls with inline arguments to ranks on the controller's node take the group's call
+  session instead (:mod:`.session`: one message for all of them through a shared-memory ring) once
+  it is open; ``RANKMESH_CONTROL=ray`` keeps every call on Ray, and a session that cannot be opened
+  is logged once and leaves the group on Ray.  :meth:`RayExecutor.control_paths` says which.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from rankmesh.sharedmem import register_store_processes
 from .hangs import gather_hangs
 from .hosts import HostSet
 from .runtime import raylet_pids
+from .session import CallSession, SessionPending, control_mode
 from .waiting import Pending, fetch_outputs, ready_indices
 from .wire import encode_rank_call, slot_method
 
@@ -138,6 +143,11 @@ class RayExecutor:
         # Rank calls of failed calls whose outputs no caller will read (see settle()).
         self.abandoned: list[Pending] = []
         self.token = uuid.uuid4().hex
+        #: Whether this group may open a call session (``RANKMESH_CONTROL``; detached groups never do:
+        #: other drivers may call their processes), the session once open, and why there is none.
+        self.control = "ray" if hosts.detached else control_mode()
+        self.session: CallSession | None = None
+        self.session_note = "RANKMESH_CONTROL=ray" if self.control == "ray" else ("detached group" if hosts.detached else "")
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
         register_store_processes(raylet_pids())
 
@@ -151,7 +161,48 @@ class RayExecutor:
 
     def close(self) -> None:
         """Kill the processes and release their placement groups (idempotent)."""
+        self._end_session()
         self.hosts.shutdown()
+
+    # ----- call sessions (.session) -----------------------------------------------------------
+
+    def _open_session(self) -> CallSession | None:
+        """The group's session over its ranks on this node, opened on first use; ``None``: Ray only."""
+        if self.session is not None or self.control == "ray" or self.session_note:
+            return self.session
+        here = ray.get_runtime_context().get_node_id()
+        info = self.hosts.info
+        local = [r for r in range(self.world_size) if r < len(info) and info[r].get("node_id") == here and info[r].get("pid")]
+        if not local:
+            self.session_note = "no rank on the controller's node"
+            return None
+        try:
+            session = CallSession(local, self.hosts.actors, {r: info[r]["pid"] for r in local}, self.nodes, self.coords)
+            session.open()
+        except Exception as exc:  # noqa: BLE001 - the Ray path always works: say why once, and use it
+            self.session_note = f"{type(exc).__name__}: {exc}"
+            logger.warning("worker group %s: no call session (%s); its calls take the Ray path", self.hosts.name_prefix,
+                           self.session_note)
+            return None
+        self.session = session
+        return session
+
+    def _end_session(self) -> None:
+        """Close the session (its processes changed or stopped); the next call may open a new one."""
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        if self.session_note and self.control != "ray" and not self.hosts.detached:
+            self.session_note = ""
+
+    def _session_died(self, err: WorkerDiedError) -> None:
+        self._end_session()
+        self.fail(err)
+
+    def control_paths(self) -> list[str]:
+        """Per rank, how blocking calls with inline arguments reach it: ``"session"`` or ``"ray"``."""
+        ranks = set() if self.session is None else set(self.session.ranks)
+        return ["session" if r in ranks else "ray" for r in range(self.world_size)]
 
     def fail(self, err: WorkerDiedError) -> None:
         """Mark the group failed after ``err`` and kill its other processes.
@@ -160,6 +211,7 @@ class RayExecutor:
         group with a dead rank cannot run another collective call anyway.
         """
         self.dead.update(err.ranks)
+        self._end_session()
         if self.on_rank_death != "fail":  # the survivors stay up, for replace_dead_ranks()
             if self._failed is None:
                 self._failed = err
@@ -190,6 +242,7 @@ class RayExecutor:
     def recovered(self) -> None:
         """The dead ranks were replaced: accept calls again, with the new processes' nodes."""
         self.nodes = self.hosts.nodes
+        self._end_session()  # new processes: the next call opens a session with them
         self.dead.clear()
         self._failed = None
         self.settle()  # the survivors were drained: their failed attempts' outputs are in
@@ -244,6 +297,17 @@ class RayExecutor:
         self._check_usable(method)
         if self.abandoned:
             self.settle()
+        session = self._open_session()
+        if session is not None:
+            if session.takes(calls):
+                pending = session.submit(role, method, calls, self.hosts.ray_calls, self.headers)
+                if pending is not None:  # else too big for a slot: Ray carries it
+                    self.stats.add(calls=len(pending))
+                    return pending
+            ranks = [c.rank for c in calls]
+            if session.owes(ranks):  # a rank runs calls in the order they were sent, whichever path
+                session.drain(ranks, self.call_timeout_s, self._session_died, self.inspect)
+        counts = self.hosts.ray_calls
         pending = []
         marked = False  # a traced call's first rank sends the fetch mark (rankmesh.tracing.recorder)
         cache, actors, nodes, coords = self.headers, self.hosts.actors, self.nodes, self.coords
@@ -265,6 +329,7 @@ class RayExecutor:
                 ref = actor.execute_install.remote(slot, header, *refs)
                 cache.mark_installed(slot, rank, actor)
             pending.append(Pending(ref, rank, method, nodes[rank], coords[rank]))
+            counts.sent(rank, actor)
         self.stats.add(calls=len(pending))
         return pending
 
@@ -272,6 +337,17 @@ class RayExecutor:
         self, pending: Sequence[Pending], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None
     ) -> list[Any]:
         """Outputs of ``pending``; ``timeout=None`` / ``stall_warn_s=None`` mean the group's settings."""
+        if pending and isinstance(pending[0], SessionPending):
+            if self.session is None:  # closed since: the group failed or was shut down
+                self._check_usable(pending[0].method)
+                raise BackendError(f"{pending[0].method}: the call session closed before its answers were read")
+            return self.session.fetch(
+                pending,
+                self.call_timeout_s if timeout is None else timeout,
+                self._session_died,
+                self.stall_warn_s if stall_warn_s is None else stall_warn_s,
+                self.inspect,
+            )
         try:
             return fetch_outputs(
                 pending,

@@ -11,9 +11,11 @@ Creation takes three steps so that MASTER_PORT is known before any user code run
 :meth:`WorkerHost.setup` on every rank with the full environment.  The controller drives these
 steps from :mod:`.hosts`; this module is what every worker process imports.
 
-Calls run one at a time, in submission order, on the actor's default thread.  :meth:`WorkerHost.stacks`
-alone runs in a second concurrency group (``control``, one thread), so it answers while a call
-blocks the default thread: that is how a hang is localized (:mod:`rankmesh.hangs`).
+Calls run one at a time, in submission order, on the actor's default thread, or on the session
+thread for calls that come through a call session (:mod:`.session`: a shared-memory ring instead
+of a Ray task); a lock keeps them one at a time and the session's pieces say how many Ray calls
+come before them.  :meth:`WorkerHost.stacks` runs in a second concurrency group (``control``, one
+thread), so it answers while a call blocks: that is how a hang is localized (:mod:`rankmesh.hangs`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .rejoin import exit_on_call, leave, rejoin, restore
 from .rendezvous import reserve_port
 from .reshard import RayObjects
 from .runtime import node_ip_address, worker_raylet_pid
+from .session import connect, start_serving
 from .wire import BARE_SLOT_METHODS, SLOT_METHODS, CallHeader, decode_call, fill_call
 
 logger = logging.getLogger(__name__)
@@ -106,6 +109,13 @@ class WorkerHost:
         raylet = worker_raylet_pid()
         register_store_processes([] if raylet is None else [raylet])
         self._objects = RayObjects()  # the process's object transport, shared by its roles (reshard)
+        self._running = threading.Lock()  # one call at a time, from Ray's thread or the session's
+        self._turn = threading.Condition()  # session calls wait here for the Ray calls sent before them
+        self._ray_done = 0  # Ray-path calls run in this process (execute, call_<slot>)
+        self._session: tuple[Any, Any] | None = None  # the open call session's (ring, reply ring)
+        self._parked: dict[int, Any] = {}  # session outputs too big for the reply ring, by call id
+        self._device_index: int | None = None  # the CUDA device calls run on (set on every calling thread)
+        self._thread_state = threading.local()
 
     # ----- creation ----------------------------------------------------------------------------
 
@@ -182,6 +192,7 @@ class WorkerHost:
             import torch  # deferred: only a process with accelerators gets here
 
             torch.cuda.set_device(change.device_index)
+            self._device_index = change.device_index
 
     def warm(self, roles: Mapping[str | None, RoleInit]) -> dict[str, Any]:
         """A spare's start: import what a rank of its group would, then wait to become one.
@@ -235,9 +246,21 @@ class WorkerHost:
         starts and already rebuilt by the data layer as this rank's private (copy-on-write) data.  A traced
         call comes through :meth:`execute_traced` (``enter_ns``), so an untraced one reads no clock.
         """
-        return self._run(decode_call(header, shared), shared, enter_ns, keep)
+        try:
+            return self._run(decode_call(header, shared), shared, enter_ns, keep)
+        finally:
+            self._ray_call_done()
+
+    def _ray_call_done(self) -> None:
+        with self._turn:
+            self._ray_done += 1
+            self._turn.notify_all()
 
     def _run(self, call: CallHeader, shared: tuple[Any, ...], enter_ns: int = 0, keep: int = 0) -> Any:
+        with self._running:
+            return self._run_now(call, shared, enter_ns, keep)
+
+    def _run_now(self, call: CallHeader, shared: tuple[Any, ...], enter_ns: int, keep: int) -> Any:
         self._call_thread = threading.get_ident()
         try:
             worker = self._worker(call.role)
@@ -273,6 +296,12 @@ class WorkerHost:
         A traced header (every rank of a traced blocking call but the first, which carries the
         fetch mark) reads the clock on arrival, as :meth:`execute_traced` does.
         """
+        try:
+            return self._run_installed(slot, shared)
+        finally:
+            self._ray_call_done()
+
+    def _run_installed(self, slot: int, shared: tuple[Any, ...]) -> Any:
         call = self._decoded.get(slot)
         if call is not None:
             return self._run(fill_call(call, shared), shared, time.time_ns() if call.trace else 0)
@@ -285,6 +314,47 @@ class WorkerHost:
         enter_ns = time.time_ns()
         call = self._decoded[slot] = pickle.loads(header)  # a failure here repeats on the next call
         return self._run(fill_call(call, shared), shared, enter_ns if call.trace else 0)
+
+    # ----- call sessions (.session) ---------------------------------------------------------
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def open_session(self, address: str, reader: int) -> int:
+        """Join the controller's call session at Unix socket ``address`` as ``reader``; returns this pid.
+
+        Runs on the control thread (a running call does not hold it up).  A session opened
+        before is given up first: its ring is aborted, which ends its thread.
+        """
+        self.close_session()
+        ring, reply = connect(address, reader)
+        self._session = (ring, reply)
+        start_serving(ring, reply, self._session_call, self._park, lambda: -1 if self._rank is None else self._rank)
+        return os.getpid()
+
+    def close_session(self) -> None:
+        """Give up the open call session, if any (its thread ends)."""
+        if self._session is not None:
+            ring, _ = self._session
+            ring.abort()  # a no-op if the session thread ended on its own and closed it
+            self._session = None
+
+    def _session_call(self, call: CallHeader, ray_calls: int, enter_ns: int) -> Any:
+        """Run a session call once this process has run the ``ray_calls`` Ray calls sent before it."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._ray_done >= ray_calls)
+        if self._device_index is not None and not getattr(self._thread_state, "device_set", False):
+            import torch  # deferred: only a process with accelerators gets here
+
+            torch.cuda.set_device(self._device_index)  # CUDA's current device is per thread
+            self._thread_state.device_set = True
+        return self._run(call, (), enter_ns if call.trace else 0)
+
+    def _park(self, call_id: int, output: Any) -> None:
+        self._parked[call_id] = output
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def take_parked(self, call_id: int) -> Any:
+        """A session call's output that was too big for the reply ring (through the object store)."""
+        return self._parked.pop(call_id)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stacks(self) -> ProcessStacks:

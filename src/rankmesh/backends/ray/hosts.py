@@ -29,6 +29,7 @@ from rankmesh.placement import RankPlace
 from .host import HostSetup, RoleInit, WorkerHost, host_actor_options
 from .rendezvous import RESERVED_ENV
 from .runtime import DETACHED_NAMESPACE
+from .session import RayCallCount
 from .startup import StartupProgress
 from .waiting import Pending, fetch_outputs
 from .wire import CALL_SLOTS, HeaderCache
@@ -67,6 +68,8 @@ class HostSet:
     #: Warm standby processes (:class:`.spares.Spare`) and the standby bundles that have none yet.
     spares: list[Any] = field(default_factory=list)
     free_slots: list[Any] = field(default_factory=list)
+    #: Ray-path calls sent to each rank's process, which a call session's pieces wait for (:mod:`.session`).
+    ray_calls: RayCallCount = field(default_factory=RayCallCount)
 
     @property
     def nodes(self) -> list[str | None]:

@@ -77,28 +77,32 @@ def translate_error(pending: Pending, exc: BaseException) -> BaseException:
     """Turn a Ray error of one rank call into rankmesh's error, keeping the remote traceback."""
     coords = pending.coords
     if isinstance(exc, rex.RayTaskError):
-        cause = getattr(exc, "cause", None)
-        text = getattr(exc, "traceback_str", "") or str(exc)
-        if isinstance(cause, WorkerError):
-            if not cause.remote_traceback:
-                cause.remote_traceback = text
-            if cause.node is None:
-                cause.node = pending.node
-            cause.__cause__ = RemoteTraceback(cause.remote_traceback)
-            return cause.with_traceback(None)
-        if isinstance(cause, BaseException):  # raised by the host before the worker ran
-            err = WorkerError.from_exception(cause, pending.rank, coords, pending.method, pending.node)
-            err.remote_traceback = text  # the worker's traceback; ``cause`` lost it in transit
-        else:
-            err = WorkerError(pending.rank, coords, pending.method, text, pending.node, text)
-        err.__cause__ = RemoteTraceback(text)
-        return err
+        return task_error(pending, getattr(exc, "cause", None), getattr(exc, "traceback_str", "") or str(exc))
     if isinstance(exc, PROCESS_DIED):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         err = WorkerDiedError(pending.rank, pending.method, first, pending.node, coords={pending.rank: coords} if coords is not None else None)
         err.__cause__ = exc
         return err
     return exc
+
+
+def task_error(pending: Any, cause: Any, text: str) -> BaseException:
+    """rankmesh's error for a rank call that raised ``cause`` (its traceback as ``text``), whichever
+    path brought it back (a Ray task's error, or a session's answer: :mod:`.session`)."""
+    if isinstance(cause, WorkerError):
+        if not cause.remote_traceback:
+            cause.remote_traceback = text
+        if cause.node is None:
+            cause.node = pending.node
+        cause.__cause__ = RemoteTraceback(cause.remote_traceback)
+        return cause.with_traceback(None)
+    if isinstance(cause, BaseException):  # raised by the host before the worker ran
+        err = WorkerError.from_exception(cause, pending.rank, pending.coords, pending.method, pending.node)
+        err.remote_traceback = text  # the worker's traceback; ``cause`` lost it in transit
+    else:
+        err = WorkerError(pending.rank, pending.coords, pending.method, text, pending.node, text)
+    err.__cause__ = RemoteTraceback(text)
+    return err
 
 
 def combine_errors(failures: Sequence[tuple[Pending, BaseException]]) -> BaseException:
@@ -188,10 +192,10 @@ def _wait(
             break
         now = time.monotonic()
         if deadline is not None and now >= deadline:
-            raise _timed_out(pending, [by_ref[r] for r in remaining], timeout or 0.0, now - start, on_died, inspect)
+            raise timed_out(pending, [by_ref[r] for r in remaining], timeout or 0.0, now - start, on_died, inspect)
         if warn_at is not None and now >= warn_at:
             warn_at = None  # once per call
-            _warn_stall(pending, [by_ref[r] for r in remaining], stall_warn_s or 0.0, now - start, inspect)
+            warn_stall(pending, [by_ref[r] for r in remaining], stall_warn_s or 0.0, now - start, inspect)
     return [results[p.ref] for p in pending]
 
 
@@ -199,15 +203,15 @@ def _ask(
     pending: Sequence[Pending], slow: Sequence[Pending], after_s: float, inspect: Inspect
 ) -> tuple[Any, dict[int, BaseException]] | None:
     """``inspect`` the slow ranks; ``None`` (logged) if asking itself failed."""
-    waiting_for = {p.ref for p in slow}
+    waiting_for = {id(p) for p in slow}
     try:
-        return inspect(slow, [p for p in pending if p.ref not in waiting_for], after_s)
+        return inspect(slow, [p for p in pending if id(p) not in waiting_for], after_s)
     except Exception:  # noqa: BLE001 - a report is a bonus: never let it hide the timeout
         logger.warning("could not ask the unfinished ranks of %s where they are", pending[0].method, exc_info=True)
         return None
 
 
-def _timed_out(
+def timed_out(
     pending: Sequence[Pending],
     slow: Sequence[Pending],
     timeout: float,
@@ -229,7 +233,7 @@ def _timed_out(
     return HangError(pending[0].method, ranks, timeout, report)
 
 
-def _warn_stall(pending: Sequence[Pending], slow: Sequence[Pending], stall_warn_s: float, after_s: float, inspect: Inspect) -> None:
+def warn_stall(pending: Sequence[Pending], slow: Sequence[Pending], stall_warn_s: float, after_s: float, inspect: Inspect) -> None:
     answer = _ask(pending, slow, after_s, inspect)
     if answer is not None:
         logger.warning(

@@ -1,0 +1,205 @@
+"""Both control paths of a Ray group: the call session (shared-memory ring) and one Ray task per rank.
+
+Real Ray (the session's), real worker processes.  Each scenario runs on both paths: ``session``
+(the default: blocking calls with inline arguments to ranks on this node go through the group's
+call session) and ``ray`` (``RANKMESH_CONTROL=ray``).  Which path a call took is read from the
+worker, not from the group: a session call runs on the host's ``rankmesh-session`` thread, a
+Ray call on one of Ray's.  The dispatch modes whose calls may take the session (inline
+arguments) also run from the backend-neutral matrix on the Ray path here; ``tests/test_ray_dispatch.py``
+runs the whole matrix on the default path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
+from rankmesh.backends.ray.session import CONTROL_ENV, REPLY_BYTES  # noqa: E402
+from rankmesh.errors import HangError, WorkerDiedError, WorkerError  # noqa: E402
+from rankmesh.mesh import RankMesh  # noqa: E402
+from tests import dispatch_matrix  # noqa: E402
+from tests.control_workers import ControlWorker  # noqa: E402
+from tests.test_ray_dispatch import HostCache  # noqa: E402
+
+PATHS = ("session", "ray")
+SESSION_THREAD = "rankmesh-session"
+
+
+def make_group(path: str, world: int = 4, **kwargs) -> RayWorkerGroup:
+    """A group whose calls take ``path`` (the environment is read when the group is built)."""
+    before = os.environ.get(CONTROL_ENV)
+    os.environ[CONTROL_ENV] = "auto" if path == "session" else "ray"
+    try:
+        return RayWorkerGroup(RayResourcePool([world], use_gpu=False), RayClassWithInitArgs(ControlWorker), **kwargs)
+    finally:
+        if before is None:
+            os.environ.pop(CONTROL_ENV, None)
+        else:
+            os.environ[CONTROL_ENV] = before
+
+
+@pytest.fixture(scope="module")
+def groups(ray_session):
+    made = {path: make_group(path) for path in PATHS}
+    yield made
+    for wg in made.values():
+        wg.shutdown()
+
+
+def threads_of(log) -> set[str]:
+    return {thread for _, _, thread in log}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_calls_take_the_path_the_group_reports(groups, path):
+    wg = groups[path]
+    wg.history()
+    assert wg.echo("x") == ["x"] * 4
+    logs = wg.history()
+    assert [[(m, v) for m, v, _ in log] for log in logs] == [[("echo", "x")]] * 4
+    on_session = [threads_of(log) == {SESSION_THREAD} for log in logs]
+    assert on_session == [path == "session"] * 4
+    assert [info["control"] for info in wg.transport_info()] == [path] * 4
+    # A call with an argument stored in the object store takes Ray's path on both groups.
+    blob = b"z" * (1 << 17)
+    assert wg.echo(blob) == [blob] * 4
+    assert all(SESSION_THREAD not in threads_of(log) for log in wg.history())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_calls_run_in_the_order_they_were_sent_whichever_path(groups, path):
+    """A session call sent after a non-blocking Ray call runs after it on every rank."""
+    wg = groups[path]
+    wg.history()
+    future = wg.slow_append("first", 0.4)
+    assert wg.echo("second") == ["second"] * 4
+    future.get()
+    assert [[(m, v) for m, v, _ in log] for log in wg.history()] == [[("slow", "first"), ("echo", "second")]] * 4
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_ranks_error_names_the_rank_with_its_traceback(groups, path):
+    wg = groups[path]
+    with pytest.raises(WorkerError) as info:
+        wg.fail_on(2)
+    err = info.value
+    assert err.rank == 2 and err.method == "ControlWorker.fail_on"
+    assert "rank 2 refuses" in str(err) and "ValueError" in err.remote_traceback
+    assert wg.echo(7) == [7] * 4  # the group goes on
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_outputs_bigger_than_an_answer_slot_arrive_whole(groups, path):
+    wg = groups[path]
+    size = REPLY_BYTES + 4096
+    out = wg.big(size)
+    assert [len(b) for b in out] == [size] * 4 and [b[:1] for b in out] == [bytes([r]) for r in range(4)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_call_past_its_timeout_says_where_each_rank_is(groups, path):
+    wg = groups[path]
+    with pytest.raises(HangError) as info:
+        wg.with_timeout(0.5).sleep(2.0)
+    err = info.value
+    assert err.ranks == [0, 1, 2, 3]
+    assert {h.place.function for h in err.hangs} == {"sleep"}
+    time.sleep(1.6)
+    assert wg.echo("after") == ["after"] * 4  # the slow call ended; the next one runs after it
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_futures_chain_across_paths(groups, path):
+    """A blocking call's output fed to another group's non-blocking call, and that future to a blocking one."""
+    wg, other = groups[path], groups["ray" if path == "session" else "session"]
+    assert wg.per_rank([1, 2, 3, 4]) == [10, 21, 32, 43]
+    future = other.slow_append("f", 0.0)
+    assert future.get() == [None] * 4
+    other.history()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_rank_killed_mid_call_is_named_within_two_seconds(ray_session, path):
+    before = set(os.listdir("/dev/shm"))
+    wg = make_group(path)
+    try:
+        wg.echo(0)
+        victim = wg._hosts.info[1]["pid"]
+        killed = {}
+
+        def kill() -> None:
+            time.sleep(0.5)
+            killed["at"] = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+        with pytest.raises(WorkerDiedError) as info:
+            wg.sleep(20.0)
+        assert time.monotonic() - killed["at"] < 2.0
+        assert info.value.ranks == [1]
+        with pytest.raises(WorkerDiedError):  # the group failed: later calls refuse at once
+            wg.echo(1)
+    finally:
+        wg.shutdown()
+    assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def test_a_replaced_rank_joins_a_new_session(ray_session):
+    wg = make_group("session", world=2, on_rank_death="replace")
+    try:
+        wg.echo(0)
+        old = wg._hosts.info[1]["pid"]
+        os.kill(old, signal.SIGKILL)
+        assert wg.echo("retried") == ["retried"] * 2  # replaced, then retried once
+        assert wg._hosts.info[1]["pid"] != old
+        wg.history()
+        assert wg.echo("next") == ["next"] * 2
+        assert [threads_of(log) for log in wg.history()] == [{SESSION_THREAD}] * 2
+    finally:
+        wg.shutdown()
+
+
+def test_control_setting_is_checked(ray_session, monkeypatch):
+    monkeypatch.setenv(CONTROL_ENV, "fast")
+    with pytest.raises(ValueError, match="RANKMESH_CONTROL='fast'"):
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ControlWorker))
+
+
+# ----- the dispatch modes whose calls may take a session, on the Ray path too ------------------
+
+
+@pytest.fixture(scope="module")
+def ray_path_cache(ray_session):
+    cache = HostCache()
+    yield cache
+    cache.close()
+
+
+@pytest.fixture
+def group_factory(ray_path_cache, monkeypatch):
+    """The matrix's groups with ``RANKMESH_CONTROL=ray`` (one set of processes per world size, as in test_ray_dispatch)."""
+
+    def make(worker_cls, mesh=None, *, meshes=None, init_args=(), init_kwargs=None):
+        mesh = mesh if mesh is not None else RankMesh(dp=1)
+        if mesh.world_size > 8:
+            pytest.skip("the Ray-path subset keeps to the matrix's small meshes")
+        monkeypatch.setenv(CONTROL_ENV, "ray")
+        wg = ray_path_cache.get(worker_cls, mesh, meshes, init_args, init_kwargs)
+        assert set(wg._executor.control_paths()) == {"ray"}
+        return wg
+
+    return make
+
+
+test_list_mode_routing_on_ray = dispatch_matrix.test_list_mode_routing
+test_replicated_modes_on_ray = dispatch_matrix.test_replicated_modes
+test_execute_rank_zero_mode_on_ray = dispatch_matrix.test_execute_rank_zero_mode
+test_all_to_all_on_ray = dispatch_matrix.test_all_to_all
+
