@@ -41,6 +41,7 @@ from rankmesh.sharedmem import register_store_processes
 from .hangs import gather_hangs
 from .hosts import HostSet
 from .runtime import raylet_pids
+from .agent import AgentPending, AgentSession
 from .session import CallSession, SessionPending, control_mode
 from .waiting import Pending, fetch_outputs, ready_indices
 from .wire import encode_rank_call, slot_method
@@ -146,7 +147,7 @@ class RayExecutor:
         #: Whether this group may open a call session (``RANKMESH_CONTROL``; detached groups never do:
         #: other drivers may call their processes), the session once open, and why there is none.
         self.control = "ray" if hosts.detached else control_mode()
-        self.session: CallSession | None = None
+        self.session: CallSession | AgentSession | None = None
         self.session_note = "RANKMESH_CONTROL=ray" if self.control == "ray" else ("detached group" if hosts.detached else "")
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
         register_store_processes(raylet_pids())
@@ -166,18 +167,29 @@ class RayExecutor:
 
     # ----- call sessions (.session) -----------------------------------------------------------
 
-    def _open_session(self) -> CallSession | None:
-        """The group's session over its ranks on this node, opened on first use; ``None``: Ray only."""
+    def _open_session(self) -> CallSession | AgentSession | None:
+        """The group's session, opened on first use; ``None``: Ray only.
+
+        All ranks on the controller's node: the controller writes their ring itself
+        (:class:`.session.CallSession`).  Ranks on other nodes: one agent per node serves its
+        node's ring, and a call is one Ray task per node (:class:`.agent.AgentSession`).
+        """
         if self.session is not None or self.control == "ray" or self.session_note:
             return self.session
-        here = ray.get_runtime_context().get_node_id()
         info = self.hosts.info
-        local = [r for r in range(self.world_size) if r < len(info) and info[r].get("node_id") == here and info[r].get("pid")]
-        if not local:
-            self.session_note = "no rank on the controller's node"
+        if len(info) != self.world_size or not all(i.get("pid") and i.get("node_id") for i in info):
+            self.session_note = "the ranks' processes are not all known"
             return None
+        here = ray.get_runtime_context().get_node_id()
+        node_ids = [i["node_id"] for i in info]
+        pids = [i["pid"] for i in info]
         try:
-            session = CallSession(local, self.hosts.actors, {r: info[r]["pid"] for r in local}, self.nodes, self.coords)
+            if set(node_ids) == {here}:
+                session: CallSession | AgentSession = CallSession(
+                    range(self.world_size), self.hosts.actors, dict(enumerate(pids)), self.nodes, self.coords
+                )
+            else:
+                session = AgentSession(self.hosts.actors, pids, node_ids, self.nodes, self.coords)
             session.open()
         except Exception as exc:  # noqa: BLE001 - the Ray path always works: say why once, and use it
             self.session_note = f"{type(exc).__name__}: {exc}"
@@ -200,9 +212,13 @@ class RayExecutor:
         self.fail(err)
 
     def control_paths(self) -> list[str]:
-        """Per rank, how blocking calls with inline arguments reach it: ``"session"`` or ``"ray"``."""
-        ranks = set() if self.session is None else set(self.session.ranks)
-        return ["session" if r in ranks else "ray" for r in range(self.world_size)]
+        """Per rank, how blocking calls with inline arguments reach it: ``"session"`` (the
+        controller's ring), ``"agent"`` (its node agent's ring) or ``"ray"`` (a task per rank)."""
+        if self.session is None:
+            return ["ray"] * self.world_size
+        path = "session" if isinstance(self.session, CallSession) else "agent"
+        ranks = set(self.session.ranks)
+        return [path if r in ranks else "ray" for r in range(self.world_size)]
 
     def fail(self, err: WorkerDiedError) -> None:
         """Mark the group failed after ``err`` and kill its other processes.
@@ -300,7 +316,9 @@ class RayExecutor:
         session = self._open_session()
         if session is not None:
             if session.takes(calls):
-                pending = session.submit(role, method, calls, self.hosts.ray_calls, self.headers)
+                counts, actors = self.hosts.ray_calls, self.hosts.actors
+                after = {c.rank: counts.of(c.rank, actors[c.rank]) for c in calls}
+                pending = session.submit(role, method, calls, after, self.headers)
                 if pending is not None:  # else too big for a slot: Ray carries it
                     self.stats.add(calls=len(pending))
                     return pending
@@ -337,7 +355,7 @@ class RayExecutor:
         self, pending: Sequence[Pending], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None
     ) -> list[Any]:
         """Outputs of ``pending``; ``timeout=None`` / ``stall_warn_s=None`` mean the group's settings."""
-        if pending and isinstance(pending[0], SessionPending):
+        if pending and isinstance(pending[0], (SessionPending, AgentPending)):
             if self.session is None:  # closed since: the group failed or was shut down
                 self._check_usable(pending[0].method)
                 raise BackendError(f"{pending[0].method}: the call session closed before its answers were read")

@@ -107,8 +107,23 @@ class RayCallCount:
         return n if held is actor else 0
 
 
-def has_shared(call: RankCall) -> bool:
-    return any(isinstance(v, Shared) for v in (*call.args, *call.kwargs.values()))
+#: Inline bytes (str and bytes arguments) a session call may carry in all, so that its message
+#: always fits a command slot (headers add little; a broadcast argument is encoded once).
+INLINE_LIMIT = COMMAND_BYTES // 4
+
+
+def fits_a_session(calls: Sequence[RankCall]) -> bool:
+    """Blocking, timed by nobody later (no ``keep``), no object-store argument, small inline arguments."""
+    inline = 0
+    for call in calls:
+        if not call.blocking or call.keep:
+            return False
+        for value in (*call.args, *call.kwargs.values()):
+            if isinstance(value, Shared):
+                return False
+            if isinstance(value, (str, bytes)):
+                inline += len(value)
+    return inline <= INLINE_LIMIT
 
 
 class CallSession:
@@ -131,6 +146,7 @@ class CallSession:
         self.replies: dict[int, Ring] = {}
         self._next_id = 1
         self._owed: dict[int, list[int]] = {rank: [] for rank in self.ranks}  # sent, answers unread
+        self._given_up = threading.Event()
 
     # ----- opening and closing ----------------------------------------------------------------
 
@@ -183,17 +199,21 @@ class CallSession:
             reply.close()
         self.replies = {}
 
+    def give_up(self) -> None:
+        """From another thread: make a :meth:`fetch` in progress raise within :data:`POLL_INTERVAL`."""
+        self._given_up.set()
+
     # ----- calls -------------------------------------------------------------------------------
 
     def takes(self, calls: Sequence[RankCall]) -> bool:
         """Whether this call goes through the session (see the module docstring)."""
-        return self.ring is not None and all(
-            c.rank in self.reader_of and c.blocking and not c.keep and not has_shared(c) for c in calls
-        )
+        return self.ring is not None and all(c.rank in self.reader_of for c in calls) and fits_a_session(calls)
 
-    def submit(self, role: str | None, method: str, calls: Sequence[RankCall], ray_calls: RayCallCount,
+    def submit(self, role: str | None, method: str, calls: Sequence[RankCall], after: Mapping[int, int],
                cache: HeaderCache | None = None) -> list[SessionPending] | None:
-        """Write the call for every rank at once; ``None`` (nothing sent) if it does not fit a slot."""
+        """Write the call for every rank at once; ``None`` (nothing sent) if it does not fit a slot.
+
+        ``after[rank]``: the Ray-path calls the rank must have run first (:class:`RayCallCount`)."""
         assert self.ring is not None
         headers: list[bytes] = []
         index: dict[tuple[Any, ...], int] = {}
@@ -208,7 +228,7 @@ class CallSession:
             if at is None:
                 at = index[key] = len(headers)
                 headers.append(encode_rank_call(role, method, call, cache, fetch_mark)[0])
-            plan[self.reader_of[call.rank]] = (at, ray_calls.of(call.rank, self.actors[call.rank]))
+            plan[self.reader_of[call.rank]] = (at, after.get(call.rank, 0))
         call_id = self._next_id
         message = pickle.dumps((call_id, headers, plan), protocol=5)
         if len(message) > self.ring.spec.slot_bytes:
@@ -266,6 +286,9 @@ class CallSession:
             now = time.monotonic()
             if not waiting or (grace_end is not None and now >= grace_end):
                 break
+            if self._given_up.is_set():
+                raise RingError(f"{pending[0].method}: the call session was closed while ranks "
+                                f"{sorted(p.rank for p in waiting)} still ran it")
             if deadline is not None and now >= deadline:
                 raise timed_out(pending, waiting, timeout or 0.0, now - start, on_died, inspect)
             if warn_at is not None and now >= warn_at:
