@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
 from rankmesh.backends.ray.session import CONTROL_ENV, REPLY_BYTES  # noqa: E402
-from rankmesh.errors import HangError, WorkerDiedError, WorkerError  # noqa: E402
+from rankmesh.errors import BackendError, HangError, WorkerDiedError, WorkerError  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
 from tests import dispatch_matrix  # noqa: E402
 from tests.control_workers import ControlWorker  # noqa: E402
@@ -164,6 +164,23 @@ def test_a_replaced_rank_joins_a_new_session(ray_session):
         assert [threads_of(log) for log in wg.history()] == [{SESSION_THREAD}] * 2
     finally:
         wg.shutdown()
+
+
+def test_set_control_switches_paths_and_keeps_order(groups):
+    wg = groups["session"]
+    wg.history()
+    try:
+        wg.set_control("ray")
+        assert wg.echo("on ray") == ["on ray"] * 4
+        wg.set_control("auto")
+        assert wg.echo("on session") == ["on session"] * 4
+        logs = wg.history()
+        assert [[(m, v) for m, v, _ in log] for log in logs] == [[("echo", "on ray"), ("echo", "on session")]] * 4
+        assert all(log[0][2] != SESSION_THREAD and log[1][2] == SESSION_THREAD for log in logs)
+        with pytest.raises(BackendError, match="set_control"):
+            wg.set_control("fast")
+    finally:
+        wg.set_control("auto")
 
 
 def test_control_setting_is_checked(ray_session, monkeypatch):

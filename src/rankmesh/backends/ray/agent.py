@@ -29,7 +29,7 @@ from rankmesh.mesh import RankCoords
 from rankmesh.tracing.recorder import FETCH
 
 from .session import CallSession, fits_a_session
-from .waiting import FAIL_GRACE, PROCESS_DIED, POLL_INTERVAL, combine_errors, timed_out, warn_stall
+from .waiting import FAIL_GRACE, PROCESS_DIED, POLL_INTERVAL, timed_out, translate_error, warn_stall
 
 CONTROL_GROUP = "control"
 
@@ -79,8 +79,8 @@ class NodeAgent:
         finally:
             with self._lock:
                 self._calling = False
-                if session is not self._session:  # closed meanwhile: this thread lets it go
-                    session.close() if session is not None else None
+                if session is not None and session is not self._session:  # closed meanwhile: let it go here
+                    session.close()
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def close(self) -> None:
@@ -212,8 +212,8 @@ class AgentSession:
                 self._unread.discard(ref)
                 try:
                     answers[ref] = ray.get(ref)
-                except PROCESS_DIED as exc:  # the agent is gone, with its node
-                    failures += [(p, exc) for p in pending if p.ref == ref]
+                except PROCESS_DIED as exc:  # the agent is gone, with its node: its ranks count as dead
+                    failures += [(p, translate_error(p, exc)) for p in pending if p.ref == ref]
                     continue
                 error = answers[ref].error
                 if error is not None:
@@ -241,12 +241,7 @@ class AgentSession:
 def merge_errors(errors: Sequence[BaseException], pending: Sequence[AgentPending]) -> BaseException:
     """One error for several nodes' failures: the dead ranks of every node first, else the lowest rank's error."""
     by_rank = {p.rank: p for p in pending}
-    translated = []
-    for err in errors:
-        if not isinstance(err, RankMeshError):  # Ray's error for a whole node: its ranks are gone
-            ranks = [p for p in pending if p.node == getattr(err, "node", None)] or list(pending)
-            err = combine_errors([(p, err) for p in ranks])
-        translated.append(err)
+    translated = list(errors)
     died = [e for e in translated if isinstance(e, WorkerDiedError)]
     if died:
         ranks = sorted({r for e in died for r in e.ranks})

@@ -42,7 +42,7 @@ from .hangs import gather_hangs
 from .hosts import HostSet
 from .runtime import raylet_pids
 from .agent import AgentPending, AgentSession
-from .session import CallSession, SessionPending, control_mode
+from .session import CONTROL_MODES, CallSession, SessionPending, control_mode
 from .waiting import Pending, fetch_outputs, ready_indices
 from .wire import encode_rank_call, slot_method
 
@@ -148,7 +148,7 @@ class RayExecutor:
         #: other drivers may call their processes), the session once open, and why there is none.
         self.control = "ray" if hosts.detached else control_mode()
         self.session: CallSession | AgentSession | None = None
-        self.session_note = "RANKMESH_CONTROL=ray" if self.control == "ray" else ("detached group" if hosts.detached else "")
+        self.session_note = "detached group" if hosts.detached else ""
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
         register_store_processes(raylet_pids())
 
@@ -167,6 +167,14 @@ class RayExecutor:
 
     # ----- call sessions (.session) -----------------------------------------------------------
 
+    def set_control(self, mode: str) -> None:
+        """``"auto"`` or ``"ray"`` (see ``RayWorkerGroup.set_control``); a session stays open while on Ray."""
+        if mode not in CONTROL_MODES:
+            raise BackendError(f"set_control(mode): expected one of {', '.join(map(repr, CONTROL_MODES))}, got {mode!r}")
+        if mode == "auto" and self.hosts.detached:
+            raise BackendError("set_control('auto'): a detached group stays on the Ray path (other drivers may call its processes)")
+        self.control = mode
+
     def _open_session(self) -> CallSession | AgentSession | None:
         """The group's session, opened on first use; ``None``: Ray only.
 
@@ -174,7 +182,9 @@ class RayExecutor:
         (:class:`.session.CallSession`).  Ranks on other nodes: one agent per node serves its
         node's ring, and a call is one Ray task per node (:class:`.agent.AgentSession`).
         """
-        if self.session is not None or self.control == "ray" or self.session_note:
+        if self.control == "ray":
+            return None
+        if self.session is not None or self.session_note:
             return self.session
         info = self.hosts.info
         if len(info) != self.world_size or not all(i.get("pid") and i.get("node_id") for i in info):
@@ -204,7 +214,7 @@ class RayExecutor:
         if self.session is not None:
             self.session.close()
             self.session = None
-        if self.session_note and self.control != "ray" and not self.hosts.detached:
+        if not self.hosts.detached:
             self.session_note = ""
 
     def _session_died(self, err: WorkerDiedError) -> None:
@@ -214,7 +224,7 @@ class RayExecutor:
     def control_paths(self) -> list[str]:
         """Per rank, how blocking calls with inline arguments reach it: ``"session"`` (the
         controller's ring), ``"agent"`` (its node agent's ring) or ``"ray"`` (a task per rank)."""
-        if self.session is None:
+        if self.session is None or self.control == "ray":
             return ["ray"] * self.world_size
         path = "session" if isinstance(self.session, CallSession) else "agent"
         ranks = set(self.session.ranks)
@@ -314,17 +324,17 @@ class RayExecutor:
         if self.abandoned:
             self.settle()
         session = self._open_session()
-        if session is not None:
-            if session.takes(calls):
-                counts, actors = self.hosts.ray_calls, self.hosts.actors
-                after = {c.rank: counts.of(c.rank, actors[c.rank]) for c in calls}
-                pending = session.submit(role, method, calls, after, self.headers)
-                if pending is not None:  # else too big for a slot: Ray carries it
-                    self.stats.add(calls=len(pending))
-                    return pending
+        if session is not None and session.takes(calls):
+            counts, actors = self.hosts.ray_calls, self.hosts.actors
+            after = {c.rank: counts.of(c.rank, actors[c.rank]) for c in calls}
+            pending = session.submit(role, method, calls, after, self.headers)
+            if pending is not None:  # else too big for a slot: Ray carries it
+                self.stats.add(calls=len(pending))
+                return pending
+        if self.session is not None:  # open, whether this call may use it or not
             ranks = [c.rank for c in calls]
-            if session.owes(ranks):  # a rank runs calls in the order they were sent, whichever path
-                session.drain(ranks, self.call_timeout_s, self._session_died, self.inspect)
+            if self.session.owes(ranks):  # a rank runs calls in the order they were sent, whichever path
+                self.session.drain(ranks, self.call_timeout_s, self._session_died, self.inspect)
         counts = self.hosts.ray_calls
         pending = []
         marked = False  # a traced call's first rank sends the fetch mark (rankmesh.tracing.recorder)

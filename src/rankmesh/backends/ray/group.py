@@ -485,6 +485,16 @@ class RayWorkerGroup(WorkerGroup):
         """Run ``check()`` after every replacement (e.g. megatron's cross-check); it raises on a mismatch."""
         self._recovery.checks.append(check)
 
+    def set_control(self, mode: str) -> None:
+        """How this group's calls reach its ranks from now on: ``"auto"`` (a call session or node
+        agents where they can be used: :mod:`.session`) or ``"ray"`` (one Ray task per rank).
+
+        The environment's ``RANKMESH_CONTROL`` gives the starting mode.  Switching to ``"ray"``
+        keeps an open session for switching back (benchmarks alternate paths this way); calls stay
+        in the order they were sent across the switch.  Shared by the role groups of its processes.
+        """
+        self._executor.set_control(mode)
+
     @property
     def on_rank_death(self) -> str:
         return self._recovery.policy
