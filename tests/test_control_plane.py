@@ -5,8 +5,8 @@ Real Ray (the session's), real worker processes.  Each scenario runs on both pat
 call session) and ``ray`` (``RANKMESH_CONTROL=ray``).  Which path a call took is read from the
 worker, not from the group: a session call runs on the host's ``rankmesh-session`` thread, a
 Ray call on one of Ray's.  The dispatch modes whose calls may take the session (inline
-arguments) also run from the backend-neutral matrix on the Ray path here; ``tests/test_ray_dispatch.py``
-runs the whole matrix on the default path.
+arguments) run from the backend-neutral matrix on the Ray path in ``tests/test_control_dispatch.py``;
+``tests/test_ray_dispatch.py`` runs the whole matrix on the default path.
 """
 
 from __future__ import annotations
@@ -23,10 +23,7 @@ ray = pytest.importorskip("ray")
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
 from rankmesh.backends.ray.session import CONTROL_ENV, REPLY_BYTES  # noqa: E402
 from rankmesh.errors import BackendError, HangError, WorkerDiedError, WorkerError  # noqa: E402
-from rankmesh.mesh import RankMesh  # noqa: E402
-from tests import dispatch_matrix  # noqa: E402
 from tests.control_workers import ControlWorker  # noqa: E402
-from tests.test_ray_dispatch import HostCache  # noqa: E402
 
 PATHS = ("session", "ray")
 SESSION_THREAD = "rankmesh-session"
@@ -187,36 +184,3 @@ def test_control_setting_is_checked(ray_session, monkeypatch):
     monkeypatch.setenv(CONTROL_ENV, "fast")
     with pytest.raises(ValueError, match="RANKMESH_CONTROL='fast'"):
         RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ControlWorker))
-
-
-# ----- the dispatch modes whose calls may take a session, on the Ray path too ------------------
-
-
-@pytest.fixture(scope="module")
-def ray_path_cache(ray_session):
-    cache = HostCache()
-    yield cache
-    cache.close()
-
-
-@pytest.fixture
-def group_factory(ray_path_cache, monkeypatch):
-    """The matrix's groups with ``RANKMESH_CONTROL=ray`` (one set of processes per world size, as in test_ray_dispatch)."""
-
-    def make(worker_cls, mesh=None, *, meshes=None, init_args=(), init_kwargs=None):
-        mesh = mesh if mesh is not None else RankMesh(dp=1)
-        if mesh.world_size > 8:
-            pytest.skip("the Ray-path subset keeps to the matrix's small meshes")
-        monkeypatch.setenv(CONTROL_ENV, "ray")
-        wg = ray_path_cache.get(worker_cls, mesh, meshes, init_args, init_kwargs)
-        assert set(wg._executor.control_paths()) == {"ray"}
-        return wg
-
-    return make
-
-
-test_list_mode_routing_on_ray = dispatch_matrix.test_list_mode_routing
-test_replicated_modes_on_ray = dispatch_matrix.test_replicated_modes
-test_execute_rank_zero_mode_on_ray = dispatch_matrix.test_execute_rank_zero_mode
-test_all_to_all_on_ray = dispatch_matrix.test_all_to_all
-
