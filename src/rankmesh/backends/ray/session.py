@@ -266,10 +266,14 @@ class CallSession:
         failures: list[tuple[SessionPending, BaseException]] = []
         exited: set[int] = set()  # ranks whose host process exited: dead unless their answer is in
         waiting = list(pending)
+        look: set[int] | None = None  # the ranks to poll: all at first, then those whose doorbell rang or who exited
         grace_end = None
         while waiting:
             still = []
             for p in waiting:
+                if look is not None and p.rank not in look:
+                    still.append(p)
+                    continue
                 answer = self._answer(p)
                 if answer is not None:
                     if answer[0] != ERROR:
@@ -294,7 +298,9 @@ class CallSession:
             if warn_at is not None and now >= warn_at:
                 warn_at = None
                 warn_stall(pending, waiting, stall_warn_s or 0.0, now - start, inspect)
-            exited |= self._wait(waiting, [t for t in (deadline, warn_at, grace_end) if t is not None])
+            rang, gone = self._wait(waiting, [t for t in (deadline, warn_at, grace_end) if t is not None])
+            exited |= gone
+            look = (rang | exited) if rang or exited else None
         if not waiting:
             FETCH.ready_ns = time.time_ns()
         if failures:
@@ -328,19 +334,23 @@ class CallSession:
             return ray.get(self.actors[p.rank].take_parked.remote(p.call_id))
         return value
 
-    def _wait(self, waiting: Sequence[SessionPending], limits: Sequence[float]) -> set[int]:
-        """Sleep until an answer may be in or a host exits (at most :data:`POLL_INTERVAL`); the exited hosts' ranks."""
+    def _wait(self, waiting: Sequence[SessionPending], limits: Sequence[float]) -> tuple[set[int], set[int]]:
+        """Sleep until an answer may be in or a host exits (at most :data:`POLL_INTERVAL`).
+
+        Returns the ranks whose doorbell rang and those whose host exited.
+        """
         left = min([POLL_INTERVAL, *(t - time.monotonic() for t in limits)])
-        fds = {fd: p for p in waiting for fd in self.replies[p.rank].wait_fds()}
+        fds = {fd: p.rank for p in waiting for fd in self.replies[p.rank].wait_fds()}
         readable, _, _ = select.select(list(fds), [], [], max(0.0, left))
-        exited = set()
+        rang, exited = set(), set()
         for fd in readable:
-            p = fds[fd]
+            rank = fds[fd]
             try:
-                self.replies[p.rank].check_peers([fd])
+                self.replies[rank].check_peers([fd])
+                rang.add(rank)
             except RingPeerDied:
-                exited.add(p.rank)
-        return exited
+                exited.add(rank)
+        return rang, exited
 
     def _died(self, p: SessionPending) -> WorkerDiedError:
         return WorkerDiedError(p.rank, p.method, f"its process (pid {self.pids[p.rank]}) exited", p.node,
