@@ -30,12 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -147,18 +145,11 @@ def shm() -> set[str]:
 def kill_rank_drill() -> dict:
     """SIGKILL rank 1 of a 4-rank session group inside a 10 s call: how long until the call raises."""
     from rankmesh.errors import WorkerDiedError
+    from tests.control_workers import kill_after
 
     before = shm()
     wg = make_group([4])
-    victim = pids(wg)[1]
-    killed = {}
-
-    def kill() -> None:
-        time.sleep(0.5)
-        killed["at"] = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-
-    threading.Thread(target=kill, daemon=True).start()
+    killed = kill_after(pids(wg)[1], 0.5)
     try:
         wg.sleep(10.0)
         raise SystemExit("the call outlived its killed rank")

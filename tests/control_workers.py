@@ -8,6 +8,7 @@ by what the group says of itself.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -69,3 +70,17 @@ class ControlWorker(Worker):
     @register(Dispatch.DP_COMPUTE)
     def per_rank(self, value: int) -> int:
         return value * 10 + self.rank
+
+
+def kill_after(pid: int, seconds: float) -> dict:
+    """SIGKILL ``pid`` after ``seconds``, from a thread of its own; the dict gets ``"at"``
+    (``time.monotonic()`` of the kill) when it happens, to time how soon the caller hears of it."""
+    killed: dict = {}
+
+    def kill() -> None:
+        time.sleep(seconds)
+        killed["at"] = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+    return killed

@@ -17,13 +17,11 @@ PATHS = ("agent", "ray")
 def scenarios(cluster) -> dict:
     """Runs inside the driver process: every scenario on both paths, one report."""
     import os
-    import signal
-    import threading
     import time
 
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from rankmesh.errors import WorkerDiedError, WorkerError
-    from tests.control_workers import ControlWorker
+    from tests.control_workers import ControlWorker, kill_after
 
     report: dict = {}
     for path in PATHS:
@@ -45,15 +43,7 @@ def scenarios(cluster) -> dict:
         except WorkerError as exc:
             got["error"] = {"rank": exc.rank, "text": str(exc)}
         got["after_error"] = wg.echo(1)
-        victim = wg._hosts.info[5]["pid"]
-        killed: dict = {}
-
-        def kill() -> None:
-            time.sleep(0.5)
-            killed["at"] = time.monotonic()
-            os.kill(victim, signal.SIGKILL)
-
-        threading.Thread(target=kill, daemon=True).start()
+        killed = kill_after(wg._hosts.info[5]["pid"], 0.5)
         try:
             wg.sleep(20.0)
         except WorkerDiedError as exc:

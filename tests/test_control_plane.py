@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -23,7 +22,7 @@ ray = pytest.importorskip("ray")
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
 from rankmesh.backends.ray.session import CONTROL_ENV, REPLY_BYTES  # noqa: E402
 from rankmesh.errors import BackendError, HangError, WorkerDiedError, WorkerError  # noqa: E402
-from tests.control_workers import ControlWorker  # noqa: E402
+from tests.control_workers import ControlWorker, kill_after  # noqa: E402
 
 PATHS = ("session", "ray")
 SESSION_THREAD = "rankmesh-session"
@@ -128,15 +127,7 @@ def test_a_rank_killed_mid_call_is_named_within_two_seconds(ray_session, path):
     wg = make_group(path)
     try:
         wg.echo(0)
-        victim = wg._hosts.info[1]["pid"]
-        killed = {}
-
-        def kill() -> None:
-            time.sleep(0.5)
-            killed["at"] = time.monotonic()
-            os.kill(victim, signal.SIGKILL)
-
-        threading.Thread(target=kill, daemon=True).start()
+        killed = kill_after(wg._hosts.info[1]["pid"], 0.5)
         with pytest.raises(WorkerDiedError) as info:
             wg.sleep(20.0)
         assert time.monotonic() - killed["at"] < 2.0
