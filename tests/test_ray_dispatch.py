@@ -194,7 +194,16 @@ class _Recorder:
 
 
 def test_repeated_calls_run_without_a_header_argument(holder_group, monkeypatch):
+    """The Ray path's call slots (``RANKMESH_CONTROL=ray``; a call session would carry the plain calls)."""
     ex = holder_group.executor
+    holder_group.set_control("ray")
+    try:
+        _slots_on_the_ray_path(holder_group, ex, monkeypatch)
+    finally:
+        holder_group.set_control("auto")
+
+
+def _slots_on_the_ray_path(holder_group, ex, monkeypatch) -> None:
     log: list[str] = []
     # New handles are new processes to the header cache: each rank gets the header installed again.
     monkeypatch.setattr(ex.hosts, "actors", [_Recorder(a, log) for a in ex.hosts.actors])
