@@ -7,14 +7,17 @@ Ray path (one Ray task per rank) with ``wg.set_control``, in blocks of ``--block
 one run (the machine is shared and noisy).  For each N this prints:
 
 * p50 and p99 of a no-op round trip (``wg.noop()``, a real ``@register`` method);
-* the controller's CPU per call (``time.process_time`` of the controller process over the blocks);
+* the controller's CPU per call (``time.process_time`` of the controller process over the blocks), and
+  the ranks' CPU per call, all ranks together (their processes' CPU times over the blocks);
 * start skew: the spread of the ranks' entry times into ``stamp()``;
 * the first call after ``--idle-s`` of idleness, and the ranks' CPU over ``--idle-cpu-s``
   after their last call (largest N only).
 
 ``--cluster`` does the same on a simulated cluster (``ray.cluster_utils.Cluster`` on loopback)
 for groups of NODES x RANKS, through node agents, and fits ``a + b·nodes + c·ranks`` to the
-controller's CPU and to the p50 round trip, extrapolated to 1,024 nodes x 8 ranks.
+controller's CPU and to the p50 round trip, extrapolated to 1,024 nodes x 8 ranks.  With
+``--fanout F`` the agents are also measured in a tree ``F`` wide (``agent_fanout``), and a tree
+model (the controller's CPU per send and per rank, the tree's depth) is extrapolated to 1,024 nodes.
 
 ``--kill`` adds the failure drill: a rank SIGKILLed mid-call (time to the group's error), and
 the controller SIGKILLed (time until its ranks' processes are gone), with ``/dev/shm`` listed
@@ -23,6 +26,7 @@ before and after.
     python scripts/bench_control_plane.py                      # N = 1, 2, 4, 8, 16; 1000 calls each
     python scripts/bench_control_plane.py --ranks 8 --calls 200 --kill
     python scripts/bench_control_plane.py --cluster 1x2,2x2,4x2,8x2,2x4,4x4 --calls 300
+    python scripts/bench_control_plane.py --cluster 2x2,4x2,8x2 --fanout 2 --calls 300   # and a tree 2 wide
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import psutil  # noqa: E402
 
 PATHS = ("session", "ray")
+TREE_PATHS = ("agent", "tree", "ray")  # --cluster with --fanout: flat agents, agents in a tree, Ray
 
 
 def make_group(pool_nodes: list[int]):
@@ -62,10 +67,18 @@ def make_group(pool_nodes: list[int]):
     return wg
 
 
-def use(wg, path: str) -> str:
-    """Switch ``wg`` to ``path`` (``session`` means the group's session or agents); the path it reports."""
-    wg.set_control("ray" if path == "ray" else "auto")
-    return wg._executor.control_paths()[0]
+def use(wg, path: str, fanout: int | None = None) -> str:
+    """Switch ``wg`` to ``path`` (``session``/``agent``: the group's session or flat agents; ``tree``:
+    agents ``fanout`` wide) and make one call (which opens agents restarted in a new tree); the path it reports."""
+    from rankmesh.backends.ray.agent import AGENT_FANOUT
+
+    if path == "ray":
+        wg.set_control("ray")
+    else:
+        wg.set_control("auto", agent_fanout=fanout if path == "tree" else AGENT_FANOUT)
+    wg.noop()
+    reported = wg._executor.control_paths()[0]
+    return "tree" if path == "tree" and reported == "agent" else reported
 
 
 def pids(wg) -> list[int]:
@@ -81,15 +94,18 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def block(wg, n: int) -> tuple[list[float], float]:
-    """``n`` back-to-back no-op calls: their round trips, and the controller's CPU seconds."""
+def block(wg, n: int) -> tuple[list[float], float, float]:
+    """``n`` back-to-back no-op calls: their round trips, the controller's CPU seconds and the ranks' (all together)."""
     times = []
+    ranks = pids(wg)
+    ranks_cpu = cpu_s(ranks)
     cpu = time.process_time()
     for _ in range(n):
         start = time.perf_counter()
         wg.noop()
         times.append(time.perf_counter() - start)
-    return times, time.process_time() - cpu
+    cpu = time.process_time() - cpu
+    return times, cpu, cpu_s(ranks) - ranks_cpu
 
 
 def skew(wg, samples: int) -> list[float]:
@@ -101,29 +117,32 @@ def skew(wg, samples: int) -> list[float]:
     return out
 
 
-def measure(wg, label: dict, args: argparse.Namespace, idle: bool) -> list[dict]:
-    """Both paths on one group, alternating by block: one row per path."""
-    times = {p: [] for p in PATHS}
-    cpu = {p: 0.0 for p in PATHS}
-    skews = {p: [] for p in PATHS}
+def measure(wg, label: dict, args: argparse.Namespace, idle: bool, paths: tuple[str, ...] = PATHS) -> list[dict]:
+    """Every path of ``paths`` on one group, alternating by block: one row per path."""
+    times = {p: [] for p in paths}
+    cpu = {p: 0.0 for p in paths}
+    ranks_cpu = {p: 0.0 for p in paths}
+    skews = {p: [] for p in paths}
     reported = {}
-    for path in PATHS:  # warm up
-        use(wg, path)
+    for path in paths:  # warm up
+        use(wg, path, args.fanout)
         block(wg, args.block)
     for _ in range(max(1, args.calls // args.block)):
-        for path in PATHS:
-            reported[path] = use(wg, path)
-            t, c = block(wg, args.block)
+        for path in paths:
+            reported[path] = use(wg, path, args.fanout)
+            t, c, rc = block(wg, args.block)
             times[path] += t
             cpu[path] += c
+            ranks_cpu[path] += rc
             skews[path] += skew(wg, 10)
     rows = []
-    for path in PATHS:
+    for path in paths:
         row = {**label, "path": reported[path], "p50_ms": 1e3 * statistics.median(times[path]),
                "p99_ms": 1e3 * pct(times[path], 0.99), "controller_cpu_ms": 1e3 * cpu[path] / len(times[path]),
+               "ranks_cpu_ms": 1e3 * ranks_cpu[path] / len(times[path]),
                "skew_p50_ms": statistics.median(skews[path]), "skew_p99_ms": pct(skews[path], 0.99)}
         if idle:
-            use(wg, path)
+            use(wg, path, args.fanout)
             after = []
             for _ in range(args.idle_samples):
                 time.sleep(args.idle_s)
@@ -223,13 +242,13 @@ def fit(rows: list[dict], key: str) -> tuple[float, float, float]:
 
 def print_rows(rows: list[dict], cluster: bool) -> None:
     first = f"{'nodes':>5} " if cluster else ""
-    print(f"{first}{'ranks':>5} {'path':>8} {'p50 ms':>8} {'p99 ms':>8} {'ctl CPU ms':>10} {'skew p50':>9} {'skew p99':>9}"
+    print(f"{first}{'ranks':>5} {'path':>8} {'p50 ms':>8} {'p99 ms':>8} {'ctl CPU ms':>10} {'ranks CPU':>9} {'skew p50':>9} {'skew p99':>9}"
           f" {'after idle':>10} {'idle CPU/rank':>13}")
     for r in rows:
         idle = f"{r['after_idle_ms']:10.3f} {r['idle_cpu_per_rank']:13.2%}" if "after_idle_ms" in r else ""
         first = f"{r['nodes']:5d} " if cluster else ""
         print(f"{first}{r['ranks']:5d} {r['path']:>8} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['controller_cpu_ms']:10.3f} "
-              f"{r['skew_p50_ms']:9.3f} {r['skew_p99_ms']:9.3f} {idle}")
+              f"{r['ranks_cpu_ms']:9.3f} {r['skew_p50_ms']:9.3f} {r['skew_p99_ms']:9.3f} {idle}")
 
 
 def one_node(args: argparse.Namespace) -> dict:
@@ -267,18 +286,21 @@ def cluster(args: argparse.Namespace) -> dict:
     nodes_needed = max(n for n, _ in shapes)
     cpus = max(r for _, r in shapes)
     loopback_cluster([{"num_cpus": cpus, "object_store_memory": 96 << 20}] * nodes_needed, logging_level="ERROR")
+    paths = TREE_PATHS if args.fanout else ("agent", "ray")
     rows = []
     for nodes, ranks_per_node in shapes:
         wg = make_group([ranks_per_node] * nodes)
         try:
-            for row in measure(wg, {"nodes": nodes, "ranks": nodes * ranks_per_node}, args, idle=False):
-                rows.append(row)
+            rows += measure(wg, {"nodes": nodes, "ranks": nodes * ranks_per_node}, args, idle=False, paths=paths)
         finally:
             wg.shutdown()
     print("agent: one Ray task per node per call, each node's agent writes its ring; ray: one Ray task per rank")
+    if args.fanout:
+        print(f"tree: the agents in a tree {args.fanout} wide (the controller sends to {args.fanout}, each agent forwards to "
+              f"{args.fanout})")
     print_rows(rows, cluster=True)
     out: dict = {"rows": rows, "models": {}}
-    for path in ("agent", "ray"):
+    for path in paths:
         mine = [r for r in rows if r["path"] == path]
         for key in ("controller_cpu_ms", "p50_ms"):
             a, b, c = fit(mine, key)
@@ -286,7 +308,44 @@ def cluster(args: argparse.Namespace) -> dict:
             out["models"][f"{path} {key}"] = {"a": a, "per_node": b, "per_rank": c, "1024x8": at_scale}
             print(f"{path:>5} {key:>17} ≈ {a:.3f} + {b:.3f}·nodes + {c:.3f}·ranks ms  -> 1,024 nodes x 8 ranks: "
                   f"{at_scale:.1f} ms (Monarch's cast: 5.76 ms p50)")
+    if args.fanout:
+        out["tree_model"] = tree_model([r for r in rows if r["path"] == "tree"], args.fanout)
     return out
+
+
+def tree_model(rows: list[dict], fanout: int) -> dict:
+    """The tree's cost model, fitted to the tree rows: the controller's CPU per call
+    ``a + b·tops + c·ranks`` (``tops``: the agents it sends to, at most ``fanout``; ``b``: one
+    send; ``c``: its own work per rank, splitting and gathering).  Extrapolated to 1,024 nodes x 8
+    ranks for fanouts 8 and 16: the controller's CPU, and when the last node gets its share (the
+    controller's work, then ``depth`` levels that each send ``fanout`` tasks one after another),
+    beside Monarch's 5.76 ms."""
+    import numpy as np
+
+    from rankmesh.backends.ray.agent import agent_tree
+
+    def shape(nodes: int, f: int) -> tuple[int, int]:
+        tops, children = agent_tree(list(range(nodes)), f)
+        depth, level = 1, tops
+        while any(children[n] for n in level):
+            level = [c for n in level for c in children[n]]
+            depth += 1
+        return len(tops), depth
+
+    x = np.array([[1.0, shape(r["nodes"], fanout)[0], r["ranks"]] for r in rows])
+    y = np.array([r["controller_cpu_ms"] for r in rows])
+    (a, b, c), *_ = np.linalg.lstsq(x, y, rcond=None)
+    model: dict = {"a": float(a), "per_send": float(b), "per_rank": float(c)}
+    print(f" tree controller_cpu_ms ≈ {a:.3f} + {b:.3f}·tops + {c:.3f}·ranks ms")
+    for f in (8, 16):
+        depth = shape(1024, f)[1]
+        cpu = a + f * b + 8192 * c
+        last = cpu + depth * f * b
+        model[f"1024x8 fanout {f}"] = {"controller_cpu_ms": float(cpu), "depth": depth, "last_node_ms": float(last),
+                                        "of_which_per_rank_ms": float(8192 * c)}
+        print(f"tree fanout {f}, 1,024 nodes x 8 ranks: controller CPU ≈ {cpu:.1f} ms per call ({8192 * c:.1f} ms of it "
+              f"per rank); {depth} levels; last node's share sent after ≈ {last:.1f} ms (Monarch's cast: 5.76 ms p50)")
+    return model
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -299,6 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--idle-s", type=float, default=1.0, help="idleness before each 'after idle' call")
     ap.add_argument("--idle-samples", type=int, default=5)
     ap.add_argument("--idle-cpu-s", type=float, default=10.0, help="how long the ranks' idle CPU is measured")
+    ap.add_argument("--fanout", type=int, help="with --cluster: also measure the agents in a tree this wide")
     ap.add_argument("--kill", action="store_true", help="also run the SIGKILL drills (one node)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)

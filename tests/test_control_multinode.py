@@ -3,15 +3,17 @@
 The scenarios run in the shared simulated cluster's driver process (``simulated_cluster``,
 tests/drivers.py), which returns one JSON report.  A 6-rank group spans ``node_a`` (4 ranks)
 and ``node_c`` (2 ranks); the driver sits on the CPU-less head, so no rank shares its node and
-every rank is served by its node's agent.  The same scenarios run with ``RANKMESH_CONTROL=ray``.
-Which path a call took is read from the workers (the thread that ran it), not from the group.
+every rank is served by its node's agent.  The same scenarios run with the agents in a tree
+(``agent_fanout=1``: the controller sends to ``node_a``'s agent, which forwards ``node_c``'s share),
+and with ``RANKMESH_CONTROL=ray``.  Which path a call took is read from the workers (the thread
+that ran it), not from the group.
 """
 
 from __future__ import annotations
 
 import pytest
 
-PATHS = ("agent", "ray")
+PATHS = ("agent", "tree", "ray")
 
 
 def scenarios(cluster) -> dict:
@@ -25,10 +27,13 @@ def scenarios(cluster) -> dict:
 
     report: dict = {}
     for path in PATHS:
-        os.environ["RANKMESH_CONTROL"] = "auto" if path == "agent" else "ray"
+        os.environ["RANKMESH_CONTROL"] = "ray" if path == "ray" else "auto"
         wg = RayWorkerGroup(RayResourcePool([4, 2], use_gpu=False), RayClassWithInitArgs(ControlWorker))
+        if path == "tree":
+            wg.set_control("auto", agent_fanout=1)
         got: dict = {}
         got["echo"] = wg.echo("x")
+        got["tops"] = len(getattr(wg._executor.session, "tops", []))
         got["threads"] = [sorted({t for _, _, t in log}) for log in wg.history()]
         got["paths"] = wg._executor.control_paths()
         got["agents"] = len(getattr(wg._executor.session, "agents", {}))
@@ -64,10 +69,11 @@ def test_a_group_across_nodes_runs_every_call_on_both_paths(report, path):
     got = report[path]
     assert got["echo"] == ["x"] * 6
     assert got["nodes"] == 2
-    assert got["paths"] == [path] * 6
-    assert got["agents"] == (2 if path == "agent" else 0)
+    assert got["paths"] == ["ray" if path == "ray" else "agent"] * 6
+    assert got["agents"] == (0 if path == "ray" else 2)
+    assert got["tops"] == {"agent": 2, "tree": 1, "ray": 0}[path]  # agents the controller sends to
     session_thread = [["rankmesh-session"]] * 6
-    assert (got["threads"] == session_thread) == (path == "agent")
+    assert (got["threads"] == session_thread) == (path != "ray")
     assert got["per_rank"] == [10, 21, 32, 43, 54, 65]  # value * 10 + rank, by hand
     assert got["order"] == [[["slow", "first"], ["echo", "second"]]] * 6  # JSON turns tuples into lists
     assert got["error"]["rank"] == 4 and "rank 4 refuses" in got["error"]["text"]
@@ -79,4 +85,17 @@ def test_a_rank_killed_on_another_node_is_named_within_two_seconds(report, path)
     """The agent sees the rank's pidfd at once; Ray's own detection (the fallback) may take longer."""
     died = report[path]["died"]
     assert died["ranks"] == [5]
-    assert died["after_s"] < (2.0 if path == "agent" else 10.0)
+    assert died["after_s"] < (10.0 if path == "ray" else 2.0)
+
+
+def test_the_agent_tree_is_breadth_first_with_fanout_children_each():
+    """Hand-derived: 7 nodes, fanout 2 -> tops a, b; a: c, d; b: e, f; c: g."""
+    from rankmesh.backends.ray.agent import agent_tree, subtree
+
+    tops, children = agent_tree(list("abcdefg"), 2)
+    assert tops == ["a", "b"]
+    assert children == {"a": ["c", "d"], "b": ["e", "f"], "c": ["g"], "d": [], "e": [], "f": [], "g": []}
+    assert subtree("a", children) == ["a", "c", "d", "g"] and subtree("b", children) == ["b", "e", "f"]
+    assert agent_tree(list("abc"), 8) == (["a", "b", "c"], {"a": [], "b": [], "c": []})  # flat
+    with pytest.raises(ValueError, match="fanout"):
+        agent_tree(["a"], 0)

@@ -139,8 +139,10 @@ def test_a_rank_killed_mid_call_is_named_within_two_seconds(ray_session, path):
     assert set(os.listdir("/dev/shm")) - before == set()
 
 
-def test_a_replaced_rank_joins_a_new_session(ray_session):
-    wg = make_group("session", world=2, on_rank_death="replace")
+@pytest.mark.parametrize("path", PATHS)
+def test_a_replaced_rank_joins_the_group_on_its_path(ray_session, path):
+    """After a replacement the session path opens a new session with the new process."""
+    wg = make_group(path, world=2, on_rank_death="replace")
     try:
         wg.echo(0)
         old = wg._hosts.info[1]["pid"]
@@ -149,7 +151,8 @@ def test_a_replaced_rank_joins_a_new_session(ray_session):
         assert wg._hosts.info[1]["pid"] != old
         wg.history()
         assert wg.echo("next") == ["next"] * 2
-        assert [threads_of(log) for log in wg.history()] == [{SESSION_THREAD}] * 2
+        threads = [threads_of(log) for log in wg.history()]
+        assert (threads == [{SESSION_THREAD}] * 2) == (path == "session"), threads
     finally:
         wg.shutdown()
 

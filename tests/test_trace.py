@@ -393,12 +393,14 @@ def phases_of(spans: list[dict], call: dict) -> dict[str, dict]:
     }
 
 
-def test_ray_fetch_phase_starts_when_the_last_rank_is_done(ray_groups, tmp_path):
+@pytest.mark.parametrize("control", ["auto", "ray"])
+def test_ray_fetch_phase_starts_when_the_last_rank_is_done(ray_groups, tmp_path, control):
     """``wait`` lasts until the slowed rank is done, ``fetch`` follows it, with the bytes fetched.
 
     Rank 0 (whose output carries the fetch mark) answers at once and rank 5 sleeps: if the
     mark were read when rank 0's output arrived, ``wait`` would be shorter than rank 5's sleep.
-    Checked with a short sleep (one ``ray.get``) and one past the polling slice (sliced wait).
+    Checked with a short sleep (one wait) and one past the polling slice (sliced wait), with
+    ``nap`` (inline arguments) taking the call session (``auto``) or one Ray task per rank.
     """
     from rankmesh.backends.ray.waiting import POLL_INTERVAL
 
@@ -406,10 +408,15 @@ def test_ray_fetch_phase_starts_when_the_last_rank_is_done(ray_groups, tmp_path)
     path = tmp_path / "fetch.json"
     data = batch(16)
     naps = (SLOW_S, POLL_INTERVAL + 0.3)
-    with trace(path):
-        out = trainer.compute(data)
-        for seconds in naps:
-            assert trainer.nap(seconds) == list(range(8))
+    trainer.set_control(control)
+    try:
+        with trace(path):
+            out = trainer.compute(data)
+            for seconds in naps:
+                assert trainer.nap(seconds) == list(range(8))
+        assert trainer.transport_info()[5]["control"] == ("session" if control == "auto" else "ray")
+    finally:
+        trainer.set_control("auto")
     assert torch.equal(out.batch["x"], data.batch["x"])
     doc = json.loads(path.read_text())
     check_trace_event_format(doc)

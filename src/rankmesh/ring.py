@@ -7,7 +7,7 @@ the controller for its own node) puts one message, and each reader (a rank's hos
 takes it from the same pages.  This module is that channel alone, with no Ray and no rankmesh
 call format in it (the design notes: ``../shared/notes/low_latency_paths.md``, section 4).
 
-**Layout.** One memfd, mapped by every party: a header (magic, sizes, the abort flag), then
+**Layout.** One memfd, mapped by every party: a header (magic, sizes, the abort and waiting flags), then
 ``slots`` slots, each a sequence number, a length, one "read" flag per reader and
 ``slot_bytes`` of payload.  Message ``k`` (0-based) goes to slot ``k % slots``.
 
@@ -22,8 +22,10 @@ such machines rather than risk a torn read.
 **Waiting.**  Every wait spins for at most ``spin_s`` (0 by default when there are more readers
 than cores: 8 ranks share 2 cores here, and a spinning reader starves the one that should run),
 then blocks in ``select`` on the party's eventfd doorbell and the peers' pidfds.  The writer
-rings each reader's doorbell after publishing; a reader rings the writer's after setting a flag
-on a full ring.  Every wait has a deadline (:class:`~rankmesh.errors.RingTimeout`); a peer that
+rings each reader's doorbell after publishing; a reader rings the writer's only while the writer
+says it waits for a free slot (a flag in the header), which saves a system call per message on
+both sides.  Without a fence the writer's flag and a reader's may cross unseen, so a waiting
+writer also looks again every :data:`WRITER_SLICE_S`.  Every wait has a deadline (:class:`~rankmesh.errors.RingTimeout`); a peer that
 exits (its pidfd becomes readable) raises :class:`~rankmesh.errors.RingPeerDied` naming it at
 once, and :meth:`Ring.abort` by any party makes every waiter raise.  Idle, a reader blocks in the
 kernel: no CPU.
@@ -53,13 +55,20 @@ from typing import Sequence
 from rankmesh.errors import RingError, RingPeerDied, RingTimeout
 
 MAGIC = 0x524D5247  # "RMRG"
-HEADER = struct.Struct("<IIIII")  # magic, readers, slots, slot_bytes, aborted
+HEADER = struct.Struct("<IIIII")  # magic, readers, slots, slot_bytes, aborted; then the writer's waiting flag (WAITING_AT)
 SEQ_LEN = struct.Struct("<QQ")  # a slot's sequence number (k + 1 once message k is in) and payload length
+U64 = struct.Struct("<Q")
 HEADER_BYTES = 64
 MAX_READERS = 64
 #: Longest a blocked wait sleeps before it looks at the abort flag again (seconds); an abort also
 #: rings every doorbell, so this only bounds how long a lost wake-up could go unnoticed.
 POLL_SLICE_S = 1.0
+#: How often a writer waiting for a free slot looks again: readers ring its doorbell only while it
+#: says it waits (``WAITING_AT``), and without a fence the two parties' flags can cross unseen.
+WRITER_SLICE_S = 0.005
+ABORTED_AT = 16  # header offsets: the abort flag, and the writer's "I wait for a free slot" flag
+WAITING_AT = 20
+U32 = struct.Struct("<I")
 
 
 def check_platform() -> None:
@@ -114,6 +123,7 @@ class Ring:
         cores = os.cpu_count() or 1
         self.spin_s = (20e-6 if spec.readers < cores else 0.0) if spin_s is None else spin_s
         self._all_read = b"\x01" * spec.readers
+        self._bases = [HEADER_BYTES + slot * spec.slot_stride for slot in range(spec.slots)]
         self._release = weakref.finalize(self, Ring._free, self._mm, self._fds, self._peers)
 
     # ----- making and sharing ---------------------------------------------------------------
@@ -173,13 +183,19 @@ class Ring:
                             "band (the object store) and put a reference in the ring")
         slot = self._next % self.spec.slots
         flags = self._flags(slot)
-        self._wait(lambda: self._mm[flags] == self._all_read, timeout, "a free slot (every reader done with it)")
-        base = self._slot(slot)
-        self._mm[flags] = bytes(self.spec.readers)
+        mm, all_read = self._mm, self._all_read
+        if mm[flags] != all_read:
+            U32.pack_into(mm, WAITING_AT, 1)
+            try:
+                self._wait(lambda: mm[flags] == all_read, timeout, "a free slot (every reader done with it)", WRITER_SLICE_S)
+            finally:
+                U32.pack_into(mm, WAITING_AT, 0)
+        base = self._bases[slot]
+        mm[flags] = bytes(self.spec.readers)
         body = base + SEQ_LEN.size + MAX_READERS
-        self._mm[body:body + size] = payload
-        struct.pack_into("<Q", self._mm, base + 8, size)
-        struct.pack_into("<Q", self._mm, base, self._next + 1)  # published last
+        mm[body:body + size] = payload
+        U64.pack_into(mm, base + 8, size)
+        U64.pack_into(mm, base, self._next + 1)  # published last
         for bell in self._reader_bells:
             os.eventfd_write(bell, 1)
         self._next += 1
@@ -190,28 +206,34 @@ class Ring:
         if self.reader is None:
             raise RingError("the writer cannot read its own ring")
         self._check_alive()
-        slot = self._next % self.spec.slots
-        base = self._slot(slot)
-        want = self._next + 1
-        self._wait(lambda: struct.unpack_from("<Q", self._mm, base)[0] == want, timeout, f"message {self._next}")
-        size = struct.unpack_from("<Q", self._mm, base + 8)[0]
-        body = base + SEQ_LEN.size + MAX_READERS
-        out = self._mm[body:body + size]
-        self._mm[self._flags(slot).start + self.reader] = 1
-        os.eventfd_write(self._writer_bell, 1)  # the writer may be waiting for this slot
-        self._next += 1
-        return out
+        base = self._bases[self._next % self.spec.slots]
+        want, mm = self._next + 1, self._mm
+        if U64.unpack_from(mm, base)[0] != want:
+            self._wait(lambda: U64.unpack_from(mm, base)[0] == want, timeout, f"message {self._next}")
+        return self._take(base)
 
     def poll(self) -> bytes | None:
         """The next message if it is in (a copy), else ``None`` at once: for a party that waits on
         several rings together (:meth:`wait_fds`, then ``select``) instead of blocking on one."""
         if self.reader is None:
             raise RingError("the writer cannot read its own ring")
-        self._check_alive()
-        base = self._slot(self._next % self.spec.slots)
-        if struct.unpack_from("<Q", self._mm, base)[0] != self._next + 1:
+        base = self._bases[self._next % self.spec.slots]
+        if U64.unpack_from(self._mm, base)[0] != self._next + 1:
+            self._check_alive()
             return None
-        return self.read(timeout=0)
+        return self._take(base)
+
+    def _take(self, base: int) -> bytes:
+        """Copy out the message published at ``base`` and mark it read by this reader."""
+        mm = self._mm
+        size = U64.unpack_from(mm, base + 8)[0]
+        body = base + SEQ_LEN.size + MAX_READERS
+        out = mm[body:body + size]
+        mm[base + SEQ_LEN.size + self.reader] = 1
+        if U32.unpack_from(mm, WAITING_AT)[0]:  # the writer waits for a free slot: maybe this one
+            os.eventfd_write(self._writer_bell, 1)
+        self._next += 1
+        return out
 
     def wait_fds(self) -> list[int]:
         """What to ``select`` on to wake when this party may go on: its doorbell, then its peers' pidfds."""
@@ -234,7 +256,7 @@ class Ring:
 
         A no-op once this party has closed its end."""
         try:
-            struct.pack_into("<I", self._mm, 16, 1)
+            U32.pack_into(self._mm, ABORTED_AT, 1)
         except (TypeError, ValueError):  # closed (by another thread of this party, too)
             return
         for bell in [self._writer_bell, *self._reader_bells]:
@@ -242,7 +264,7 @@ class Ring:
 
     @property
     def aborted(self) -> bool:
-        return struct.unpack_from("<I", self._mm, 16)[0] != 0
+        return U32.unpack_from(self._mm, ABORTED_AT)[0] != 0
 
     def close(self) -> None:
         """Unmap and close this party's fds (the kernel frees the ring with the last one).
@@ -267,14 +289,11 @@ class Ring:
         if self.aborted:
             raise RingError("the ring was aborted by one of its parties; open a new one")
 
-    def _slot(self, slot: int) -> int:
-        return HEADER_BYTES + slot * self.spec.slot_stride
-
     def _flags(self, slot: int) -> slice:
-        start = self._slot(slot) + SEQ_LEN.size
+        start = self._bases[slot] + SEQ_LEN.size
         return slice(start, start + self.spec.readers)
 
-    def _wait(self, ready, timeout: float | None, what: str) -> None:
+    def _wait(self, ready, timeout: float | None, what: str, slice_s: float = POLL_SLICE_S) -> None:
         """Until ``ready()``: spin up to ``spin_s``, then block on the doorbell and the peers' pidfds."""
         if ready():
             return
@@ -289,7 +308,7 @@ class Ring:
         while True:
             if self.aborted:
                 raise RingError(f"the ring was aborted while this party waited for {what}")
-            left = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - time.monotonic())
+            left = slice_s if deadline is None else min(slice_s, deadline - time.monotonic())
             if left <= 0:
                 party = "writer" if self.reader is None else f"reader {self.reader}"
                 raise RingTimeout(f"ring {party}: no {what} within {timeout:g} s")

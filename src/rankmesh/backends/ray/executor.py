@@ -41,7 +41,7 @@ from rankmesh.sharedmem import register_store_processes
 from .hangs import gather_hangs
 from .hosts import HostSet
 from .runtime import raylet_pids
-from .agent import AgentPending, AgentSession
+from .agent import AGENT_FANOUT, AgentPending, AgentSession
 from .session import CONTROL_MODES, CallSession, SessionPending, control_mode
 from .waiting import Pending, fetch_outputs, ready_indices
 from .wire import encode_rank_call, slot_method
@@ -147,6 +147,7 @@ class RayExecutor:
         #: Whether this group may open a call session (``RANKMESH_CONTROL``; detached groups never do:
         #: other drivers may call their processes), the session once open, and why there is none.
         self.control = "ray" if hosts.detached else control_mode()
+        self.agent_fanout = AGENT_FANOUT
         self.session: CallSession | AgentSession | None = None
         self.session_note = "detached group" if hosts.detached else ""
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
@@ -167,12 +168,23 @@ class RayExecutor:
 
     # ----- call sessions (.session) -----------------------------------------------------------
 
-    def set_control(self, mode: str) -> None:
-        """``"auto"`` or ``"ray"`` (see ``RayWorkerGroup.set_control``); a session stays open while on Ray."""
+    def set_control(self, mode: str, agent_fanout: int | None = None) -> None:
+        """``"auto"`` or ``"ray"`` (see ``RayWorkerGroup.set_control``); a session stays open while on Ray.
+
+        A new ``agent_fanout`` closes open node agents; the next call opens them in the new tree."""
         if mode not in CONTROL_MODES:
             raise BackendError(f"set_control(mode): expected one of {', '.join(map(repr, CONTROL_MODES))}, got {mode!r}")
         if mode == "auto" and self.hosts.detached:
             raise BackendError("set_control('auto'): a detached group stays on the Ray path (other drivers may call its processes)")
+        if agent_fanout is not None:
+            if isinstance(agent_fanout, bool) or not isinstance(agent_fanout, int) or agent_fanout < 1:
+                raise BackendError(f"set_control(agent_fanout): expected a positive integer, got {agent_fanout!r}")
+            if agent_fanout != self.agent_fanout and isinstance(self.session, AgentSession):
+                ranks = list(self.session.ranks)
+                if self.session.owes(ranks):  # a failed call's answers: read before the agents go
+                    self.session.drain(ranks, self.call_timeout_s, self._session_died, self.inspect)
+                self._end_session()
+            self.agent_fanout = agent_fanout
         self.control = mode
 
     def _open_session(self) -> CallSession | AgentSession | None:
@@ -199,7 +211,7 @@ class RayExecutor:
                     range(self.world_size), self.hosts.actors, dict(enumerate(pids)), self.nodes, self.coords
                 )
             else:
-                session = AgentSession(self.hosts.actors, pids, node_ids, self.nodes, self.coords)
+                session = AgentSession(self.hosts.actors, pids, node_ids, self.nodes, self.coords, self.agent_fanout)
             session.open()
         except Exception as exc:  # noqa: BLE001 - the Ray path always works: say why once, and use it
             self.session_note = f"{type(exc).__name__}: {exc}"

@@ -485,15 +485,19 @@ class RayWorkerGroup(WorkerGroup):
         """Run ``check()`` after every replacement (e.g. megatron's cross-check); it raises on a mismatch."""
         self._recovery.checks.append(check)
 
-    def set_control(self, mode: str) -> None:
+    def set_control(self, mode: str, agent_fanout: int | None = None) -> None:
         """How this group's calls reach its ranks from now on: ``"auto"`` (a call session or node
         agents where they can be used: :mod:`.session`) or ``"ray"`` (one Ray task per rank).
 
         The environment's ``RANKMESH_CONTROL`` gives the starting mode.  Switching to ``"ray"``
         keeps an open session for switching back (benchmarks alternate paths this way); calls stay
         in the order they were sent across the switch.  Shared by the role groups of its processes.
+
+        ``agent_fanout``: how many agents the controller, and each agent, send a call on to, for a
+        group across nodes (:mod:`.agent`; default :data:`.agent.AGENT_FANOUT`).  Changing it
+        restarts the group's node agents in the new tree on the next call.
         """
-        self._executor.set_control(mode)
+        self._executor.set_control(mode, agent_fanout)
 
     @property
     def on_rank_death(self) -> str:

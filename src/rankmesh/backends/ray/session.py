@@ -147,6 +147,9 @@ class CallSession:
         self._next_id = 1
         self._owed: dict[int, list[int]] = {rank: [] for rank in self.ranks}  # sent, answers unread
         self._given_up = threading.Event()
+        self._epoll: select.epoll | None = None  # every reply ring's doorbell and host pidfd, registered once
+        self._rank_of_fd: dict[int, int] = {}
+        self._exited: set[int] = set()  # ranks whose host process exited
 
     # ----- opening and closing ----------------------------------------------------------------
 
@@ -179,6 +182,11 @@ class CallSession:
                     self.replies[self.ranks[reader]] = receive_ring(conn, 0)
             ray.get(opened, timeout=timeout_s)
             self.ring.watch(list(self.pids.values()))
+            self._epoll = select.epoll()
+            for rank, reply in self.replies.items():
+                for fd in reply.wait_fds():
+                    self._epoll.register(fd, select.EPOLLIN)
+                    self._rank_of_fd[fd] = rank
         except BaseException:
             self.close(stop=False)
             raise
@@ -198,6 +206,9 @@ class CallSession:
         for reply in self.replies.values():
             reply.close()
         self.replies = {}
+        if self._epoll is not None:
+            self._epoll.close()
+            self._epoll = None
 
     def give_up(self) -> None:
         """From another thread: make a :meth:`fetch` in progress raise within :data:`POLL_INTERVAL`."""
@@ -266,12 +277,12 @@ class CallSession:
         failures: list[tuple[SessionPending, BaseException]] = []
         exited: set[int] = set()  # ranks whose host process exited: dead unless their answer is in
         waiting = list(pending)
-        look: set[int] | None = None  # the ranks to poll: all at first, then those whose doorbell rang or who exited
+        look: set[int] = set()  # the ranks to poll: those whose doorbell rang (a ready answer's has) or who exited
         grace_end = None
         while waiting:
             still = []
             for p in waiting:
-                if look is not None and p.rank not in look:
+                if p.rank not in look:
                     still.append(p)
                     continue
                 answer = self._answer(p)
@@ -300,7 +311,9 @@ class CallSession:
                 warn_stall(pending, waiting, stall_warn_s or 0.0, now - start, inspect)
             rang, gone = self._wait(waiting, [t for t in (deadline, warn_at, grace_end) if t is not None])
             exited |= gone
-            look = (rang | exited) if rang or exited else None
+            # Nothing rang within the slice: look at every rank once (a doorbell drained by an
+            # earlier fetch that did not wait on its rank must not leave an answer unseen).
+            look = (rang | exited) or {p.rank for p in waiting}
         if not waiting:
             FETCH.ready_ns = time.time_ns()
         if failures:
@@ -337,19 +350,21 @@ class CallSession:
     def _wait(self, waiting: Sequence[SessionPending], limits: Sequence[float]) -> tuple[set[int], set[int]]:
         """Sleep until an answer may be in or a host exits (at most :data:`POLL_INTERVAL`).
 
-        Returns the ranks whose doorbell rang and those whose host exited.
+        Returns the ranks whose doorbell rang and those whose host exited (their pidfds leave the
+        epoll set, which would otherwise wake at once from now on).
         """
+        assert self._epoll is not None
         left = min([POLL_INTERVAL, *(t - time.monotonic() for t in limits)])
-        fds = {fd: p.rank for p in waiting for fd in self.replies[p.rank].wait_fds()}
-        readable, _, _ = select.select(list(fds), [], [], max(0.0, left))
         rang, exited = set(), set()
-        for fd in readable:
-            rank = fds[fd]
+        for fd, _ in self._epoll.poll(max(0.0, left)):
+            rank = self._rank_of_fd[fd]
             try:
                 self.replies[rank].check_peers([fd])
                 rang.add(rank)
             except RingPeerDied:
-                exited.add(rank)
+                self._epoll.unregister(fd)
+                self._exited.add(rank)
+        exited |= self._exited & {p.rank for p in waiting}
         return rang, exited
 
     def _died(self, p: SessionPending) -> WorkerDiedError:
