@@ -58,16 +58,6 @@ class NodeAnswer:
     error: BaseException | None = None
 
 
-@dataclass(frozen=True)
-class RankRef:
-    """What names a rank in an error (:func:`.waiting.translate_error`, :func:`merge_errors`)."""
-
-    rank: int
-    method: str
-    node: str | None = None
-    coords: RankCoords | None = None
-
-
 class NodeAgent:
     """Ray actor body (see :func:`start_agents`): the call session of one group's ranks on one
     node, and the agents of its children in the tree (see the module docstring)."""
@@ -80,8 +70,6 @@ class NodeAgent:
         self._node = ""
         self._children: dict[str, tuple[Any, tuple[str, ...]]] = {}
         self._ranks_of: dict[str, list[int]] = {}
-        self._names: list[str | None] = []
-        self._coords: list[RankCoords | None] = []
         self._here: concurrent.futures.ThreadPoolExecutor | None = None  # serves this node while children answer
 
     def open(self, ranks: Sequence[int], actors: Mapping[int, Any], pids: Mapping[int, int],
@@ -91,14 +79,14 @@ class NodeAgent:
         """Open a session with this node's ``ranks`` (rank-indexed ``nodes``/``coords``); returns this pid.
 
         ``node`` is this agent's node id; ``children`` maps each child agent's node id to its
-        handle and the node ids of its subtree (itself first); ``ranks_of`` gives the ranks of
-        every node below, to name them if their agent dies."""
+        handle and the node ids of its subtree (itself first); ``ranks_of`` gives each child's
+        ranks, to name them if the child's agent dies."""
         self.close()
         session = CallSession(ranks, actors, pids, nodes, coords)
         session.open()
         with self._lock:
             self._session = session
-            self._node, self._names, self._coords = node, list(nodes), list(coords)
+            self._node = node
             self._children = {child: (handle, tuple(subtree)) for child, (handle, subtree) in (children or {}).items()}
             self._ranks_of = {n: list(r) for n, r in (ranks_of or {}).items()}
             if self._children and self._here is None:
@@ -126,7 +114,7 @@ class NodeAgent:
             if mine is not None:
                 assert self._here is not None
                 parts[self._here.submit(self._serve, session, role, method, mine)] = None
-            return self._gather(parts, method)
+            return self._gather(parts, method, session)
         finally:
             with self._lock:
                 self._calling = False
@@ -157,7 +145,7 @@ class NodeAgent:
             if release:
                 session.close()
 
-    def _gather(self, parts: dict[concurrent.futures.Future, str | None], method: str) -> NodeAnswer:
+    def _gather(self, parts: dict[concurrent.futures.Future, str | None], method: str, session: CallSession) -> NodeAnswer:
         """One answer from this node's and its children's: every output, or every failure seen
         within :data:`.waiting.FAIL_GRACE` of the first."""
         outputs: dict[int, Any] = {}
@@ -171,9 +159,9 @@ class NodeAgent:
                 try:
                     answer = future.result()
                 except PROCESS_DIED as exc:  # the child agent is gone, with its node: its ranks count as dead
-                    child = parts[future]
-                    errors += [translate_error(RankRef(r, method, self._names[r], self._coords[r]), exc)
-                               for r in self._ranks_of.get(child or "", [])]
+                    child = parts[future] or ""
+                    errors += [translate_error(AgentPending(None, child, r, method, session.nodes[r], session.coords[r]), exc)
+                               for r in self._ranks_of.get(child, [])]
                     continue
                 if answer.error is not None:
                     errors.append(answer.error)
@@ -274,7 +262,7 @@ class AgentSession:
             opened = []
             for node, ranks in self.by_node.items():
                 kids = {child: (self.agents[child], subtree(child, self.children)) for child in self.children[node]}
-                below = {n: self.by_node[n] for n in subtree(node, self.children)[1:]}
+                below = {child: self.by_node[child] for child in self.children[node]}
                 opened.append(self.agents[node].open.remote(
                     ranks, {r: self.actors[r] for r in ranks}, {r: self.pids[r] for r in ranks}, self.nodes, self.coords,
                     node, kids, below))
@@ -305,8 +293,12 @@ class AgentSession:
             per_top.setdefault(self.top_of[node], {})[node] = (node_calls, {c.rank: after.get(c.rank, 0) for c in node_calls})
         refs = {top: self.agents[top].call.remote(role, method, work) for top, work in per_top.items()}
         self._unread.update(refs.values())
-        return [AgentPending(refs[self.top_of[node]], node, call.rank, method, self.nodes[call.rank], self.coords[call.rank])
-                for call in calls for node in (self.node_of[call.rank],)]
+        pending = []
+        for call in calls:
+            node = self.node_of[call.rank]
+            pending.append(AgentPending(refs[self.top_of[node]], node, call.rank, method, self.nodes[call.rank],
+                                        self.coords[call.rank]))
+        return pending
 
     def owes(self, ranks: Sequence[int]) -> bool:
         return bool(self._unread)

@@ -355,7 +355,7 @@ class CallSession:
         """
         assert self._epoll is not None
         left = min([POLL_INTERVAL, *(t - time.monotonic() for t in limits)])
-        rang, exited = set(), set()
+        rang = set()
         for fd, _ in self._epoll.poll(max(0.0, left)):
             rank = self._rank_of_fd[fd]
             try:
@@ -364,8 +364,7 @@ class CallSession:
             except RingPeerDied:
                 self._epoll.unregister(fd)
                 self._exited.add(rank)
-        exited |= self._exited & {p.rank for p in waiting}
-        return rang, exited
+        return rang, self._exited & {p.rank for p in waiting}
 
     def _died(self, p: SessionPending) -> WorkerDiedError:
         return WorkerDiedError(p.rank, p.method, f"its process (pid {self.pids[p.rank]}) exited", p.node,
