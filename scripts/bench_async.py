@@ -12,13 +12,15 @@ call that tells the refitted ranks the new weight version.
   takes finished rows as they arrive (``rankmesh.wait``), puts them in a ``RowBuffer`` with the
   version that made them, refits a finished replica whose weights are behind before it
   generates again (a rolling refit), and trains on the oldest rows at most ``k`` versions old
-  while the replicas keep generating.
+  while the replicas keep generating.  A step's rows are taken one micro-batch at a time as they
+  arrive (``--micro``), since a step makes the next version only at its optimizer step; a
+  replica generates only while its rows can still train (``--greedy``: whenever the budget allows).
 
 Each mode runs ``--steps`` training steps per round; the modes alternate for ``--rounds`` rounds
 in one run (the machine is shared and noisy), and the table prints the median rows/s of each,
 its ratio to sync, and the ideal computed from the stage times measured in the same run:
 sync ideal = rows / (E[slowest replica] + train), async ideal = rows / max(mean generation, train)
-(every replica always busy, the trainer never waiting).  Staleness is checked on every step: no
+(every replica always busy, the trainer never waiting), with the sync runs' generation times.  Staleness is checked on every step: no
 row trained on is more than ``k`` versions older than the weights it updates, and rows trained +
 dropped + left in the buffer = rows generated.
 
@@ -85,15 +87,23 @@ class Rollout(Worker):
 
 
 class Trainer(Worker):
-    """Training stand-in: sleeps ``train_s``; answers the versions and generation times of the rows it trained on."""
+    """Training stand-in: a step of ``micro`` micro-batches sleeps ``train_s`` in all; answers the versions
+    and generation times of the rows it trained on."""
 
-    def __init__(self, train_s: float) -> None:
+    def __init__(self, train_s: float, micro: int) -> None:
         super().__init__()
-        self.train_s = train_s
+        self.train_s, self.micro = train_s, micro
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO, blocking=False)
     def train(self, batch: DataProto) -> DataProto:
+        """A whole step in one call: every micro-batch's rows are there at its start."""
         time.sleep(self.train_s)
+        return DataProto.from_dict({"weight_version": batch.batch["weight_version"], "gen_s": batch.batch["gen_s"]})
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO, blocking=False)
+    def train_micro(self, batch: DataProto) -> DataProto:
+        """One micro-batch of a step (gradients accumulate; the last one's optimizer step makes the next version)."""
+        time.sleep(self.train_s / self.micro)
         return DataProto.from_dict({"weight_version": batch.batch["weight_version"], "gen_s": batch.batch["gen_s"]})
 
 
@@ -134,10 +144,17 @@ def run_sync(rollout, trainer, steps: int, rows: int) -> Run:
     return Run("sync", steps * rows, time.monotonic() - start, 0, worst, gen_s)
 
 
-def run_async(rollout, trainer, steps: int, rows: int, staleness: int, replicas: int, ahead: float, queue: int) -> Run:
+def run_async(rollout, trainer, steps: int, rows: int, staleness: int, replicas: int, ahead: float, queue: int,
+              micro: int, greedy: bool) -> Run:
     """The asynchronous pipeline; ``ahead``: how many steps of rows may be generated (or in flight)
-    beyond the step being trained; more rows made early only go stale."""
+    beyond the step being trained; more rows made early only go stale.  ``micro``: a step's rows are
+    taken one micro-batch at a time as they arrive (``rows / micro`` each), not all at the step's
+    start, so a row made late in one step can still train a micro-batch of the next; ``queue``
+    micro-batches are sent ahead of the one running (a rank runs its calls in order).  A replica
+    generates only while its rows are wanted (see ``wanted``); ``greedy`` starts every idle replica
+    the budget allows."""
     per = rows // replicas
+    part = rows // micro
     views = [rollout.replica(i) for i in range(replicas)]
     held = [0] * replicas  # the weight version each replica generates with
     budget = rows + int(ahead * rows)  # before the first step: its rows, plus the look-ahead
@@ -148,10 +165,23 @@ def run_async(rollout, trainer, steps: int, rows: int, staleness: int, replicas:
     idle = list(range(replicas))
     start = time.monotonic()
 
+    submitted = done_parts = 0  # micro-batches sent to the trainer, and finished
+
+    def wanted() -> bool:
+        """Whether one more generation's rows could still train: the usable rows held and in flight
+        fall short of what the micro-batches not yet sent need, up to the last step that rows of the
+        current version may train (``version + staleness``).  Rows beyond that would only go stale,
+        and the replica making them would miss the next version."""
+        if greedy:
+            return True
+        need = (version + staleness + 1) * rows - submitted * part
+        held_rows = buffer.available(max(0, submitted // micro - staleness))
+        return held_rows + per * (len(running) + 1) <= need
+
     def generate() -> None:
-        """Set idle replicas generating while the rows made and in flight stay within the budget."""
+        """Set idle replicas generating while their rows are wanted and the rows made and in flight stay within the budget."""
         nonlocal made
-        while idle and buffer.rows + per * (len(running) + 1) <= budget:
+        while idle and buffer.rows + per * (len(running) + 1) <= budget and wanted():
             i = idle.pop(0)
             if held[i] < version:  # a rolling refit: this replica alone, the others keep generating;
                 views[i].refit_later(version)  # not waited for: the generation sent next runs after it
@@ -160,12 +190,11 @@ def run_async(rollout, trainer, steps: int, rows: int, staleness: int, replicas:
             made += per
 
     generate()
-    # Step ``s`` updates the weights of version ``s``: its rows must be at least ``s - staleness``.
-    # With ``queue=2`` the next step is submitted while one runs (a rank runs its calls in order),
-    # at the price of taking its rows earlier.
+    # Micro-batch ``m`` belongs to step ``m // micro``, which updates the weights of version
+    # ``m // micro``: its rows must be at least ``m // micro - staleness``.  Up to ``queue``
+    # micro-batches wait at the trainer behind the running one, at the price of taking their rows earlier.
     trains: list[object] = []
     finished_trains: list[object] = []
-    submitted = 0
     while trained < steps * rows:
         done, _ = rankmesh.wait(list(running.values()) + trains[:1])
         for i, fut in list(running.items()):
@@ -174,19 +203,22 @@ def run_async(rollout, trainer, steps: int, rows: int, staleness: int, replicas:
                 idle.append(i)
         if trains and trains[0] in done:
             finished_trains.append(trains.pop(0))
-            version += 1
-        while submitted < steps and submitted - version < queue and buffer.available(submitted - staleness) >= rows:
-            taken = buffer.take(rows, min_version=max(0, submitted - staleness), block=False)
-            assert taken.staleness(submitted) <= staleness, (taken.versions, submitted)
-            trains.append(trainer.train(taken.data))  # the trainer's rank fetches the rows itself
+            done_parts += 1
+            version = done_parts // micro  # the last micro-batch's optimizer step makes the next version
+        while (submitted < steps * micro and submitted - done_parts <= queue
+               and buffer.available(submitted // micro - staleness) >= part):
+            step = submitted // micro
+            taken = buffer.take(part, min_version=max(0, step - staleness), block=False)
+            assert taken.staleness(step) <= staleness, (taken.versions, step)
+            trains.append(trainer.train_micro(taken.data))  # the trainer's rank fetches the rows itself
             submitted += 1
-        buffer.discard(max(0, submitted - staleness))  # rows no later step may use do not hold the budget
+        buffer.discard(max(0, submitted // micro - staleness))  # rows no later step may use do not hold the budget
         generate()
-        for fut in finished_trains:  # read after the next step was sent: the trainer does not wait on this
+        for fut in finished_trains:  # read after the next micro-batch was sent: the trainer does not wait on this
             versions, took = trained_on(fut)
             gen_s += took
             worst = max(worst, trained // rows - min(versions))
-            trained += rows
+            trained += part
         finished_trains.clear()
     seconds = time.monotonic() - start
     for i, fut in running.items():
@@ -203,8 +235,12 @@ def ideal(runs: list[Run], rows: int, replicas: int, train_s: float) -> dict[str
     ``stages``: the two stages overlapped, a batch's generation still lasting its slowest replica.
     ``async`` (the bound the table holds the modes to): every replica always busy and the trainer
     never waiting, so the mean generation time counts, not the slowest.
+
+    The times come from the sync runs: every generation of a sync run trains, so they are a fair
+    sample, while an asynchronous run trains only the rows that did not go stale (the fast ones
+    more often) and would understate the mean.
     """
-    times = [t for r in runs for t in r.gen_s]
+    times = [t for r in runs if r.mode == "sync" for t in r.gen_s]
     mean = statistics.fmean(times)
     rng = np.random.default_rng(0)
     slowest = float(np.mean(rng.choice(times, size=(20000, replicas)).max(axis=1)))
@@ -224,7 +260,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--staleness", default="1,2", help="K values to run besides sync")
     ap.add_argument("--ahead", type=float, default=1.0,
                     help="steps of rows the replicas may make beyond the one being trained (default 1)")
-    ap.add_argument("--queue", type=int, default=1, choices=(1, 2), help="training steps sent ahead (default 1)")
+    ap.add_argument("--micro", type=int, default=4,
+                    help="micro-batches per training step; async modes take each one's rows as they arrive (default 4)")
+    ap.add_argument("--queue", type=int, default=1, help="micro-batches sent ahead of the running one (default 1)")
+    ap.add_argument("--greedy", action="store_true",
+                    help="start every idle replica the budget allows, wanted or not (rows made early go stale)")
     ap.add_argument("--quick", action="store_true", help="1 round of 6 steps")
     ap.add_argument("--json", help="write the runs and the table here")
     args = ap.parse_args(argv)
@@ -232,6 +272,10 @@ def main(argv: list[str] | None = None) -> dict:
         args.rounds, args.steps = 1, 6
     if args.rows % args.replicas:
         ap.error(f"--rows {args.rows} must be a multiple of --replicas {args.replicas}")
+    if args.micro < 1 or args.rows % args.micro:
+        ap.error(f"--micro {args.micro} must be at least 1 and divide --rows {args.rows}")
+    if args.queue < 0:
+        ap.error(f"--queue {args.queue} must be 0 or more")
     train_s = args.train_s if args.train_s is not None else args.median_s * math.exp(args.sigma ** 2 / 2)
     ks = [int(k) for k in args.staleness.split(",") if k]
 
@@ -240,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     ensure_ray(num_cpus=args.replicas + 2)
     rollout = RayWorkerGroup(RayResourcePool([args.replicas], use_gpu=False),
                              RayClassWithInitArgs(Rollout, 0, args.median_s, args.sigma), mesh=RankMesh(dp=args.replicas))
-    trainer = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(Trainer, train_s))
+    trainer = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(Trainer, train_s, args.micro))
     warm = prompts(args.rows, 0)
     trainer.train(rollout.generate(warm)).get()  # imports (tensordict) and first calls, outside the timings
     runs: list[Run] = []
@@ -252,7 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
             if mode == "sync":
                 runs.append(run_sync(rollout, trainer, args.steps, args.rows))
             else:
-                runs.append(run_async(rollout, trainer, args.steps, args.rows, int(mode[2:]), args.replicas, args.ahead, args.queue))
+                runs.append(run_async(rollout, trainer, args.steps, args.rows, int(mode[2:]), args.replicas, args.ahead, args.queue,
+                                         args.micro, args.greedy))
             r = runs[-1]
             print(f"round {rnd + 1} {mode:>5}: {r.rows_per_s:7.1f} rows/s  ({r.seconds:.2f} s, dropped {r.rows_dropped}, "
                   f"max staleness {r.max_staleness_seen})", flush=True)
