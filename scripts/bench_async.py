@@ -20,9 +20,9 @@ Each mode runs ``--steps`` training steps per round; the modes alternate for ``-
 in one run (the machine is shared and noisy), and the table prints the median rows/s of each,
 its ratio to sync, and the ideal computed from the stage times measured in the same run:
 sync ideal = rows / (E[slowest replica] + train), async ideal = rows / max(mean generation, train)
-(every replica always busy, the trainer never waiting), with the sync runs' generation times.  Staleness is checked on every step: no
-row trained on is more than ``k`` versions older than the weights it updates, and rows trained +
-dropped + left in the buffer = rows generated.
+(every replica always busy, the trainer never waiting), with the sync runs' generation times.
+Staleness is checked on every step: no row trained on is more than ``k`` versions older than the
+weights it updates, and rows trained + dropped + left in the buffer = rows generated.
 
     python scripts/bench_async.py                      # 4 replicas, 3 rounds of 12 steps
     python scripts/bench_async.py --quick --json out.json
@@ -98,12 +98,17 @@ class Trainer(Worker):
     def train(self, batch: DataProto) -> DataProto:
         """A whole step in one call: every micro-batch's rows are there at its start."""
         time.sleep(self.train_s)
-        return DataProto.from_dict({"weight_version": batch.batch["weight_version"], "gen_s": batch.batch["gen_s"]})
+        return self.trained_on(batch)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO, blocking=False)
     def train_micro(self, batch: DataProto) -> DataProto:
         """One micro-batch of a step (gradients accumulate; the last one's optimizer step makes the next version)."""
         time.sleep(self.train_s / self.micro)
+        return self.trained_on(batch)
+
+    @staticmethod
+    def trained_on(batch: DataProto) -> DataProto:
+        """What the controller checks of a step: the versions and generation times of its rows."""
         return DataProto.from_dict({"weight_version": batch.batch["weight_version"], "gen_s": batch.batch["gen_s"]})
 
 
