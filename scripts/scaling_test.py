@@ -168,7 +168,7 @@ def measure_reused(nodes: int, sizes: list[int], args: argparse.Namespace) -> li
             wg = RayWorkerGroup.on_hosts(sub, RayClassWithInitArgs(_bench_worker()))
             build_s = time.perf_counter() - start
             noop, small_ms, large_ms = calls(wg, args)
-            sub.teardown_workers()
+            wg.release_hosts()
             row = Row(nodes, world, counts, build_s, noop, small_ms, large_ms, args.small_mib, args.large_mib, fresh=False)
             print(format_row(row), flush=True)
             rows.append(row)

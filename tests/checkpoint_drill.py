@@ -5,9 +5,9 @@ Shared by ``tests/test_checkpoint_megatron.py`` (4 ranks) and the fault drill
 
 The expected values come from the uninterrupted run on the first mesh, never from the
 checkpoint code: the chain must end where that run ends, within :data:`RTOL` and :data:`ATOL`.
-Every mesh's group is built in the same processes (``launch_hosts`` once, then
-``RayWorkerGroup.on_hosts`` per mesh): a megatron process costs 4-5 CPU-seconds to start, a new
-group in running processes well under one.
+Every mesh's group is built in the same processes (a :class:`tests.hosts.HostBank`'s, through
+:class:`MeshHosts`): a megatron process costs 4-5 CPU-seconds to start, a new group in running
+processes well under one.
 
 Why the tolerance is torch's own for float32 (``torch.testing.assert_close``: rtol 1.3e-6,
 atol 1e-5): a checkpoint round trip on the *same* mesh is bit-exact (0.0 measured), so what is
@@ -31,15 +31,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import ray
 import torch
 
-from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-from rankmesh.backends.ray.hosts import launch_hosts
+from rankmesh.backends.ray import RayClassWithInitArgs, RayWorkerGroup
 from rankmesh.data import DataProto
 from rankmesh.megatron.reference import TinyConfig
 from rankmesh.megatron.roles import ActorWorker
 from rankmesh.mesh import RankMesh
+from tests.hosts import HostBank
 
 logger = logging.getLogger(__name__)
 
@@ -105,37 +104,26 @@ def deviation(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> Deviat
 
 
 class MeshHosts:
-    """One set of processes; groups of :class:`ActorWorker` are built on them for one mesh after another."""
+    """Groups of :class:`ActorWorker` built for one mesh after another in a host bank's processes."""
 
-    def __init__(self, world: int, name: str = "ckpt") -> None:
-        pool = RayResourcePool([world], use_gpu=False)
-        pool.acquire()
-        self.hosts = launch_hosts(pool, name, False, {}, 300.0)
-        self.hosts.pool = pool  # released by shutdown
+    def __init__(self, bank: HostBank) -> None:
+        self.bank = bank
         self.group: RayWorkerGroup | None = None
 
     def build(self, mesh: RankMesh, model: dict | None = None) -> RayWorkerGroup:
         """A fresh actor group over ``mesh`` (the previous group's workers and process groups are dropped)."""
         self.drop()
         init = RayClassWithInitArgs(ActorWorker, model=model or TinyConfig().to_dict(), lr=LR, micro_batches=1)
-        self.group = RayWorkerGroup.on_hosts(self.hosts, init, mesh=mesh)
+        self.group = self.bank.build(init, mesh)
         return self.group
 
     def drop(self) -> None:
-        """Tear the current group down, keeping the processes; the next group meets on a new port.
-
-        The old group's TCPStore may still listen on its port until its process collects it, so
-        the next rendezvous gets a fresh port (as a re-formed group does after a replacement).
-        """
+        """Release the current group's parallel_state and give its processes back to the bank."""
         if self.group is None:
             return
         self.group.destroy_megatron()
-        self.hosts.teardown_workers()
+        self.bank.give_back(self.group)
         self.group = None
-        self.hosts.master = tuple(ray.get(self.hosts.actors[0].reserve_master_port.remote(fresh=True), timeout=60))
-
-    def close(self) -> None:
-        self.hosts.shutdown()
 
 
 @dataclass
@@ -215,11 +203,13 @@ def resume_on_another_mesh(
     # Used only if this process is no Ray driver yet: one logical CPU per rank, whatever the machine has.
     ensure_ray(num_cpus=max(16, world), object_store_memory=512 << 20)
     directory = Path(tempfile.mkdtemp(prefix="rankmesh-ckpt-"))
-    hosts = MeshHosts(world, name="ckpt-drill")
+    bank = HostBank()
+    hosts = MeshHosts(bank)
     try:
         chain = run_chain(hosts, mesh_list, directory, steps=steps)
     finally:
-        hosts.close()
+        hosts.drop()
+        bank.close()
         shutil.rmtree(directory, ignore_errors=True)
     fresh = chain.fresh_deviation
     return {

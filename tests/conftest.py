@@ -22,8 +22,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 import pytest  # noqa: E402
 
-#: Logical CPUs declared for the session's Ray: enough for 8-12 one-CPU actors at once.
-RAY_TEST_CPUS = 16
+#: Logical CPUs declared for the session's Ray: enough for 8-12 one-CPU actors at once next to
+#: the host bank's idle processes (tests/hosts.py).
+RAY_TEST_CPUS = 32
 #: Object store for the session: large enough for the 64 MiB transport tests, small enough to
 #: be polite on a shared machine.
 RAY_TEST_OBJECT_STORE = 1024 * 1024 * 1024
@@ -42,6 +43,17 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
+def host_bank(ray_session):
+    """Running host processes lent to groups module after module (tests.hosts.HostBank); its users
+    run back to back, and it is closed as soon as the last of them is done."""
+    from tests.hosts import HostBank
+
+    bank = HostBank()
+    yield bank
+    bank.close()
+
+
+@pytest.fixture(scope="session")
 def simulated_cluster():
     """The shared simulated cluster (tests.drivers.SharedCluster): started on first use, closed after its last user."""
     pytest.importorskip("ray")
@@ -52,16 +64,27 @@ def simulated_cluster():
     cluster.close()
 
 
+def _uses(item, fixture: str) -> bool:
+    return fixture in getattr(item, "fixturenames", ())
+
+
 def _uses_simulated_cluster(item) -> bool:
-    return "simulated_cluster" in getattr(item, "fixturenames", ())
+    return _uses(item, "simulated_cluster")
 
 
+#: Session fixtures that hold processes: each is closed after the last test that uses it.
+CLOSED_AFTER_LAST_USER = ("simulated_cluster", "host_bank")
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are finalized (they give processes back)
 def pytest_runtest_teardown(item, nextitem):
-    """Shut the shared simulated cluster down once no later test needs it (its raylets cost memory)."""
-    if _uses_simulated_cluster(item) and not any(_uses_simulated_cluster(i) for i in _later_items(item, nextitem)):
-        fixture = item.funcargs.get("simulated_cluster") if hasattr(item, "funcargs") else None
-        if fixture is not None:
-            fixture.close()
+    """Close the shared simulated cluster and the host bank once no later test needs them (their
+    processes cost memory, and the bank's hold CPUs that later tests reserve)."""
+    for name in CLOSED_AFTER_LAST_USER:
+        if _uses(item, name) and not any(_uses(i, name) for i in _later_items(item, nextitem)):
+            fixture = item.funcargs.get(name) if hasattr(item, "funcargs") else None
+            if fixture is not None:
+                fixture.close()
 
 
 def _later_items(item, nextitem):
@@ -78,11 +101,17 @@ FORKING_MODULES = ("test_megatron_check.py", "test_megatron_model.py", "test_mes
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run forking tests first and the shared simulated cluster's users last, back to back; run the
-    Ray dispatch matrix grouped by mesh (cached groups get reused)."""
+    """Run forking tests first, then the host bank's users back to back, and the shared simulated
+    cluster's users last, back to back; run the Ray dispatch matrix grouped by mesh (cached groups
+    get reused)."""
     forking = [i for i in items if i.path.name in FORKING_MODULES]
-    shared = [i for i in items if i.path.name not in FORKING_MODULES and _uses_simulated_cluster(i)]
-    items[:] = forking + [i for i in items if i.path.name not in FORKING_MODULES and not _uses_simulated_cluster(i)] + shared
+    rest = [i for i in items if i.path.name not in FORKING_MODULES]
+    shared = [i for i in rest if _uses_simulated_cluster(i)]
+    rest = [i for i in rest if not _uses_simulated_cluster(i)]
+    # Whole modules move, so that a module's fixtures are set up once.
+    banked_modules = {i.path for i in rest if _uses(i, "host_bank")}
+    banked = [i for i in rest if i.path in banked_modules]
+    items[:] = forking + banked + [i for i in rest if i.path not in banked_modules] + shared
     module = "test_ray_dispatch.py"
     positions = [i for i, item in enumerate(items) if item.path.name == module]
     if not positions:

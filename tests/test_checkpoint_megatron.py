@@ -20,10 +20,10 @@ from tests.checkpoint_drill import MeshHosts, deviation, full_weights, run_chain
 
 
 @pytest.fixture(scope="module")
-def mesh_hosts(ray_session):
-    hosts = MeshHosts(4, name="ckpt-test")
+def mesh_hosts(host_bank):
+    hosts = MeshHosts(host_bank)
     yield hosts
-    hosts.close()
+    hosts.drop()
 
 
 def test_a_run_resumed_on_other_meshes_ends_where_the_uninterrupted_run_ends(mesh_hosts, tmp_path):

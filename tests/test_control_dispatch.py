@@ -4,8 +4,8 @@
 path, where blocking calls with inline arguments go through the group's call session; here the
 modes whose calls carry inline arguments (lists of items, replicated values, rank zero, all to
 all) run again with ``RANKMESH_CONTROL=ray``, one Ray task per rank.  Data modes (DataProto)
-take the Ray path on both, so they are not repeated.  A module of its own: its processes (one
-set per world size, as in test_ray_dispatch) are stopped before other modules start theirs.
+take the Ray path on both, so they are not repeated.  Its groups (one per world size, as in
+test_ray_dispatch) run in processes from the session's host bank (tests/hosts.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from tests.test_ray_dispatch import HostCache  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def ray_path_cache(ray_session):
-    cache = HostCache()
+def ray_path_cache(host_bank):
+    cache = HostCache(host_bank)
     yield cache
     cache.close()
 
@@ -36,7 +36,7 @@ def group_factory(ray_path_cache, monkeypatch):
         if mesh.world_size > 8:
             pytest.skip("the Ray-path subset keeps to the matrix's meshes of at most 8 ranks")
         monkeypatch.setenv(CONTROL_ENV, "ray")
-        wg = ray_path_cache.get(worker_cls, mesh, meshes, init_args, init_kwargs)
+        wg = ray_path_cache.get(worker_cls, mesh, meshes, init_args, init_kwargs, key_extra=("ray",))
         assert set(wg._executor.control_paths()) == {"ray"}
         return wg
 

@@ -166,12 +166,16 @@ def test_validate_script_subprocess(ray_session) -> None:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(validate_script, ray_session):
-    """ONE running group of 4 MegatronWorkers (own mesh dp=4) that every case of CASES is checked on."""
-    group = validate_script.start_group(RankMesh(dp=4), [4])
+def four_ranks(host_bank):
+    """ONE running group of 4 MegatronWorkers (own mesh dp=4) that every case of CASES is checked on,
+    in processes from the session's host bank (the script's own start-up is run above)."""
+    from rankmesh.backends.ray import RayClassWithInitArgs
+    from rankmesh.megatron.worker import MegatronWorker
+
+    group = host_bank.build(RayClassWithInitArgs(MegatronWorker), RankMesh(dp=4))
     yield group
     group.destroy_megatron()
-    group.shutdown()
+    host_bank.give_back(group)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -1,18 +1,16 @@
 """The backend-neutral dispatch matrix on RayWorkerGroup, plus the Ray transport's own promises.
 
 Actors are processes, and starting one costs 2-3 s of CPU here (``import torch``/``tensordict``),
-so this module reuses processes: :class:`HostCache` keeps one set of host actors per world size
-and, when a test asks for a different worker class or mesh of that size, tears the old workers
-down and builds the new ones in the same processes (``RayWorkerGroup.on_hosts``).  Starting
-groups from scratch is covered by ``test_ray_group.py``.  The matrix drains worker logs before
+so this module reuses processes: :class:`HostCache` keeps one group per world size and, when a
+test asks for a different worker class or mesh of that size, gives its processes back to the
+session's host bank (``tests/hosts.py``) and builds the new group in running processes
+(``RayWorkerGroup.on_hosts``).  Starting groups from scratch is covered by ``test_ray_group.py``.  The matrix drains worker logs before
 use, so reusing a group across tests is safe; ``conftest.py`` orders this module's tests by
 mesh so that rebuilds stay rare.  Meshes above :data:`MAX_RAY_RANKS` ranks run on the
 in-process backend only (``test_dispatch_local.py``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import pytest
 
@@ -21,69 +19,58 @@ ray = pytest.importorskip("ray")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
-from rankmesh.backends.ray.hosts import HostSet, launch_hosts  # noqa: E402
+from rankmesh.backends.ray import RayClassWithInitArgs, RayWorkerGroup  # noqa: E402
 from rankmesh.data import DataProto  # noqa: E402
 from rankmesh.dispatch import Dispatch, register  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
 from rankmesh.worker import Worker  # noqa: E402
 from tests.dispatch_matrix import *  # noqa: E402,F401,F403  (the backend-neutral suite)
+from tests.hosts import HostBank  # noqa: E402
 
 MAX_RAY_RANKS = 8
 
 
-@dataclass
-class _Entry:
-    hosts: HostSet
-    key: tuple | None = None
-    group: RayWorkerGroup | None = None
-
-
 class HostCache:
-    """One set of running hosts per world size; the current group on each, by construction key."""
+    """One group per world size, on processes from the session's :class:`tests.hosts.HostBank`.
 
-    def __init__(self) -> None:
-        self.entries: dict[int, _Entry] = {}
-        self.launched = 0
-        self.rebuilt = 0
+    ``key_extra``: whatever else the group depends on (e.g. the control path read from the
+    environment when the group is built); a group is reused only for the same key.
+    """
 
-    def get(self, worker_cls, mesh, meshes=None, init_args=(), init_kwargs=None) -> RayWorkerGroup:
+    def __init__(self, bank: HostBank) -> None:
+        self.bank = bank
+        self.groups: dict[int, tuple[tuple, RayWorkerGroup]] = {}
+
+    def get(self, worker_cls, mesh, meshes=None, init_args=(), init_kwargs=None, key_extra=()) -> RayWorkerGroup:
         key = (
             worker_cls,
             mesh,
             tuple(sorted((meshes or {}).items())),
             tuple(init_args),
             tuple(sorted((init_kwargs or {}).items())),
+            key_extra,
         )
         world = mesh.world_size
-        entry = self.entries.get(world)
-        if entry is not None and entry.key == key:
-            return entry.group
-        if entry is None:
-            pool = RayResourcePool([world], use_gpu=False)
-            pool.acquire()
-            hosts = launch_hosts(pool, f"matrix-{world}", False, {}, 300.0)
-            hosts.pool = pool
-            entry = self.entries[world] = _Entry(hosts)
-            self.launched += world
-        else:
-            entry.hosts.teardown_workers()
-            self.rebuilt += 1
-        entry.key, entry.group = None, None
+        held = self.groups.pop(world, None)
+        if held is not None:
+            if held[0] == key:
+                self.groups[world] = held
+                return held[1]
+            self.bank.give_back(held[1])
         init = RayClassWithInitArgs(worker_cls, *init_args, **(init_kwargs or {}))
-        entry.group = RayWorkerGroup.on_hosts(entry.hosts, init, mesh=mesh, meshes=meshes)
-        entry.key = key
-        return entry.group
+        group = self.bank.build(init, mesh, meshes)
+        self.groups[world] = (key, group)
+        return group
 
     def close(self) -> None:
-        for entry in self.entries.values():
-            entry.hosts.shutdown()
-        self.entries.clear()
+        for _, group in self.groups.values():
+            self.bank.give_back(group)
+        self.groups.clear()
 
 
 @pytest.fixture(scope="module")
-def group_cache(ray_session):
-    cache = HostCache()
+def group_cache(host_bank):
+    cache = HostCache(host_bank)
     yield cache
     cache.close()
 

@@ -26,7 +26,7 @@ from rankmesh.worker import Worker
 
 ray = pytest.importorskip("ray")
 
-from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
+from rankmesh.backends.ray import RayClassWithInitArgs, RayWorkerGroup  # noqa: E402
 
 MiB = 1 << 20
 MESH = RankMesh(tp=2, dp=2)
@@ -118,11 +118,15 @@ class Inplace(Worker):
         return float(self.kept.batch["x"].double().sum())
 
 
+# The Ray group comes from the session's host bank (requested by name below, so declared here).
+pytestmark = pytest.mark.usefixtures("host_bank")
+
+
 @pytest.fixture(scope="module")
-def ray_group(ray_session):
-    wg = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(Inplace), mesh=MESH)
+def ray_group(host_bank):
+    wg = host_bank.build(RayClassWithInitArgs(Inplace), MESH)
     yield wg
-    wg.shutdown()
+    host_bank.give_back(wg)
 
 
 @pytest.fixture(scope="module")

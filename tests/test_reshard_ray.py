@@ -36,20 +36,19 @@ PIPE_LAYOUTS = [p.replace(pp_stage=i % 2) for i, p in enumerate(LAYOUTS)]
 
 
 @pytest.fixture(scope="module")
-def groups(ray_session):
-    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, create_colocated_worker_cls
+def groups(host_bank):
+    from rankmesh.backends.ray import RayClassWithInitArgs, create_colocated_worker_cls
 
     colocated = create_colocated_worker_cls({
         "train": RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=1),
         "gen": RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=None, mesh_name="gen"),
     })
-    pair = RayWorkerGroup(RayResourcePool([4], use_gpu=False), colocated, mesh=TRAIN, meshes={"gen": GEN})
-    pipe = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(ShardHolder, PIPE_LAYOUTS, seed=2),
-                          mesh=PIPE)
+    pair = host_bank.build(colocated, TRAIN, meshes={"gen": GEN})
+    pipe = host_bank.build(RayClassWithInitArgs(ShardHolder, PIPE_LAYOUTS, seed=2), PIPE)
     roles = pair.spawn(["train", "gen"])
     yield roles["train"], roles["gen"], pipe
-    pair.shutdown()
-    pipe.shutdown()
+    host_bank.give_back(pair)
+    host_bank.give_back(pipe)
 
 
 def expected(layouts, mesh: RankMesh, seed: int, factor: float = 1.0) -> list[dict[str, np.ndarray]]:

@@ -166,6 +166,10 @@ class RayExecutor:
         self._end_session()
         self.hosts.shutdown()
 
+    def release(self) -> None:
+        """End the call session but keep the processes (another group will drive them)."""
+        self._end_session()
+
     # ----- call sessions (.session) -----------------------------------------------------------
 
     def set_control(self, mode: str, agent_fanout: int | None = None) -> None:

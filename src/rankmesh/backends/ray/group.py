@@ -246,12 +246,24 @@ class RayWorkerGroup(WorkerGroup):
     ) -> "RayWorkerGroup":
         """Build new workers in already running, torn-down hosts (process reuse for tests).
 
-        ``hosts`` comes from :func:`.hosts.launch_hosts`; a previous group on them must have
-        been torn down (``hosts.teardown_workers()``) and must not be used any more.
+        ``hosts`` comes from :func:`.hosts.launch_hosts` or a previous group's
+        :meth:`release_hosts`; that group must not be used any more.
         """
         table = MethodTable.build(ray_cls_with_init.cls, len(hosts.actors), mesh, meshes, group_type=cls)
         build_workers(hosts, ray_cls_with_init.roles, table.mesh, table.extra_meshes, check_worker_env(worker_env), timeout)
         return cls._over(hosts, table, *cls._drive(hosts, table))
+
+    def release_hosts(self, timeout: float = 60.0) -> HostSet:
+        """Drop this group's workers but keep its processes running, for :meth:`on_hosts` (process reuse for tests).
+
+        Ends the group's call session (the session threads in the processes stop), then tears the
+        workers down once every rank has finished what it was sent (within ``timeout`` seconds).
+        Process-wide state the workers left (an initialized torch.distributed, megatron's
+        parallel_state, module globals) stays; the caller resets what the next group needs.
+        """
+        self._executor.release()
+        self._hosts.teardown_workers(timeout)
+        return self._hosts
 
     @classmethod
     def from_detached(

@@ -1,0 +1,116 @@
+"""Process reuse across test modules: one bank of running host processes, lent group after group.
+
+Why: a Ray worker process costs 2-3 CPU-seconds to start here (``import torch``), a megatron one
+4-5; building a new group's workers in a running, torn-down process costs well under one.  The
+modules that only need *some* group of N processes (not a fresh start, a kill or a placement)
+borrow hosts from the session's :class:`HostBank` (``host_bank`` in ``conftest.py``) with
+:meth:`HostBank.build`, and give them back with :meth:`HostBank.give_back`, which resets the
+processes for the next group: it drops the workers, destroys a default process group they left,
+and reserves a fresh rendezvous port (the old TCPStore may still hold the last one).
+
+A megatron group must release parallel_state itself first (``group.destroy_megatron()``): rankmesh
+counts parallel_state's users in the process, and only the workers know theirs.  Hosts that do not
+come back clean within :data:`RESET_TIMEOUT_S` (a call still running) are shut down, not reused.
+
+Ranks of a group built here run in processes that earlier groups used: a test that needs fresh
+processes (start-up, placement, pids, kills) must start its own group.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import ray
+
+from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from rankmesh.backends.ray.hosts import HostSet, launch_hosts
+from rankmesh.dispatch import Dispatch, register
+from rankmesh.mesh import RankMesh
+from rankmesh.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+#: How long giving hosts back may wait for the ranks to finish what the last group left running.
+RESET_TIMEOUT_S = 20.0
+
+
+class ProcessReset(Worker):
+    """Built on given-back hosts to leave each process as a new one would start: no default group."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reset(self) -> bool:
+        import sys
+
+        import torch.distributed as dist
+
+        ps = sys.modules.get("megatron.core.parallel_state")
+        if ps is not None and ps.model_parallel_is_initialized():
+            raise RuntimeError("parallel_state is still initialized: call group.destroy_megatron() before give_back")
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        return True
+
+
+class HostBank:
+    """Running host processes by world size; each set is lent to one group at a time."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[HostSet]] = {}
+        self._lent: dict[int, HostSet] = {}  # id(group) -> its hosts
+        self.launched = 0  # processes started
+        self.builds = 0  # groups built
+
+    def build(
+        self,
+        init: RayClassWithInitArgs | type,
+        mesh: RankMesh,
+        meshes: Mapping[str, RankMesh] | None = None,
+        worker_env: Mapping[str, Any] | None = None,
+    ) -> RayWorkerGroup:
+        """A new group of ``init``'s workers over ``mesh`` in lent processes (started if none is free)."""
+        if not isinstance(init, RayClassWithInitArgs):
+            init = RayClassWithInitArgs(init)
+        world = mesh.world_size
+        free = self._free.setdefault(world, [])
+        hosts = free.pop() if free else self._launch(world)
+        try:
+            group = RayWorkerGroup.on_hosts(hosts, init, mesh=mesh, meshes=meshes, worker_env=worker_env)
+        except BaseException:
+            hosts.shutdown()
+            raise
+        self._lent[id(group)] = hosts
+        self.builds += 1
+        return group
+
+    def give_back(self, group: RayWorkerGroup) -> None:
+        """Reset ``group``'s processes for the next group (or shut them down if they do not reset)."""
+        hosts = self._lent.pop(id(group), None)
+        if hosts is None:  # the bank was closed meanwhile: its processes are gone
+            return
+        try:
+            group.release_hosts(RESET_TIMEOUT_S)
+            reset = RayWorkerGroup.on_hosts(hosts, RayClassWithInitArgs(ProcessReset), mesh=RankMesh(dp=len(hosts.actors)))
+            reset.reset()
+            reset.release_hosts(RESET_TIMEOUT_S)
+            hosts.master = tuple(ray.get(hosts.actors[0].reserve_master_port.remote(fresh=True), timeout=RESET_TIMEOUT_S))
+        except Exception as exc:  # noqa: BLE001 - a process that does not reset is not reused
+            logger.warning("host bank: %d processes did not reset (%s); shutting them down", len(hosts.actors), exc)
+            hosts.shutdown()
+            return
+        self._free.setdefault(len(hosts.actors), []).append(hosts)
+
+    def _launch(self, world: int) -> HostSet:
+        pool = RayResourcePool([world], use_gpu=False)
+        pool.acquire()
+        hosts = launch_hosts(pool, f"bank{world}", False, {}, 300.0)
+        hosts.pool = pool  # released by shutdown
+        self.launched += world
+        return hosts
+
+    def close(self) -> None:
+        """Shut every process down, lent or free."""
+        for hosts in [*self._lent.values(), *(h for sets in self._free.values() for h in sets)]:
+            hosts.shutdown()
+        self._lent.clear()
+        self._free.clear()
