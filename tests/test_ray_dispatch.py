@@ -221,6 +221,27 @@ def test_a_slot_never_installed_is_refused(holder_group):
         ray.get(actor.bare_126.remote())
 
 
+def test_a_group_rebuilt_in_used_processes_keeps_each_ranks_call_order(host_bank):
+    """Each group counts its Ray calls from zero on both sides, so a session call still waits for the
+    Ray calls sent before it where an earlier group's processes ran calls its controller never sent."""
+    from tests.replica_workers import ReplicaWorker
+
+    init = RayClassWithInitArgs(ReplicaWorker, delays={})
+    wg = host_bank.build(init, RankMesh(tp=2, dp=2))
+    for actor in wg.executor.hosts.actors:  # run by every process, counted by no controller
+        with pytest.raises(Exception, match="call slot 127 was never installed"):
+            ray.get(actor.call_127.remote())
+    host_bank.give_back(wg)
+    wg = host_bank.build(init, RankMesh(tp=2, dp=2))
+    try:
+        nap = wg.replica(0).nap(0.5, "replica-0-nap")  # a Ray call on ranks 0 and 1 ...
+        logs = wg.record("whole-group")  # ... then a session call on every rank: after the nap there
+        assert [log[-2:] for log in logs[:2]] == [["replica-0-nap", "whole-group"]] * 2
+        assert [rank for rank, _, _ in nap.get()] == [0, 1]
+    finally:
+        host_bank.give_back(wg)
+
+
 def test_fetch_timeout_names_the_slow_ranks(ray_session):
     from rankmesh.backends.ray.waiting import Pending, fetch_outputs
     from rankmesh.errors import FetchTimeoutError

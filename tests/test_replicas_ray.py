@@ -24,16 +24,14 @@ SLOW_S = 1.5
 
 
 @pytest.fixture(scope="module")
-def wg(ray_session):
-    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+def wg(host_bank):
+    from rankmesh.backends.ray import RayClassWithInitArgs
 
-    group = RayWorkerGroup(
-        RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(ReplicaWorker, delays={1: SLOW_S}), mesh=RankMesh(tp=2, dp=2)
-    )
+    group = host_bank.build(RayClassWithInitArgs(ReplicaWorker, delays={1: SLOW_S}), RankMesh(tp=2, dp=2))
     # The first DataProto a process receives imports tensordict (seconds): pay that here, not in a timing.
     group.per_rank_rows(DataProto.from_dict({"x": torch.arange(4, dtype=torch.float32)}))
     yield group
-    group.shutdown()
+    host_bank.give_back(group)
 
 
 def test_calls_on_disjoint_replicas_run_at_the_same_time(wg):

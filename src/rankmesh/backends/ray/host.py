@@ -156,6 +156,8 @@ class WorkerHost:
         imported_ns = time.time_ns()
         if self._setup is not None:
             raise BackendError(f"rank {self._rank} of {self._group_name} is already set up")
+        with self._turn:  # a new group's Ray calls count from zero, as the controller counts them (build_workers)
+            self._ray_done = 0
         self._rank = setup.rank  # a spare becomes the rank it replaces
         self._env_before = {k: os.environ.get(k) for k in setup.env}
         os.environ.update({k: str(v) for k, v in setup.env.items()})

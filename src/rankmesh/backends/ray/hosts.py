@@ -215,6 +215,9 @@ def build_workers(
     """Set every rank's environment and build its role objects (all ranks in parallel)."""
     world = len(hosts.actors)
     addr, port = hosts.master
+    # A reused process may have run calls of earlier groups that these counts never saw (calls sent
+    # past the group, refused ones): both sides count the new group's Ray calls from zero.
+    hosts.ray_calls = RayCallCount()
     setups, sent = [], []
     for rank, place in enumerate(hosts.places):
         env = {
