@@ -128,22 +128,26 @@ def resolve_meshes(args: argparse.Namespace) -> list[Target]:
 
 
 def validate_all(targets: Sequence[Target], *, use_gpu: bool = False, timeout: float = 300.0,
-                 force_order: str | None = None) -> list[Validation]:
+                 force_order: str | None = None, processes: Any = None) -> list[Validation]:
     """Check every ``(label, mesh, process counts per node)`` target on the connected Ray, in order.
 
     Targets with the same process counts share ONE group of processes: the first one's mesh starts
     the group, the others are checked on those processes with parallel_state rebuilt for each
     (``MegatronWorker.megatron_report(mesh=...)``).  Each process costs ~2-4 s to start (it imports
     torch and megatron-core), so a layout's critic and rollout of 4 ranks each take 4 processes,
-    not 8.
+    not 8.  ``processes``: where the groups run (``start``/``stop``; default a new pool per group,
+    :class:`~rankmesh.backends.ray.group.PoolPerGroup`).
     """
+    from rankmesh.backends.ray import PoolPerGroup
+
+    processes = processes if processes is not None else PoolPerGroup(use_gpu=use_gpu, start_timeout=timeout)
     shapes: dict[tuple[int, ...], list[int]] = {}
     for index, (_, _, counts) in enumerate(targets):
         shapes.setdefault(tuple(counts), []).append(index)
     results: dict[int, Validation] = {}
     for counts, indices in shapes.items():
         started = time.perf_counter()
-        group = start_group(targets[indices[0]][1], counts, use_gpu=use_gpu, timeout=timeout, force_order=force_order)
+        group = start_group(targets[indices[0]][1], counts, processes, force_order=force_order)
         try:
             for index in indices:
                 label, mesh, _ = targets[index]
@@ -151,19 +155,17 @@ def validate_all(targets: Sequence[Target], *, use_gpu: bool = False, timeout: f
                 started = time.perf_counter()
             group.destroy_megatron()
         finally:
-            group.shutdown()
+            processes.stop(group)
     return [results[index] for index in range(len(targets))]
 
 
-def start_group(mesh: RankMesh, process_on_nodes: Sequence[int], *, use_gpu: bool = False, timeout: float = 300.0,
-                force_order: str | None = None) -> Any:
-    """A RayWorkerGroup of MegatronWorkers over ``mesh`` (parallel_state built, nothing checked yet)."""
-    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+def start_group(mesh: RankMesh, process_on_nodes: Sequence[int], processes: Any, *, force_order: str | None = None) -> Any:
+    """A RayWorkerGroup of MegatronWorkers over ``mesh`` from ``processes`` (parallel_state built, nothing checked yet)."""
+    from rankmesh.backends.ray import RayClassWithInitArgs
     from rankmesh.megatron.worker import MegatronWorker
 
-    pool = RayResourcePool(list(process_on_nodes), use_gpu=use_gpu)
     kwargs = {"force_order": force_order} if force_order else {}
-    return RayWorkerGroup(pool, RayClassWithInitArgs(MegatronWorker, **kwargs), mesh=mesh, start_timeout=timeout)
+    return processes.start(list(process_on_nodes), RayClassWithInitArgs(MegatronWorker, **kwargs), mesh)
 
 
 def validate_on(group: Any, mesh: RankMesh, *, source: str = "", started: float | None = None) -> Validation:
@@ -225,8 +227,10 @@ def format_validation(v: Validation) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the validation; the exit code is the verdict (0 pass, 1 mismatch, 2 usage error)."""
+def main(argv: Sequence[str] | None = None, processes: Any = None) -> int:
+    """Run the validation; the exit code is the verdict (0 pass, 1 mismatch, 2 usage error).
+
+    ``processes``: where the groups run (see :func:`validate_all`; the tests lend running ones)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
@@ -240,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     needed = max(sum(counts) for _, _, counts in targets)
     conn = ensure_ray(args.address, num_cpus=max(needed, os.cpu_count() or 1))
     try:
-        results = validate_all(targets, use_gpu=args.use_gpu, timeout=args.timeout, force_order=args.force_order)
+        results = validate_all(targets, use_gpu=args.use_gpu, timeout=args.timeout, force_order=args.force_order,
+                               processes=processes)
     finally:
         if conn.started_here:
             import ray

@@ -57,7 +57,7 @@ class HostBank:
 
     def __init__(self) -> None:
         self._free: dict[int, list[HostSet]] = {}
-        self._lent: dict[int, HostSet] = {}  # id(group) -> its hosts
+        self._lent: dict[int, HostSet] = {}  # id(hosts) -> hosts, for the groups built on them (and their roles)
         self.launched = 0  # processes started
         self.builds = 0  # groups built
 
@@ -79,13 +79,15 @@ class HostBank:
         except BaseException:
             hosts.shutdown()
             raise
-        self._lent[id(group)] = hosts
+        self._lent[id(hosts)] = hosts
         self.builds += 1
         return group
 
     def give_back(self, group: RayWorkerGroup) -> None:
-        """Reset ``group``'s processes for the next group (or shut them down if they do not reset)."""
-        hosts = self._lent.pop(id(group), None)
+        """Reset ``group``'s processes for the next group (or shut them down if they do not reset).
+
+        ``group`` may be one of the role groups spawned from the group :meth:`build` returned."""
+        hosts = self._lent.pop(id(group.executor.hosts), None)
         if hosts is None:  # the bank was closed meanwhile: its processes are gone
             return
         try:
@@ -108,9 +110,44 @@ class HostBank:
         self.launched += world
         return hosts
 
+    def processes(self) -> "BankProcesses":
+        """This bank as the ``processes`` of code that starts one group per role (the demo, the validate script)."""
+        return BankProcesses(self)
+
     def close(self) -> None:
         """Shut every process down, lent or free."""
         for hosts in [*self._lent.values(), *(h for sets in self._free.values() for h in sets)]:
             hosts.shutdown()
         self._lent.clear()
         self._free.clear()
+
+
+class BankProcesses:
+    """:class:`~rankmesh.backends.ray.group.PoolPerGroup`'s two methods over a :class:`HostBank`.
+
+    Groups that need what only a new pool gives (several nodes, standby bundles, a recovery policy
+    or other group options) are refused: the run asking for them must start its own processes.  A
+    group's name is not kept (the bank's processes keep theirs).
+    """
+
+    def __init__(self, bank: HostBank) -> None:
+        self.bank = bank
+
+    def start(
+        self,
+        process_on_nodes: list[int],
+        ray_cls_with_init: RayClassWithInitArgs,
+        mesh: RankMesh,
+        *,
+        pool_name: str | None = None,
+        spares: int = 0,
+        name_prefix: str | None = None,
+        **group_kwargs: Any,
+    ) -> RayWorkerGroup:
+        if len(process_on_nodes) != 1 or spares or group_kwargs:
+            raise ValueError(f"the host bank builds groups of one node without spares or options, not "
+                             f"{process_on_nodes} with spares={spares} and {sorted(group_kwargs)}")
+        return self.bank.build(ray_cls_with_init, mesh)
+
+    def stop(self, group: RayWorkerGroup) -> None:
+        self.bank.give_back(group)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -22,18 +23,20 @@ ray = pytest.importorskip("ray")
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
 from rankmesh.backends.ray.session import CONTROL_ENV, REPLY_BYTES  # noqa: E402
 from rankmesh.errors import BackendError, HangError, WorkerDiedError, WorkerError  # noqa: E402
+from rankmesh.mesh import RankMesh  # noqa: E402
 from tests.control_workers import ControlWorker, kill_after  # noqa: E402
 
 PATHS = ("session", "ray")
 SESSION_THREAD = "rankmesh-session"
 
 
-def make_group(path: str, world: int = 4, **kwargs) -> RayWorkerGroup:
-    """A group whose calls take ``path`` (the environment is read when the group is built)."""
+@contextmanager
+def control_path(path: str):
+    """Groups built inside take ``path`` (the environment is read when a group is built)."""
     before = os.environ.get(CONTROL_ENV)
     os.environ[CONTROL_ENV] = "auto" if path == "session" else "ray"
     try:
-        return RayWorkerGroup(RayResourcePool([world], use_gpu=False), RayClassWithInitArgs(ControlWorker), **kwargs)
+        yield
     finally:
         if before is None:
             os.environ.pop(CONTROL_ENV, None)
@@ -41,12 +44,22 @@ def make_group(path: str, world: int = 4, **kwargs) -> RayWorkerGroup:
             os.environ[CONTROL_ENV] = before
 
 
+def make_group(path: str, world: int = 4, **kwargs) -> RayWorkerGroup:
+    """A group of new processes whose calls take ``path``."""
+    with control_path(path):
+        return RayWorkerGroup(RayResourcePool([world], use_gpu=False), RayClassWithInitArgs(ControlWorker), **kwargs)
+
+
 @pytest.fixture(scope="module")
-def groups(ray_session):
-    made = {path: make_group(path) for path in PATHS}
+def groups(host_bank):
+    """One 4-rank group per path, in the host bank's running processes."""
+    made = {}
+    for path in PATHS:
+        with control_path(path):
+            made[path] = host_bank.build(RayClassWithInitArgs(ControlWorker), RankMesh(dp=4))
     yield made
     for wg in made.values():
-        wg.shutdown()
+        host_bank.give_back(wg)
 
 
 def threads_of(log) -> set[str]:

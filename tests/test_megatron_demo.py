@@ -1,7 +1,14 @@
-"""The actor/critic demo, fast: two iterations on the session's Ray, every self-check must pass."""
+"""The actor/critic demo, fast: two iterations on the session's Ray, every self-check must pass.
+
+All runs but one build their groups in the host bank's running processes (tests/hosts.py): a
+megatron process costs 4-5 CPU-seconds to start, and the runs here would start 31 of them.  The
+synchronous run of the K=0 comparison starts its own pools and processes, as the command does, so
+the comparison also shows that a run in reused processes ends exactly where a run in new ones ends.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -10,12 +17,20 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("ray")
 
 
-def test_demo_two_iterations(ray_session, tmp_path, capsys) -> None:
-    from rankmesh.demo_cli import main
+def demo(argv: list[str], bank) -> int:
+    """``rankmesh demo ARGV``'s run and exit code; its groups built in ``bank``'s processes, or in
+    new ones (new pools, as the command starts them) with ``bank=None``."""
+    from rankmesh.demo_cli import add_arguments, run_from_args
 
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv), processes=None if bank is None else bank.processes())
+
+
+def test_demo_two_iterations(host_bank, tmp_path, capsys) -> None:
     report = tmp_path / "demo.json"
     # --hang-rank 5: a few seconds more, and the run must go on undisturbed after it.
-    code = main(["--iterations", "2", "--no-progress", "--json", str(report), "--hang-rank", "5"])
+    code = demo(["--iterations", "2", "--no-progress", "--json", str(report), "--hang-rank", "5"], host_bank)
     out = capsys.readouterr().out
     assert code == 0, out
     result = json.loads(report.read_text())
@@ -68,16 +83,14 @@ SMALL = ["--iterations", "2", "--no-progress", "--no-layout", "--actor-tp", "1",
          "--critic-tp", "1", "--critic-dp", "1", "--rollout-dp", "2"]
 
 
-def _run(tmp_path, name: str, *extra: str) -> dict:
-    from rankmesh.demo_cli import main
-
+def _run(tmp_path, bank, name: str, *extra: str) -> dict:
     report = tmp_path / f"{name}.json"
-    assert main([*SMALL, "--json", str(report), *extra]) == 0
+    assert demo([*SMALL, "--json", str(report), *extra], bank) == 0
     return json.loads(report.read_text())
 
 
-def test_async_demo_trains_on_rows_at_most_k_versions_old(ray_session, tmp_path, capsys) -> None:
-    result = _run(tmp_path, "k1", "--async-staleness", "1", "--iterations", "3")
+def test_async_demo_trains_on_rows_at_most_k_versions_old(host_bank, tmp_path, capsys) -> None:
+    result = _run(tmp_path, host_bank, "k1", "--async-staleness", "1", "--iterations", "3")
     out = capsys.readouterr().out
     assert result["ok"] and all(result["checks"].values()), result["checks"]
     tally = result["asynchronous"]
@@ -90,9 +103,9 @@ def test_async_demo_trains_on_rows_at_most_k_versions_old(ray_session, tmp_path,
     assert "asynchronous, K=1" in out and "demo PASS" in out.strip().splitlines()[-1]
 
 
-def test_async_demo_with_k0_is_the_synchronous_run(ray_session, tmp_path) -> None:
-    sync = _run(tmp_path, "sync")
-    k0 = _run(tmp_path, "k0", "--async-staleness", "0")
+def test_async_demo_with_k0_is_the_synchronous_run(host_bank, tmp_path) -> None:
+    sync = _run(tmp_path, None, "sync")  # new processes, as the command starts them
+    k0 = _run(tmp_path, host_bank, "k0", "--async-staleness", "0")
     assert sync["ok"] and k0["ok"], (sync["checks"], k0["checks"])
     assert k0["final_weights_sha256"] == sync["final_weights_sha256"]  # the same batches, the same updates
     assert [i["actor_loss"] for i in k0["iterations"]] == [i["actor_loss"] for i in sync["iterations"]]

@@ -4,8 +4,9 @@ mismatch detector, and one real subprocess run of the script.
 megatron's ``RankGenerator`` is the oracle for what parallel_state must have built.  Every process
 costs ~2-4 s to start (it imports torch and megatron-core), so the meshes are 4 ranks except
 cpu_demo's actor, the 4-rank meshes share processes (a layout's meshes of one size share a group in
-the script; the explicit ones are reported on by one running group), and the subprocess run of the
-real command, which adds a Ray of its own, has 2.
+the script; the explicit ones are reported on by one running group), the in-process runs build
+their groups in the host bank's running processes (tests/hosts.py), and the subprocess run of the
+real command, which adds a Ray of its own and starts its own processes, has 2.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _check_against_oracle(result: dict, mesh: RankMesh) -> None:
 
 
 @pytest.fixture(scope="module")
-def cpu_demo_document(validate_script, ray_session):
+def cpu_demo_document(validate_script, host_bank):
     """``validate_rank_mapping.py --layout cpu_demo --json`` in-process: actor (+ colocated ref) on 8
     ranks, critic and rollout on 4 each; the two 4-rank meshes share one group of processes."""
     import contextlib
@@ -96,7 +97,7 @@ def cpu_demo_document(validate_script, ray_session):
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = validate_script.main(["--layout", "cpu_demo", "--json"])
+        code = validate_script.main(["--layout", "cpu_demo", "--json"], processes=host_bank.processes())
     return code, json.loads(out.getvalue())
 
 
@@ -118,9 +119,10 @@ def test_meshes_of_one_process_count_are_checked_on_one_group(cpu_demo_document)
     assert len(pids["actor"]) == 8 and not pids["actor"] & pids["critic"]
 
 
-def test_validate_script_reports_a_mismatch(validate_script, ray_session, capsys) -> None:
+def test_validate_script_reports_a_mismatch(validate_script, host_bank, capsys) -> None:
     """Workers forced to the default order while the controller's mesh says tp-pp-dp: exit 1."""
-    code = validate_script.main(["--pp", "2", "--dp", "2", "--order", "tp-pp-dp", "--force-order", "tp-cp-ep-dp-pp"])
+    code = validate_script.main(["--pp", "2", "--dp", "2", "--order", "tp-pp-dp", "--force-order", "tp-cp-ep-dp-pp"],
+                                processes=host_bank.processes())
     out = capsys.readouterr().out
     assert code == 1
     verdict = out.strip().splitlines()[-1]

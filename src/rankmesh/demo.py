@@ -49,7 +49,7 @@ from rankmesh.errors import RankMeshError, UsageError
 from rankmesh.demo_async import AsyncRollout, AsyncTally
 from rankmesh.demo_hang import HangDrill, run_hang_drill
 from rankmesh.layout import load_layout
-from rankmesh.megatron.group import shutdown_megatron_group, start_megatron_group
+from rankmesh.megatron.group import check_megatron_group, shutdown_megatron_group
 from rankmesh.megatron.reference import ReferenceModel, TinyConfig, token_log_probs
 from rankmesh.mesh import RankMesh
 
@@ -270,14 +270,14 @@ def check_config(cfg: DemoConfig, given: Iterable[str] = ()) -> None:
                              f"dp={dp}{where} ({flag}); choose sizes whose product is a multiple of {dp}")
 
 
-def start_rollout(cfg: DemoConfig, model: dict):
+def start_rollout(cfg: DemoConfig, model: dict, processes: Any):
     """Start the rollout group (plain workers: no torch.distributed, no megatron-core)."""
-    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rankmesh.backends.ray import RayClassWithInitArgs
     from rankmesh.megatron.rollout import RolloutWorker
 
     mesh, counts = resolve_rollout(cfg)
-    return RayWorkerGroup(RayResourcePool(counts, use_gpu=False, name_prefix="rollout_pool"),
-                          RayClassWithInitArgs(RolloutWorker, model=model), mesh=mesh, name_prefix="rollout")
+    return processes.start(counts, RayClassWithInitArgs(RolloutWorker, model=model), mesh, pool_name="rollout_pool",
+                           name_prefix="rollout")
 
 
 def ppo_loss(log_probs, old_log_probs, advantages, clip_ratio: float):
@@ -288,9 +288,9 @@ def ppo_loss(log_probs, old_log_probs, advantages, clip_ratio: float):
     return float(torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)).mean())
 
 
-def start_groups(cfg: DemoConfig, model: dict):
+def start_groups(cfg: DemoConfig, model: dict, processes: Any):
     """Start actor+ref (colocated) and critic, each cross-checked against its mesh."""
-    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, create_colocated_worker_cls
+    from rankmesh.backends.ray import RayClassWithInitArgs, create_colocated_worker_cls
     from rankmesh.megatron.roles import ActorWorker, CriticWorker, RefWorker
 
     actor_mesh, actor_counts, critic_mesh, critic_counts, source = resolve_meshes(cfg)
@@ -301,12 +301,12 @@ def start_groups(cfg: DemoConfig, model: dict):
     })
     # With a kill planned (or spares kept), the actor replaces a dead rank in place and retries the call once.
     policy = {} if cfg.kill_rank is None and not cfg.spares else {"on_rank_death": "replace"}
-    roles = start_megatron_group(RayResourcePool(actor_counts, use_gpu=False, name_prefix="actor_pool", spares=cfg.spares),
-                                 colocated, actor_mesh, roles=["actor", "ref"], name_prefix="actor+ref", **policy)
-    critic = start_megatron_group(RayResourcePool(critic_counts, use_gpu=False, name_prefix="critic_pool"),
-                                  RayClassWithInitArgs(CriticWorker, lr=cfg.critic_lr, **common),
-                                  critic_mesh, name_prefix="critic")
-    return roles["actor"], roles["ref"], critic, source
+    actor_group = processes.start(actor_counts, colocated, actor_mesh, pool_name="actor_pool", spares=cfg.spares,
+                                  name_prefix="actor+ref", **policy)
+    roles = check_megatron_group(actor_group, actor_mesh, roles=["actor", "ref"])
+    critic_group = processes.start(critic_counts, RayClassWithInitArgs(CriticWorker, lr=cfg.critic_lr, **common),
+                                   critic_mesh, pool_name="critic_pool", name_prefix="critic")
+    return roles["actor"], roles["ref"], check_megatron_group(critic_group, critic_mesh), source
 
 
 def gathered_actor_weights(actor) -> tuple[dict, float]:
@@ -323,14 +323,20 @@ def gathered_actor_weights(actor) -> tuple[dict, float]:
 # ----- the run -----------------------------------------------------------------------------------
 
 
-def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
-    """Start the groups, run ``cfg.iterations`` PPO-style iterations, check, shut down."""
+def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) -> DemoResult:
+    """Start the groups, run ``cfg.iterations`` PPO-style iterations, check, shut down.
+
+    ``processes``: where the groups run (``start``/``stop``, default
+    :class:`~rankmesh.backends.ray.group.PoolPerGroup`: a new pool and processes per group).
+    """
     from tqdm import tqdm
 
+    from rankmesh.backends.ray import PoolPerGroup
     from rankmesh.backends.ray.runtime import ensure_ray
     from rankmesh.reshard.run import plan_between, reshard
 
     out = out or sys.stdout
+    processes = processes if processes is not None else PoolPerGroup()
     t_start = time.perf_counter()
     result = DemoResult(cfg)
     tcfg = TinyConfig(seed=cfg.seed, max_seq_len=cfg.prompt_length + cfg.response_length)
@@ -339,8 +345,8 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
                file=sys.stderr)  # progress only on a terminal: a redirected stderr gets no bar
     actor = ref = critic = rollout = None
     try:
-        actor, ref, critic, source = start_groups(cfg, tcfg.to_dict())
-        rollout = start_rollout(cfg, tcfg.to_dict())
+        actor, ref, critic, source = start_groups(cfg, tcfg.to_dict(), processes)
+        rollout = start_rollout(cfg, tcfg.to_dict(), processes)
         result.actor_mesh, result.critic_mesh, result.rollout_mesh = repr(actor.mesh), repr(critic.mesh), repr(rollout.mesh)
         result.rollout_replicas = rollout.mesh.size("dp")
         # Planned once from the two meshes and the actor's own parameter attributes.
@@ -474,9 +480,9 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> DemoResult:
                 logger.warning("ref.destroy_megatron failed: %s", exc)
         for group in (actor, critic):
             if group is not None:
-                shutdown_megatron_group(group)
+                shutdown_megatron_group(group, processes.stop)
         if rollout is not None:
-            rollout.shutdown()
+            processes.stop(rollout)
         conn.close()
     result.total_s = time.perf_counter() - t_start
     _judge(result)

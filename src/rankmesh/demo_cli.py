@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import sys
-from typing import Sequence, TextIO
+from typing import Any, Sequence, TextIO
 
 from rankmesh import demo
 from rankmesh.demo import DemoConfig, format_summary, run_demo
@@ -93,8 +93,10 @@ def checked_config(args: argparse.Namespace) -> DemoConfig:
     return cfg
 
 
-def run_from_args(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Run with parsed options, print the table and the checks; the exit code is the verdict."""
+def run_from_args(args: argparse.Namespace, out: TextIO | None = None, processes: Any = None) -> int:
+    """Run with parsed options, print the table and the checks; the exit code is the verdict.
+
+    ``processes``: where the groups run (see :func:`rankmesh.demo.run_demo`; default new ones)."""
     out = out or sys.stdout
     try:
         cfg = checked_config(args)
@@ -103,7 +105,7 @@ def run_from_args(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     trace_path = getattr(args, "trace_path", None)
     with trace(trace_path) if trace_path else contextlib.nullcontext():
-        result = run_demo(cfg, out)
+        result = run_demo(cfg, out, processes)
     print(format_summary(result), file=out)
     if trace_path:
         print(f"trace: {trace_path} (open in https://ui.perfetto.dev, or: rankmesh trace summarize {trace_path})", file=out)

@@ -37,6 +37,7 @@ _EXPORTS: Mapping[str, str] = MappingProxyType({
     "check_reports": "rankmesh.megatron.check",
     "expected_report": "rankmesh.megatron.check",
     "start_megatron_group": "rankmesh.megatron.group",
+    "check_megatron_group": "rankmesh.megatron.group",
     "verify_group": "rankmesh.megatron.group",
     "collect_reports": "rankmesh.megatron.group",
     "shutdown_megatron_group": "rankmesh.megatron.group",

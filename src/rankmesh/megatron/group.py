@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from rankmesh.backends import ray as ray_backend  # names load on first use: no Ray at import
 from rankmesh.megatron.check import RankReport, check_reports, compare_reports, Mismatch
@@ -67,6 +67,20 @@ def start_megatron_group(
     """
     start = time.perf_counter()
     group = ray_backend.RayWorkerGroup(resource_pool, cls_with_init, mesh=mesh, **group_kwargs)
+    checked = check_megatron_group(group, mesh, verify=verify, allreduce=allreduce, roles=roles)
+    logger.info("started %r in %.1fs", mesh, time.perf_counter() - start)
+    return checked
+
+
+def check_megatron_group(
+    group: Any, mesh: RankMesh, *, verify: bool = True, allreduce: bool = False, roles: list[str] | None = None
+) -> Any:
+    """The second half of :func:`start_megatron_group`, for a group started by other means.
+
+    Spawns ``roles`` (a colocated class), cross-checks the group against ``mesh`` and registers the
+    same check to run after every recovery; on a mismatch the group is shut down and
+    :class:`~rankmesh.errors.MeshMismatchError` raised.  Returns the group, or role -> group.
+    """
     spawned: Mapping[str, Any] | None = group.spawn(roles) if roles else None
     # Colocated roles share one parallel_state per process: checking one role checks all.
     checked = next(iter(spawned.values())) if spawned else group
@@ -80,14 +94,19 @@ def start_megatron_group(
     except BaseException:
         group.shutdown()
         raise
-    logger.info("started %r in %.1fs", mesh, time.perf_counter() - start)
     return dict(spawned) if spawned else group
 
 
-def shutdown_megatron_group(group: Any) -> None:
-    """Tear parallel_state down on every rank (best effort), then stop the processes."""
+def shutdown_megatron_group(group: Any, stop: Callable[[Any], None] | None = None) -> None:
+    """Tear parallel_state down on every rank (best effort), then stop the processes.
+
+    ``stop``: how the processes stop (default ``group.shutdown``; e.g. ``PoolPerGroup.stop``).
+    """
     try:
         group.destroy_megatron()
-    except Exception as exc:  # noqa: BLE001 - the processes are killed next anyway
+    except Exception as exc:  # noqa: BLE001 - the processes are stopped next anyway
         logger.warning("destroy_megatron failed: %s", exc)
-    group.shutdown()
+    if stop is None:
+        group.shutdown()
+    else:
+        stop(group)

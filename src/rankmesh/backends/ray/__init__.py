@@ -30,6 +30,7 @@ _EXPORTS = MappingProxyType({
     "create_colocated_worker_cls": "rankmesh.backends.ray.classes",
     "RayClassWithInitArgs": "rankmesh.backends.ray.classes",
     "RayWorkerGroup": "rankmesh.backends.ray.group",
+    "PoolPerGroup": "rankmesh.backends.ray.group",
     "RayResourcePool": "rankmesh.backends.ray.pool",
     "split_resource_pool": "rankmesh.backends.ray.pool",
     "merge_resource_pool": "rankmesh.backends.ray.pool",
@@ -57,7 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
         create_colocated_worker_cls,
     )
     from rankmesh.backends.ray.executor import RayExecutor
-    from rankmesh.backends.ray.group import RayWorkerGroup
+    from rankmesh.backends.ray.group import PoolPerGroup, RayWorkerGroup
     from rankmesh.backends.ray.pool import RayResourcePool, merge_resource_pool, split_resource_pool
     from rankmesh.backends.ray.rendezvous import init_torch_distributed
     from rankmesh.backends.ray.runtime import ensure_ray

@@ -631,3 +631,36 @@ class RayWorkerGroup(WorkerGroup):
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+class PoolPerGroup:
+    """Start each group on a new :class:`RayResourcePool` of its own; stopping it stops its processes.
+
+    The default of code that starts one group per role (``rankmesh demo``,
+    ``scripts/validate_rank_mapping.py``).  That code takes any object with these two methods, so
+    a caller may run the groups elsewhere: the tests lend processes that outlive a group
+    (``tests/hosts.py``), since starting one costs seconds of CPU.  ``group_kwargs`` (e.g.
+    ``start_timeout``) go to every group.
+    """
+
+    def __init__(self, use_gpu: bool = False, **group_kwargs: Any) -> None:
+        self.use_gpu = use_gpu
+        self.group_kwargs = group_kwargs
+
+    def start(
+        self,
+        process_on_nodes: Sequence[int],
+        ray_cls_with_init: RayClassWithInitArgs,
+        mesh: RankMesh,
+        *,
+        pool_name: str | None = None,
+        spares: int = 0,
+        **group_kwargs: Any,
+    ) -> RayWorkerGroup:
+        """A new group over ``mesh`` on a new pool of ``process_on_nodes`` (with ``spares`` standby bundles)."""
+        pool = RayResourcePool(list(process_on_nodes), use_gpu=self.use_gpu, name_prefix=pool_name, spares=spares)
+        return RayWorkerGroup(pool, ray_cls_with_init, mesh=mesh, **{**self.group_kwargs, **group_kwargs})
+
+    def stop(self, group: RayWorkerGroup) -> None:
+        """Kill the group's processes and release its pool."""
+        group.shutdown()
