@@ -4,6 +4,10 @@ Ray: one local Ray for the whole test session (starting one costs seconds and ev
 process, so tests share it and reuse worker groups through module-scoped fixtures).  It binds to
 127.0.0.1 only.
 
+Process reuse across modules: modules that need only *some* group of N processes borrow running
+ones from the host bank (``host_bank``, tests/hosts.py); they run back to back, right after the
+forking modules, and the bank's processes stop as soon as the last of them is done.
+
 Simulated multi-node clusters: Ray allows one cluster connection per process, so they live in
 driver processes (tests/drivers.py).  Modules whose scenarios leave the nodes alone share ONE
 cluster and ONE driver (``simulated_cluster``); they run back to back, and the cluster is shut

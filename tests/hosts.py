@@ -58,8 +58,6 @@ class HostBank:
     def __init__(self) -> None:
         self._free: dict[int, list[HostSet]] = {}
         self._lent: dict[int, HostSet] = {}  # id(hosts) -> hosts, for the groups built on them (and their roles)
-        self.launched = 0  # processes started
-        self.builds = 0  # groups built
 
     def build(
         self,
@@ -80,7 +78,6 @@ class HostBank:
             hosts.shutdown()
             raise
         self._lent[id(hosts)] = hosts
-        self.builds += 1
         return group
 
     def give_back(self, group: RayWorkerGroup) -> None:
@@ -107,7 +104,6 @@ class HostBank:
         pool.acquire()
         hosts = launch_hosts(pool, f"bank{world}", False, {}, 300.0)
         hosts.pool = pool  # released by shutdown
-        self.launched += world
         return hosts
 
     def processes(self) -> "BankProcesses":

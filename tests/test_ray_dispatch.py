@@ -4,9 +4,9 @@ Actors are processes, and starting one costs 2-3 s of CPU here (``import torch``
 so this module reuses processes: :class:`HostCache` keeps one group per world size and, when a
 test asks for a different worker class or mesh of that size, gives its processes back to the
 session's host bank (``tests/hosts.py``) and builds the new group in running processes
-(``RayWorkerGroup.on_hosts``).  Starting groups from scratch is covered by ``test_ray_group.py``.  The matrix drains worker logs before
-use, so reusing a group across tests is safe; ``conftest.py`` orders this module's tests by
-mesh so that rebuilds stay rare.  Meshes above :data:`MAX_RAY_RANKS` ranks run on the
+(``RayWorkerGroup.on_hosts``).  Starting groups from scratch is covered by
+``test_ray_group.py``.  The matrix drains worker logs before use, so reusing a group across tests
+is safe; ``conftest.py`` orders this module's tests by mesh so that rebuilds stay rare.  Meshes above :data:`MAX_RAY_RANKS` ranks run on the
 in-process backend only (``test_dispatch_local.py``).
 """
 
