@@ -27,6 +27,7 @@ docs/architecture.md draws the same map in words.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -744,19 +745,50 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
 
-def test_star_import_does_not_import_ray() -> None:
-    done = _run("from rankmesh import *\nimport sys\nassert 'ray' not in sys.modules, 'ray imported'\nprint(len(dir()))")
-    assert done.returncode == 0, done.stderr
+#: What four fresh-interpreter tests below ask, in one interpreter: each stage imports more and
+#: records which of Ray and megatron-core are loaded so far.  Every check is an absence, and a
+#: module absent after several stages' imports is absent after each one alone, so one interpreter
+#: answers all four (its start-up, torch included, costs seconds; a stage that fails to import
+#: fails the script, and every test with it).
+IMPORT_STAGES = """
+import json, sys
+
+def loaded(*names):
+    return sorted(m for m in sys.modules if any(m == n or m.startswith(n + ".") for n in names))
+
+stages = {}
+exec("from rankmesh import *", {})
+stages["star"] = {"ray": loaded("ray")}
+import rankmesh, rankmesh.megatron
+stages["plain"] = {"ray": loaded("ray"), "megatron": loaded("megatron.core"),
+                   "names": ["RayWorkerGroup" in dir(rankmesh), "verify_group" in dir(rankmesh.megatron)]}
+import rankmesh.megatron.layouts, rankmesh.megatron.rollout, rankmesh.reshard.run
+import rankmesh.reshard.worker, rankmesh.backends.local
+from rankmesh.reshard import ReshardWorker, reshard, plan_between
+stages["reshard"] = {"ray": loaded("ray")}
+# megatron-core is there now, but not Ray: the worker and the roles themselves.
+import rankmesh.megatron.worker, rankmesh.megatron.roles
+stages["megatron_worker"] = {"ray": loaded("ray"), "megatron": loaded("megatron.core")[:1]}
+print(json.dumps(stages))
+"""
 
 
-def test_plain_import_loads_neither_ray_nor_megatron() -> None:
-    done = _run(
-        "import sys, rankmesh, rankmesh.megatron\n"
-        "assert 'ray' not in sys.modules, 'ray imported'\n"
-        "assert 'megatron.core' not in sys.modules, 'megatron.core imported'\n"
-        "assert 'RayWorkerGroup' in dir(rankmesh) and 'verify_group' in dir(rankmesh.megatron)\n"
-    )
+@pytest.fixture(scope="module")
+def import_stages() -> dict:
+    done = _run(IMPORT_STAGES)
     assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_star_import_does_not_import_ray(import_stages) -> None:
+    assert import_stages["star"]["ray"] == [], "ray imported"
+
+
+def test_plain_import_loads_neither_ray_nor_megatron(import_stages) -> None:
+    plain = import_stages["plain"]
+    assert plain["ray"] == [], "ray imported"
+    assert plain["megatron"] == [], "megatron.core imported"
+    assert plain["names"] == [True, True]  # RayWorkerGroup in dir(rankmesh), verify_group in dir(rankmesh.megatron)
 
 
 def test_a_worker_process_imports_tensordict_only_when_a_tensordict_arrives() -> None:
@@ -777,23 +809,12 @@ def test_a_worker_process_imports_tensordict_only_when_a_tensordict_arrives() ->
     assert done.returncode == 0, done.stderr
 
 
-def test_megatron_and_reshard_import_no_ray() -> None:
+def test_megatron_and_reshard_import_no_ray(import_stages) -> None:
     """Reshard and megatron's workers are backend-neutral: an in-process megatron worker never loads Ray."""
-    done = _run(
-        "import sys, rankmesh.megatron, rankmesh.megatron.layouts, rankmesh.megatron.rollout, rankmesh.reshard.run\n"
-        "import rankmesh.reshard.worker, rankmesh.backends.local\n"
-        "from rankmesh.reshard import ReshardWorker, reshard, plan_between\n"
-        "ray = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]\n"
-        "assert not ray, f'ray imported: {ray[:5]}'\n"
-    )
-    assert done.returncode == 0, done.stderr
-    # megatron-core is there, but not Ray: the worker and the roles themselves.
-    done = _run(
-        "import sys, rankmesh.megatron.worker, rankmesh.megatron.roles\n"
-        "ray = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]\n"
-        "assert not ray, f'ray imported: {ray[:5]}'\n"
-    )
-    assert done.returncode == 0, done.stderr
+    assert import_stages["reshard"]["ray"] == [], "ray imported by reshard or rankmesh.megatron"
+    worker = import_stages["megatron_worker"]
+    assert worker["megatron"] == ["megatron.core"]  # the stage did import megatron-core ...
+    assert worker["ray"] == [], "ray imported by the megatron worker or roles"  # ... and still no Ray
 
 
 def test_front_door_is_small_and_holds_rankmesh_own_api() -> None:
