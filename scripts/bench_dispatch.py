@@ -47,6 +47,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -240,26 +241,29 @@ def traced_call(fn):
     return call
 
 
-def run_dispatch(args: argparse.Namespace) -> list[Result]:
+def run_dispatch(args: argparse.Namespace, processes: Any = None) -> list[Result]:
+    """Every mesh's rows.  ``processes``: where the rankmesh group runs (``start``/``stop``; default a
+    new pool per group, :class:`~rankmesh.backends.ray.group.PoolPerGroup`)."""
     import ray
 
-    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rankmesh.backends.ray import PoolPerGroup, RayClassWithInitArgs
     from rankmesh.backends.ray.runtime import ensure_ray
     from rankmesh.mesh import RankMesh
 
     store = max(512, int(6 * max(args.sizes) + 256)) * MIB
     conn = ensure_ray(num_cpus=2 * WORLD + 2, object_store_memory=store)
+    processes = processes if processes is not None else PoolPerGroup()
     results = []
     try:
         for mesh_name in args.meshes:
             mesh = RankMesh(**parse_mesh(mesh_name))
             init = RayClassWithInitArgs(_bench_worker(), args.workers_write)
-            wg = RayWorkerGroup(RayResourcePool([WORLD], use_gpu=False), init, mesh=mesh)
+            wg = processes.start([WORLD], init, mesh)
             floor = Floor(mesh, args.workers_write)
             try:
                 results += run_mesh(args, mesh_name, wg, floor)
             finally:
-                wg.shutdown()
+                processes.stop(wg)
                 for a in floor.actors:
                     ray.kill(a)
     finally:
@@ -388,13 +392,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, processes: Any = None) -> int:
+    """The command; ``processes`` as in :func:`run_dispatch`."""
     args = parse_args(argv)
     write = ", workers write their input" if args.workers_write else ""
     receive = os.environ.get("RANKMESH_RECEIVE", "auto")
     print(f"# rankmesh dispatch vs plain Ray, {WORLD} ranks, {os.cpu_count()} CPUs, receive={receive}{write}", flush=True)
     print(header(), flush=True)
-    results = run_dispatch(args)
+    results = run_dispatch(args, processes)
     print("# ratio = rankmesh / floor; copy ms = serial cost of a copying receive (not paid by copy-on-write)")
     if "traced" in args.workloads:
         print("# traced: 'rankmesh ms' is the noop call traced, 'floor ms' the same call untraced")

@@ -3,6 +3,8 @@
 The benchmark itself is a script, not a timed test; this only checks that it still runs.  It runs
 in-process on the session's Ray (``main`` joins a running Ray as it is, and leaves it running):
 a subprocess would prove nothing more and pay for another Python, Ray and 16 imports of torch.
+Its rankmesh group is built in the host bank's processes (tests/hosts.py), as the other modules'
+groups of 8 are; the plain-Ray floor's actors are its own.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ def bench():
 
 
 @pytest.mark.timeout(120)
-def test_bench_dispatch_smallest_run(bench, ray_session, tmp_path, capsys):
+def test_bench_dispatch_smallest_run(bench, host_bank, tmp_path, capsys):
     import ray
 
     out = tmp_path / "bench.json"
-    code = bench.main(["--quick", "--sizes", "0,1", "--repeat", "2", "--micro-mib", "1", "--json", str(out)])
+    argv = ["--quick", "--sizes", "0,1", "--repeat", "2", "--micro-mib", "1", "--json", str(out)]
+    code = bench.main(argv, processes=host_bank.processes())
     assert code == 0
     assert ray.is_initialized()  # the session's Ray: joined, not shut down
     lines = capsys.readouterr().out.splitlines()
