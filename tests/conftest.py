@@ -45,7 +45,7 @@ def pytest_sessionstart(session):
 
     With PYTHONDONTWRITEBYTECODE set (this machine sets it) Python writes no bytecode, so every
     Ray worker and driver process would compile rankmesh and the test modules from source again:
-    about a quarter of a CPU-second per process, and a run starts 400 of them.  Python still reads
+    about 0.12 CPU-seconds per process, and a run starts 400 of them.  Python still reads
     bytecode that is there and current (the variable only stops writing), so compiling once here
     is enough; a source edited later is recompiled as usual, by its mtime.
     """

@@ -637,10 +637,10 @@ class PoolPerGroup:
     """Start each group on a new :class:`RayResourcePool` of its own; stopping it stops its processes.
 
     The default of code that starts one group per role (``rankmesh demo``,
-    ``scripts/validate_rank_mapping.py``, ``scripts/bench_dispatch.py``).  That code takes any object with these two methods, so
-    a caller may run the groups elsewhere: the tests lend processes that outlive a group
-    (``tests/hosts.py``), since starting one costs seconds of CPU.  ``group_kwargs`` (e.g.
-    ``start_timeout``) go to every group.
+    ``scripts/validate_rank_mapping.py``, ``scripts/bench_dispatch.py``).  That code takes any
+    object with these two methods, so a caller may run the groups elsewhere: the tests lend
+    processes that outlive a group (``tests/hosts.py``), since starting one costs seconds of CPU.
+    ``group_kwargs`` (e.g. ``start_timeout``) go to every group.
     """
 
     def __init__(self, use_gpu: bool = False, **group_kwargs: Any) -> None:
