@@ -66,7 +66,7 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "front door": (8, ("rankmesh",)),
     "compat": (8, ("rankmesh.compat",)),
     "megatron": (8, ("rankmesh.megatron",)),
-    "tools": (9, ("rankmesh.demo", "rankmesh.demo_async", "rankmesh.demo_cli", "rankmesh.demo_hang", "rankmesh.draw", "rankmesh.cli", "rankmesh.__main__", "rankmesh.tracing.plot")),
+    "tools": (9, ("rankmesh.demo", "rankmesh.demo_async", "rankmesh.demo_cli", "rankmesh.demo_config", "rankmesh.demo_hang", "rankmesh.draw", "rankmesh.cli", "rankmesh.__main__", "rankmesh.tracing.plot")),
 }
 
 #: Layers that import nothing from the package: everything else may lean on them.
@@ -757,6 +757,8 @@ def loaded(*names):
     return sorted(m for m in sys.modules if any(m == n or m.startswith(n + ".") for n in names))
 
 stages = {}
+import rankmesh, rankmesh.cli
+stages["bare"] = {"torch": loaded("torch"), "ray": loaded("ray"), "data": rankmesh.DataProto.__module__}
 exec("from rankmesh import *", {})
 stages["star"] = {"ray": loaded("ray")}
 import rankmesh, rankmesh.megatron
@@ -778,6 +780,22 @@ def import_stages() -> dict:
     done = _run(IMPORT_STAGES)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_front_door_and_command_import_no_torch(import_stages) -> None:
+    """``import rankmesh`` and the ``rankmesh`` command load torch only when a name that needs it is
+    touched (the stage's last step touches DataProto, which resolves)."""
+    bare = import_stages["bare"]
+    assert bare["torch"] == [] and bare["ray"] == [], bare
+    assert bare["data"] == "rankmesh.data.proto", bare
+
+
+def test_the_node_agent_runs_without_torch() -> None:
+    """The Ray backend's node agent (one per node and group on the agent path) starts without torch
+    (about 1.8 CPU-seconds a process); it loads torch only if a call it forwards carries tensors."""
+    done = _run("import sys, rankmesh.backends.ray.agent\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
 def test_star_import_does_not_import_ray(import_stages) -> None:

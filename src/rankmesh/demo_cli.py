@@ -1,6 +1,7 @@
 """``rankmesh demo``: the demo's options, entry point and exit codes (the run itself is :mod:`rankmesh.demo`).
 
-Importing this module is cheap: Ray, torch and megatron-core load only when the command runs.
+Importing this module is cheap (the options come from :mod:`rankmesh.demo_config`): the run's
+module, and with it torch, Ray and megatron-core, loads only when the command runs.
 Exit codes: 0 every self-check passed, 1 a check failed, 2 bad options.
 """
 
@@ -13,8 +14,7 @@ import logging
 import sys
 from typing import Any, Sequence, TextIO
 
-from rankmesh import demo
-from rankmesh.demo import DemoConfig, format_summary, run_demo
+from rankmesh.demo_config import SIZE_OPTIONS, TABLE_LEGEND, DemoConfig
 from rankmesh.demo_hang import check_hang_rank
 from rankmesh.errors import RankMeshError, UsageError
 from rankmesh.tracing import trace
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default=d.layout, help="layout with actor/ref/critic/rollout roles (default %(default)s)")
     parser.add_argument("--no-layout", dest="layout", action="store_const", const=None,
                         help="ignore layouts; use the --actor-*/--critic-*/--rollout-* sizes")
-    for name in demo.SIZE_OPTIONS:  # None when not given: a layout and explicit sizes together are an error
+    for name in SIZE_OPTIONS:  # None when not given: a layout and explicit sizes together are an error
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None,
                             help=f"with --no-layout (default {getattr(d, name)})")
     for name in ("prompts", "samples_per_prompt", "prompt_length", "response_length", "micro_batches", "seed"):
@@ -73,9 +73,11 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 
 def checked_config(args: argparse.Namespace) -> DemoConfig:
     """:func:`config_from_args`, with every option checked before anything starts; raises UsageError."""
+    from rankmesh.demo import check_config, resolve_meshes
+
     cfg = config_from_args(args)
-    demo.check_config(cfg, given=[n for n in demo.SIZE_OPTIONS if getattr(args, n, None) is not None])
-    actor = demo.resolve_meshes(cfg)[0]
+    check_config(cfg, given=[n for n in SIZE_OPTIONS if getattr(args, n, None) is not None])
+    actor = resolve_meshes(cfg)[0]
     if cfg.hang_rank is not None:  # a bad --hang-rank fails now, not after a minute of start-up
         check_hang_rank(cfg.hang_rank, actor)
     if cfg.async_staleness is not None and cfg.async_staleness < 0:
@@ -103,6 +105,8 @@ def run_from_args(args: argparse.Namespace, out: TextIO | None = None, processes
     except RankMeshError as exc:
         print(f"{ERROR_PREFIX} {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    from rankmesh.demo import format_summary, run_demo
+
     trace_path = getattr(args, "trace_path", None)
     with trace(trace_path) if trace_path else contextlib.nullcontext():
         result = run_demo(cfg, out, processes)
@@ -118,12 +122,14 @@ def run_from_args(args: argparse.Namespace, out: TextIO | None = None, processes
 def setup(parser: argparse.ArgumentParser) -> None:
     """Configure the ``rankmesh demo`` subcommand (:mod:`rankmesh.cli` registers it)."""
     add_arguments(parser)
-    parser.epilog = "The table's columns: " + "; ".join(f"{name}: {text}" for name, text in demo.TABLE_LEGEND) + "."
+    parser.epilog = "The table's columns: " + "; ".join(f"{name}: {text}" for name, text in TABLE_LEGEND) + "."
     parser.set_defaults(handler=run_from_args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python scripts/launch_actor_critic.py`` / ``python -m rankmesh.demo_cli``; returns the exit code."""
+    from rankmesh import demo
+
     parser = argparse.ArgumentParser(prog="launch_actor_critic", description=(demo.__doc__ or "").split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
