@@ -26,9 +26,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray's log monitor looks for new log files ten times a second until a session has 1,000 of them;
-# a test session starts hundreds of worker processes, and that search cost about 30 CPU-seconds a
-# run.  With the threshold at 0 it looks twice a second (lines of files it knows still stream at
-# ten a second).  The variable reaches every Ray the session starts, drivers' and scripts' too.
+# a test session starts hundreds of worker processes, and the log monitors of a run used 40
+# CPU-seconds.  With the threshold at 0 they look twice a second (lines of files they know still
+# stream at ten a second): 25 CPU-seconds.  The variable reaches every Ray the session starts,
+# drivers' and scripts' too.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 import pytest  # noqa: E402

@@ -7,8 +7,8 @@ catching.  Everything else is reachable from its own module (``rankmesh.mesh.Ran
 :mod:`rankmesh.compat.verl`.  ``docs/architecture.md`` maps the modules.
 
 ``import rankmesh`` is instant: every front-door name (:data:`NAMES`) loads with its module on
-first use, so a process that only needs a corner of rankmesh (the ``rankmesh layout`` command, a
-Ray node agent) never pays for torch, and megatron-core loads only under ``rankmesh.megatron``.
+first use, so a process that only needs a corner of rankmesh (the ``rankmesh layout`` command)
+never pays for torch, and megatron-core loads only under ``rankmesh.megatron``.
 The Ray backend's names (:data:`RAY_NAMES`) load Ray: they show in ``dir(rankmesh)`` but not in
 ``__all__``, so ``from rankmesh import *`` does not import Ray; import them by name.
 """

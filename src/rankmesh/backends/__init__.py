@@ -5,7 +5,7 @@
 
 Both implement :class:`rankmesh.backend.Backend` and reuse :class:`rankmesh.group.WorkerGroup`
 for method binding and dispatch, so a call behaves the same on either.  The local backend's
-names load on first use, so the Ray backend's torch-free modules (its node agent) stay torch-free.
+names load on first use: importing a Ray backend module does not build the local one (and torch).
 """
 
 from types import MappingProxyType

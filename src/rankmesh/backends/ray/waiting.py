@@ -14,6 +14,7 @@ one that runs past ``stall_warn_s`` logs the same report once as a warning and g
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import ray.exceptions as rex
 
 from rankmesh.errors import FetchTimeoutError, HangError, RemoteTraceback, WorkerDiedError, WorkerError
 from rankmesh.mesh import RankCoords
+from rankmesh.serialization import receiving
 from rankmesh.tracing.recorder import FETCH
 
 logger = logging.getLogger(__name__)
@@ -143,12 +145,7 @@ def fetch_outputs(
     """
     if not pending:
         return []
-    if not borrow:
-        return _wait(pending, timeout, on_died, stall_warn_s, inspect)
-    # Imported here: it brings torch, which a process that never receives tensors (a node agent) skips.
-    from rankmesh.serialization import receiving
-
-    with receiving("borrow"):
+    with receiving("borrow") if borrow else contextlib.nullcontext():
         return _wait(pending, timeout, on_died, stall_warn_s, inspect)
 
 
