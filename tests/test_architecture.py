@@ -745,11 +745,11 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
 
-#: What four fresh-interpreter tests below ask, in one interpreter: each stage imports more and
-#: records which of Ray and megatron-core are loaded so far.  Every check is an absence, and a
-#: module absent after several stages' imports is absent after each one alone, so one interpreter
-#: answers all four (its start-up, torch included, costs seconds; a stage that fails to import
-#: fails the script, and every test with it).
+#: What five fresh-interpreter tests below ask, in one interpreter: each stage imports more and
+#: records which of torch, Ray and megatron-core are loaded so far.  Every check is an absence, and
+#: a module absent after several stages' imports is absent after each one alone, so one interpreter
+#: answers all five (its start-up, torch included, costs seconds; a stage that fails to import
+#: fails the script, and every test with it).  The first stage runs before anything loads torch.
 IMPORT_STAGES = """
 import json, sys
 
