@@ -11,7 +11,8 @@ Resolution: ``from rankmesh.data import proto`` names the module ``rankmesh.data
 Importing ``rankmesh.a.b`` does not count as importing the package ``rankmesh.a`` (Python runs
 the package's ``__init__`` first, but counting that would make every package a cycle with its
 own modules).  Names a package loads on first use (``rankmesh.lazy.lazy_exports`` tables) are
-strings, not imports, and are not read here.
+strings, not imports, and the scan does not read them; the front door's, which hold every public
+name, are checked against the layers on their own.
 
 Module-level state (:func:`module_state`) is read the same way: every module-level mutable
 object must be on the list in docs/architecture.md, "Process-global state", with the reason it
@@ -281,6 +282,18 @@ def test_imports_go_down_the_layers() -> None:
         if src_layer == FOUNDATION or dst_rank >= src_rank:
             bad.append(f"{imp.where()}: layer {src_layer!r} (rank {src_rank}) may not import layer {dst_layer!r} (rank {dst_rank})")
     assert not bad, "imports against the layers (see LAYERS in tests/test_architecture.py):\n" + "\n".join(bad)
+
+
+def test_the_front_doors_lazy_names_go_down_the_layers() -> None:
+    """The front door imports nothing at import time: its names are strings (``rankmesh.NAMES``,
+    ``rankmesh.RAY_NAMES``) that the import scan above does not read, so their arrows are checked here."""
+    import rankmesh
+
+    rank = LAYERS[layer_of(PACKAGE)][0]
+    bad = [f"rankmesh.{name} -> {module} (layer {layer_of(module)!r})"
+           for name, module in {**rankmesh.NAMES, **rankmesh.RAY_NAMES}.items()
+           if LAYERS[layer_of(module)][0] >= rank]
+    assert not bad, "front-door names loaded from a layer at or above the front door:\n" + "\n".join(bad)
 
 
 def test_foundation_imports_nothing_from_the_package() -> None:
