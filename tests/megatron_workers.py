@@ -46,7 +46,7 @@ def run_forked(fn: Callable[[int, int], Any], world: int, timeout: float = 120.0
     """``[fn(rank, world) for each rank]``, each in its own forked process of one gloo world."""
     import sys
 
-    from rankmesh.backends.ray.rendezvous import release_port, reserve_port
+    from rankmesh.rendezvous import release_port, reserve_port
 
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():

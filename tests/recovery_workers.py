@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from rankmesh.backends.ray.rendezvous import init_torch_distributed
+from rankmesh.rendezvous import init_torch_distributed
 from rankmesh.data import DataProto
 from rankmesh.dispatch import Dispatch, register
 from rankmesh.worker import Worker

@@ -46,7 +46,7 @@ PACKAGE = "rankmesh"
 #: only the package's ``__init__``).
 LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     # Import nothing from the package at all (checked separately, see FOUNDATION).
-    "foundation": (0, ("rankmesh.errors", "rankmesh.validate", "rankmesh.lazy")),
+    "foundation": (0, ("rankmesh.errors", "rankmesh.validate", "rankmesh.lazy", "rankmesh.deadline")),
     "mesh": (1, ("rankmesh.mesh",)),
     "serialization": (1, ("rankmesh.serialization", "rankmesh.sharedmem", "rankmesh.peermem", "rankmesh.ring")),
     "placement": (2, ("rankmesh.placement",)),
@@ -58,7 +58,7 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "tracing": (3, ("rankmesh.tracing",)),
     # Imports nothing from the package; rank 2 so that dispatch's @register checks its receive vocabulary.
     "backend contract": (2, ("rankmesh.backend",)),
-    "worker": (5, ("rankmesh.worker", "rankmesh.devices")),
+    "worker": (5, ("rankmesh.worker", "rankmesh.devices", "rankmesh.rendezvous")),
     "groups": (6, ("rankmesh.group", "rankmesh.replicas", "rankmesh.futures")),
     # Reshard's worker methods (on Worker) and its controller side (through the groups' call_ranks,
     # which it calls but never imports): backend-neutral, below every backend.
@@ -81,27 +81,37 @@ ONLY_UNDER: dict[str, tuple[str, ...]] = {
     "megatron": ("rankmesh.megatron",),
     # Process groups are a worker-side concern: the rendezvous, megatron's workers, and the
     # mesh's optional torch DeviceMesh view.
-    "torch.distributed": ("rankmesh.backends.ray", "rankmesh.megatron", "rankmesh.mesh"),
+    "torch.distributed": ("rankmesh.rendezvous", "rankmesh.backends.ray", "rankmesh.megatron", "rankmesh.mesh"),
     # tensordict imports torch._dynamo (~1 CPU-s a process): reached through one module, on first use.
     "tensordict": ("rankmesh.data.tensordicts",),
 }
 
 
 #: The Ray backend along the process boundary: module -> the modules of the other side it must
-#: not import.  The host runs in every worker process; the controller-side modules (launching
-#: hosts, waiting on calls, the group) never run there, and the host never reaches into them.
+#: not reach, directly or through any chain of imports (a module's parent packages count: Python
+#: runs them first).  The host runs in every worker process; the controller-side modules (launching
+#: hosts, carrying and waiting on calls, the group, the trace recorder) never run there.
 PROCESS_BOUNDARY: dict[str, tuple[str, ...]] = {
     "rankmesh.backends.ray.host": (
+        "rankmesh.backends.ray.agent",
         "rankmesh.backends.ray.classes",
         "rankmesh.backends.ray.executor",
         "rankmesh.backends.ray.group",
         "rankmesh.backends.ray.hangs",
         "rankmesh.backends.ray.hosts",
+        "rankmesh.backends.ray.order",
         "rankmesh.backends.ray.pool",
         "rankmesh.backends.ray.recovery",
+        "rankmesh.backends.ray.remesh",
+        "rankmesh.backends.ray.session",
+        "rankmesh.backends.ray.spares",
         "rankmesh.backends.ray.startup",
+        "rankmesh.backends.ray.tasks",
         "rankmesh.backends.ray.waiting",
         "rankmesh.group",
+        "rankmesh.replicas",
+        "rankmesh.futures",
+        "rankmesh.tracing.recorder",
     ),
 }
 
@@ -325,13 +335,54 @@ def test_no_private_name_is_imported_across_modules() -> None:
     assert not bad, "a _private name belongs to its module; make it public or move the code:\n" + "\n".join(bad)
 
 
-def test_the_worker_process_side_of_ray_imports_no_controller_side_module() -> None:
-    bad = [
-        imp.where()
-        for imp in _internal(all_imports())
-        if any(imp.target == t or imp.target.startswith(t + ".") for t in PROCESS_BOUNDARY.get(imp.source, ()))
-    ]
+def reached_from(start: str, imports: list[Import]) -> dict[str, Import | None]:
+    """Every rankmesh module importing ``start`` runs, with the import that first reached it
+    (``None`` for ``start`` and for parent packages, which Python runs before their modules)."""
+    graph: dict[str, list[Import]] = {}
+    for imp in _internal(imports):
+        graph.setdefault(imp.source, []).append(imp)
+    seen: dict[str, Import | None] = {start: None}
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        parents = [".".join(parts[:k]) for k in range(1, len(parts))]
+        for target, via in [*((p, None) for p in parents), *((i.target, i) for i in graph.get(module, ()))]:
+            if target not in seen:
+                seen[target] = via
+                todo.append(target)
+    return seen
+
+
+def import_chain(seen: dict[str, Import | None], module: str) -> list[str]:
+    chain = []
+    while seen.get(module) is not None:
+        imp = seen[module]
+        chain.append(imp.where())
+        module = imp.source
+    return list(reversed(chain))
+
+
+def test_the_worker_process_side_of_ray_reaches_no_controller_side_module() -> None:
+    imports = all_imports()
+    bad = []
+    for start, forbidden in PROCESS_BOUNDARY.items():
+        seen = reached_from(start, imports)
+        for module in sorted(seen):
+            if any(module == f or module.startswith(f + ".") for f in forbidden):
+                bad.append(f"{start} reaches {module}:\n    " + "\n    ".join(import_chain(seen, module) or ["(a parent package)"]))
     assert not bad, "the worker-process side imports the controller side:\n" + "\n".join(bad)
+
+
+def test_the_boundary_check_follows_chains_of_imports() -> None:
+    """A controller module two imports away from the host is found, with the chain that reaches it."""
+    imports = [
+        Import("rankmesh.backends.ray.host", "rankmesh.backends.ray.serve", SRC / "a.py", 1, False),
+        Import("rankmesh.backends.ray.serve", "rankmesh.backends.ray.waiting", SRC / "b.py", 2, True),
+    ]
+    seen = reached_from("rankmesh.backends.ray.host", imports)
+    assert "rankmesh.backends.ray.waiting" in seen and "rankmesh.backends" in seen  # the parents run too
+    assert len(import_chain(seen, "rankmesh.backends.ray.waiting")) == 2
 
 
 def _is_exception_class(node: ast.ClassDef) -> bool:

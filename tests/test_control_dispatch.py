@@ -14,7 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rankmesh.backends.ray.session import CONTROL_ENV  # noqa: E402
+from rankmesh.backends.ray.executor import CONTROL_ENV  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
 from tests import dispatch_matrix  # noqa: E402
 from tests.test_ray_dispatch import HostCache  # noqa: E402

@@ -21,7 +21,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
-from rankmesh.backends.ray.session import CONTROL_ENV, REPLY_BYTES  # noqa: E402
+from rankmesh.backends.ray.executor import CONTROL_ENV  # noqa: E402
+from rankmesh.backends.ray.wire import REPLY_BYTES  # noqa: E402
 from rankmesh.errors import BackendError, HangError, WorkerDiedError, WorkerError  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
 from tests.control_workers import ControlWorker, kill_after  # noqa: E402

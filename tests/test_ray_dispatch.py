@@ -243,7 +243,8 @@ def test_a_group_rebuilt_in_used_processes_keeps_each_ranks_call_order(host_bank
 
 
 def test_fetch_timeout_names_the_slow_ranks(ray_session):
-    from rankmesh.backends.ray.waiting import Pending, fetch_outputs
+    from rankmesh.backends.ray.calls import Pending
+    from rankmesh.backends.ray.waiting import fetch_outputs
     from rankmesh.errors import FetchTimeoutError
 
     sleepy = ray.remote(num_cpus=0)(lambda: __import__("time").sleep(2))

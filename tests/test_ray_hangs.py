@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
 from rankmesh.backends.ray.hangs import GATHER_BUDGET_S, gather_hangs  # noqa: E402
-from rankmesh.backends.ray.waiting import Pending  # noqa: E402
+from rankmesh.backends.ray.calls import Pending  # noqa: E402
 from rankmesh.errors import FetchTimeoutError, HangError, WorkerDiedError  # noqa: E402
 from rankmesh.hangs.report import DEAD, STUCK  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402

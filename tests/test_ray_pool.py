@@ -12,7 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rankmesh.backends.ray import rendezvous  # noqa: E402
+from rankmesh import rendezvous  # noqa: E402
 from rankmesh.backends.ray.pool import RayResourcePool, merge_resource_pool, node_sort_key, split_resource_pool  # noqa: E402
 from rankmesh.errors import ResourcePoolError  # noqa: E402
 from tests.drivers import run_code  # noqa: E402

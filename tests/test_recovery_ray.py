@@ -97,7 +97,7 @@ def test_replace_policy_retries_the_failed_call_several_times_in_a_row(ray_sessi
             assert loud[0].startswith(f"world_sum: replaced ranks [{victim}]") and "detected in" in loud[0], loud
             assert loud[0].endswith("retrying the call once"), loud
             # Every output of the failed attempt was read: Ray has no failed object to call unhandled.
-            assert wg.executor.abandoned == []
+            assert wg.executor.unread_outputs == []
             now = [a["pid"] for a in wg.whoami()]
             assert [p for r, p in enumerate(now) if r != victim] == [p for r, p in enumerate(pids) if r != victim]
             assert now[victim] != pids[victim]

@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
+from rankmesh.deadline import Deadline
+from rankmesh.errors import WorkerDiedError, WorkerError
+
 #: How a rank may receive its inputs, per call (``@register(receive=...)``, ``wg.set_receive``,
 #: :attr:`RankCall.receive`).  ``"cow"``: copy-on-write views of the object store (the default);
 #: ``"copy"``: one private copy up front, for methods that overwrite most of their input (a page
@@ -37,7 +40,7 @@ class RankCall:
     backend resolves them on the worker side.  ``return_output=False`` tells the worker to run the
     method but send nothing back (ranks outside the collect set), so a large output costs one
     transfer per replica instead of one per rank.  ``trace=True`` (only while a trace records
-    the call) asks the rank to send back a ``rankmesh.tracing.recorder.TracedOutput``: its
+    the call) asks the rank to send back a traced output (``rankmesh.tracing.marks``): its
     output with its own timing, which the group strips before anyone sees the output.
     ``keep`` (a traced non-blocking call): the rank times itself too, but keeps its timing under
     this key for the controller to collect later (``rankmesh.tracing.recorder.Recorder.kept``) and sends
@@ -46,6 +49,7 @@ class RankCall:
     copy-on-write views (``@register(receive=...)``, ``wg.set_receive``); ``None``/``"cow"``: views.
     ``blocking=False``: the outputs go into a future, which other processes may fetch (on Ray such
     a call is one task per rank; a blocking one may take a call session, ``rankmesh.backends.ray.session``).
+    A rank's timing travels as ``rankmesh.tracing.marks.TracedOutput``.
     """
 
     rank: int
@@ -56,6 +60,19 @@ class RankCall:
     receive: str | None = None
     keep: int = 0
     blocking: bool = True
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change of a backend's processes: the generation it began, what it was, whether it renumbered the ranks.
+
+    A rank replaced keeps its number (its coordinates, its place in every view); a shrink or a
+    grow renumbers the ranks, so a view or an unfinished call made before it would reach other
+    processes than it meant (``rankmesh.errors.StaleViewError``)."""
+
+    generation: int
+    what: str
+    renumbered: bool
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,36 @@ class Shared:
 
 Fetch = Callable[[Sequence[Any]], list[Any]]
 """A picklable function from pending handles to outputs (what futures carry)."""
+
+
+def merge_failures(failures: Sequence[tuple[int, str | None, Any, BaseException]]) -> BaseException:
+    """One error for several ranks' failures of one call, each ``(rank, node, coords, error)``.
+
+    The one rule every backend and carrier reports by: dead processes first (the root cause: one
+    :class:`WorkerDiedError` naming every dead rank, its coordinates and nodes), else the lowest
+    rank's :class:`WorkerError` with the others attached (flattened: an error that already carries
+    others, from a node agent's subtree, gives them up to the merge), else the lowest rank's error.
+    """
+    ordered = sorted(failures, key=lambda f: f[0])
+    died = [(rank, node, coords, e) for rank, node, coords, e in ordered if isinstance(e, WorkerDiedError)]
+    if died:
+        ranks = sorted({r for _, _, _, e in died for r in e.ranks} | {rank for rank, _, _, _ in died})
+        coords = {r: c for _, _, _, e in died for r, c in e.coords.items()}
+        coords.update({rank: c for rank, _, c, _ in died if c is not None})
+        nodes = {n for _, _, _, e in died for n in (e.node or "").split(", ") if n} | {n for _, n, _, _ in died if n}
+        first = min((e for _, _, _, e in died), key=lambda e: e.rank)
+        err = WorkerDiedError(min(ranks), first.method, first.detail, ", ".join(sorted(nodes)) or None, ranks=ranks, coords=coords)
+        err.__cause__ = first.__cause__
+        return err
+    workers: dict[int, WorkerError] = {}
+    for _, _, _, e in ordered:
+        if isinstance(e, WorkerError):
+            for w in (e, *e.others):
+                workers.setdefault(id(w), w)
+    if workers:
+        flat = sorted(workers.values(), key=lambda e: e.rank)
+        return flat[0].attach([w.attach([]) if w.others else w for w in flat[1:]])
+    return ordered[0][3]
 
 
 @runtime_checkable
@@ -92,14 +139,22 @@ class ReadyCheck(Protocol):
 class Backend(Protocol):
     """What a backend provides to :class:`rankmesh.group.WorkerGroup` (both backends implement all of it).
 
-    ``call_timeout_s`` bounds every fetch that gives no timeout of its own (``None``: wait as long
+    ``call_timeout_s`` bounds every call that gives no timeout of its own (``None``: wait as long
     as the ranks run).  ``closed`` is true after :meth:`close`; ``failed`` is the error that made
     the backend unusable (a dead process on Ray), else ``None``.  A closed or failed backend
-    refuses :meth:`submit`.
+    refuses :meth:`submit`.  ``generation`` counts the changes of the backend's processes (on
+    Ray: ranks replaced, the group shrunk or grown); :meth:`changes_since` says what they were,
+    and whether they renumbered the ranks (which no view or unfinished call may outlive).
     """
 
     world_size: int
     call_timeout_s: float | None
+
+    @property
+    def generation(self) -> int: ...
+
+    def changes_since(self, generation: int) -> list["Change"]:
+        """The changes of the backend's processes after ``generation``, oldest first (empty: none)."""
 
     @property
     def closed(self) -> bool: ...
@@ -110,23 +165,28 @@ class Backend(Protocol):
     def share(self, obj: Any) -> Shared:
         """Ship ``obj`` once (e.g. one ``ray.put``) so that several ranks can receive it."""
 
-    def submit(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[Any]:
+    def submit(
+        self, role: str | None, method: str, calls: Sequence[RankCall], deadline: Deadline | None = None
+    ) -> list[Any]:
         """Start ``method`` of ``role``'s worker on the ranks named in ``calls``; one pending handle per call.
 
         ``role`` selects the worker object inside a process that hosts several colocated roles
-        (``None`` for a process with a single worker).
+        (``None`` for a process with a single worker).  ``deadline`` (``None``: :attr:`call_timeout_s`
+        from now) bounds what sending may wait for (a rank's earlier calls).
         """
 
     def fetch(
-        self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None
+        self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None,
+        deadline: Deadline | None = None,
     ) -> list[Any]:
         """Wait for the pending handles and return their outputs, in the same order.
 
-        ``timeout=None`` means :attr:`call_timeout_s`; ``stall_warn_s`` (``None``: the
-        backend's own setting, if any) asks for one warning saying where the unfinished ranks
-        are when the wait lasts that long.  ``borrow=True`` lets the backend hand
-        back read-only views of shared memory instead of private copies: only for a caller that
-        copies every tensor itself before anyone sees it (the concat of collected outputs).
+        ``deadline`` bounds the wait (a blocking call passes the one it was submitted with);
+        without one, ``timeout`` seconds from now (``None``: :attr:`call_timeout_s`).
+        ``stall_warn_s`` (``None``: the backend's own setting, if any) asks for one warning saying
+        where the unfinished ranks are when the wait lasts that long.  ``borrow=True`` lets the
+        backend hand back read-only views of shared memory instead of private copies: only for a
+        caller that copies every tensor itself before anyone sees it (the concat of collected outputs).
         """
 
     def fetcher(self, timeout: float | None = None, stall_warn_s: float | None = None) -> Fetch:

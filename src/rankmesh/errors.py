@@ -224,15 +224,17 @@ class HangError(FetchTimeoutError):
     ``report`` is the :class:`rankmesh.hangs.HangReport`: ``report.hangs`` one record per
     unfinished rank (rank, coordinates, node, state, every thread's stack, the collective it
     waits in), ``report.finished`` the ranks that finished; the message is its text, ranks stuck
-    at the same place on one line.
+    at the same place on one line.  ``note`` (when given) comes right after the first line: what
+    the ranks do now and how to get them back, or why the call was never sent.
     """
 
-    def __init__(self, method: str, ranks: list[int], timeout: float, report: object) -> None:
+    def __init__(self, method: str, ranks: list[int], timeout: float, report: object, note: str = "") -> None:
         super().__init__(method, ranks, timeout)
         self.report = report
+        self.note = note
+        head = self.args[0] if not note else f"{self.args[0]}. {note}"
         text = getattr(report, "text", None)
-        if callable(text):
-            self.args = (f"{self.args[0]}\n{text()}",)
+        self.args = (f"{head}\n{text()}",) if callable(text) else (head,)
 
     @property
     def hangs(self) -> list:
@@ -245,7 +247,30 @@ class HangError(FetchTimeoutError):
         return list(getattr(self.report, "finished", ()))
 
     def __reduce__(self):
-        return (type(self), (self.method, self.ranks, self.timeout, self.report))
+        return (type(self), (self.method, self.ranks, self.timeout, self.report, self.note))
+
+
+class StaleViewError(DispatchError):
+    """A replica view (or a call made through it) predates a change of its group's mesh.
+
+    A shrink or a grow renumbers the group's ranks, so a view taken before it would reach other
+    replicas' processes; the message says what changed and how to take a fresh view.
+    """
+
+
+class AgentLostError(BackendError):
+    """A node agent died during a call while the ranks it served are alive.
+
+    ``ranks`` are the ranks it served; what the call did there is unknown.  The group stays
+    usable: the next call starts new agents.
+    """
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = sorted(ranks or [])
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.ranks))
 
 
 class WorkerEnvError(BackendError, ValueError):

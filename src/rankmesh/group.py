@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from rankmesh.backend import Backend, RankCall, ReadyCheck, Shared, check_receive
-from rankmesh.data import DataProtoFuture
+from rankmesh.deadline import Deadline
 from rankmesh.dispatch.modes import DEFAULT_REGISTRY, DispatchMode, DispatchRegistry, Execute, UserMode
 from rankmesh.dispatch.register import MethodSpec, registered_methods
 from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan, MeshSpec
@@ -40,8 +40,10 @@ logger = logging.getLogger(__name__)
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
 
-#: Objects passed inline instead of through ``executor.share`` (small, or handles themselves).
-_INLINE_TYPES = (type(None), bool, int, float, complex, str, enum.Enum, DataProtoFuture, Shared)
+#: Objects passed inline instead of through ``executor.share`` (small, or handles themselves).  A
+#: future is shared, not inline: the references it holds must travel inside the backend's own
+#: serialization (on Ray, a reference pickled any other way stays pinned in the object store).
+_INLINE_TYPES = (type(None), bool, int, float, complex, str, enum.Enum, Shared)
 _INLINE_BYTES = 1 << 16
 
 #: verl's execute_all rule (ALL_TO_ALL), fixed here so that updating ALL_TO_ALL leaves it alone.
@@ -572,12 +574,13 @@ class WorkerGroup:
             return self._call_user(binding, binding.entry, args, kwargs, timeout, seen, stall_warn_s)
         spec, site = binding.entry, binding.site
         plan = binding.plan if binding.plan is not None else self._late_plan(spec, site)
+        deadline = Deadline.after(self.call_timeout_s if timeout is None else timeout)  # the call's one deadline
         split = split_call(spec, plan.n_pieces, args, kwargs, site, binding.method.padding)
         per_rank = [split.pieces[0 if split.broadcast else plan.piece_of_rank[r]] for r in plan.run_ranks]
         collect = set(plan.collect_ranks)
         if seen is not None:
             seen.phase("split")
-        pending = self._submit(binding, plan.run_ranks, per_rank, collect, seen)
+        pending = self._submit(binding, plan.run_ranks, per_rank, collect, seen, deadline)
         where = {r: i for i, r in enumerate(plan.run_ranks)}
         order = [where[r] for r in plan.collect_ranks]
 
@@ -587,7 +590,7 @@ class WorkerGroup:
         if binding.method.blocking:
             # concat writes every collected tensor into a fresh batch: borrow them as read-only
             # views, so the controller copies each byte once (not on receive and again in concat).
-            outputs = self._executor.fetch(pending, timeout=timeout, borrow=spec.output == "concat", stall_warn_s=stall_warn_s)
+            outputs = self._executor.fetch(pending, borrow=spec.output == "concat", stall_warn_s=stall_warn_s, deadline=deadline)
             return finish(outputs) if seen is None else seen.end(finish(seen.received(outputs, self._group_ranks(plan.run_ranks))))
         if spec.output == "concat" and not split.tensordicts:  # TensorDicts join in finish()
             future: Any = output_future(split, [pending[i] for i in order], self._executor.fetcher(timeout, stall_warn_s))
@@ -609,15 +612,16 @@ class WorkerGroup:
             ranks, per_rank = args  # call_ranks: the ranks and each one's (args, kwargs), checked there
         else:
             ranks, per_rank = self._user_pieces(binding, mode, args, kwargs)
+        deadline = Deadline.after(self.call_timeout_s if timeout is None else timeout)
         if seen is not None:
             seen.phase("split")
-        pending = self._submit(binding, ranks, per_rank, set(ranks), seen)
+        pending = self._submit(binding, ranks, per_rank, set(ranks), seen, deadline)
 
         def finish(outputs: list[Any]) -> Any:
             return mode.collect_fn(self, list(outputs))
 
         if binding.method.blocking:
-            outputs = self._executor.fetch(pending, timeout=timeout, stall_warn_s=stall_warn_s)
+            outputs = self._executor.fetch(pending, stall_warn_s=stall_warn_s, deadline=deadline)
             return finish(outputs) if seen is None else seen.end(finish(seen.received(outputs, self._group_ranks(ranks))))
         future = GroupFuture(self._executor.fetch, pending, finish, timeout, stall_warn_s, self._executor.fetcher())
         return future if seen is None else seen.end(future)
@@ -647,8 +651,9 @@ class WorkerGroup:
         per_rank: Sequence[tuple[Args, Kwargs]],
         collect: set[int],
         seen: ObservedCall | None = None,
+        deadline: Deadline | None = None,
     ) -> list[Any]:
-        """Ship every distinct non-trivial object once, then submit one RankCall per rank.
+        """Ship every distinct non-trivial object once, then submit one RankCall per rank (bounded by ``deadline``).
 
         Observed (``seen``), every rank times itself (``RankCall.trace``); the observer says
         whether it sends its timing back with its output or keeps it under a key
@@ -677,9 +682,9 @@ class WorkerGroup:
             for rank, (args, kwargs) in zip(ranks, per_rank)
         ]
         if seen is None:
-            return self._executor.submit(binding.role, binding.target, calls)
+            return self._executor.submit(binding.role, binding.target, calls, deadline)
         seen.phase("put")
-        pending = self._executor.submit(binding.role, binding.target, calls)
+        pending = self._executor.submit(binding.role, binding.target, calls, deadline)
         seen.phase("submit")
         return pending
 
@@ -881,10 +886,12 @@ class ReplicaGroup(WorkerGroup):
 
     @property
     def weight_versions(self) -> tuple[int, ...]:
+        self._executor.check_current("weight_versions")
         versions = self._group.weight_versions
         return tuple(versions[i] for i in self._selection.replicas)
 
     def record_weight_version(self, replica: int, version: int) -> None:
+        self._executor.check_current("record a weight version")
         self._group.record_weight_version(replica, version)
 
     def _own_replicas(self) -> Sequence[int]:

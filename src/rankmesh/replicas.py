@@ -8,7 +8,10 @@ on their own (the group's mesh with ``dp`` = the number of replicas), so that ev
 plans over the selection exactly as it plans over a whole group; :class:`RankSubset` is the
 group's backend seen through the selection (view rank ``i`` is group rank ``ranks[i]``), so a
 call on a view takes the group's own path: the same processes, queues, timeouts, hang reports
-and failure handling.
+and failure handling.  A view is valid for the generation of its group it was taken in: once
+the group's ranks are renumbered (a shrink, a grow) it refuses every call with
+:class:`~rankmesh.errors.StaleViewError`, saying what changed (a replaced rank keeps its number:
+views stay valid across a replacement).
 
 Expected ranks come from the mesh's own coordinate tables: view rank ``s`` with coordinates
 (tp, cp, dp=j, pp) in the view's mesh is the group rank with (tp, cp, dp=replicas[j], pp).
@@ -20,10 +23,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from rankmesh.backend import Backend, RankCall, Shared
+from rankmesh.backend import Backend, Change, RankCall, Shared
+from rankmesh.deadline import Deadline
 from rankmesh.dispatch.spec import DispatchPlan
 from rankmesh.dispatch.split import CallSite
-from rankmesh.errors import DispatchError
+from rankmesh.errors import DispatchError, StaleViewError
 from rankmesh.mesh import RankMesh
 from rankmesh.validate import is_int
 
@@ -120,6 +124,23 @@ class RankSubset:
         self.backend = backend
         self.selection = selection
         self.world_size = len(selection.ranks)
+        self.taken_at = backend.generation  # the group's generation this view was taken in
+
+    @property
+    def generation(self) -> int:
+        return self.backend.generation
+
+    def changes_since(self, generation: int) -> list[Change]:
+        return self.backend.changes_since(generation)
+
+    def check_current(self, what: str) -> None:
+        """Refuse ``what`` once the group's ranks were renumbered since this view was taken."""
+        renumbered = [c.what for c in self.backend.changes_since(self.taken_at) if c.renumbered]
+        if renumbered:
+            raise StaleViewError(
+                f"{what}: this {self.selection.label} view was taken before the group changed "
+                f"({'; '.join(renumbered)}), so its ranks would be other replicas' now; take a new view "
+                "(wg.replica(i) or wg.replicas([...])) and call it again")
 
     @property
     def call_timeout_s(self) -> float | None:
@@ -136,17 +157,21 @@ class RankSubset:
     def share(self, obj: Any) -> Shared:
         return self.backend.share(obj)
 
-    def submit(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[Any]:
+    def submit(
+        self, role: str | None, method: str, calls: Sequence[RankCall], deadline: Deadline | None = None
+    ) -> list[Any]:
+        self.check_current(method)
         ranks = self.selection.ranks
         for call in calls:
             if not 0 <= call.rank < self.world_size:
                 raise DispatchError(f"{method}: rank {call.rank} is outside the {self.selection.label} view ({self.world_size} ranks)")
-        return self.backend.submit(role, method, [dataclasses.replace(c, rank=ranks[c.rank]) for c in calls])
+        return self.backend.submit(role, method, [dataclasses.replace(c, rank=ranks[c.rank]) for c in calls], deadline)
 
     def fetch(
-        self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None
+        self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None,
+        deadline: Deadline | None = None,
     ) -> list[Any]:
-        return self.backend.fetch(pending, timeout=timeout, borrow=borrow, stall_warn_s=stall_warn_s)
+        return self.backend.fetch(pending, timeout=timeout, borrow=borrow, stall_warn_s=stall_warn_s, deadline=deadline)
 
     def fetcher(self, timeout: float | None = None, stall_warn_s: float | None = None) -> Any:
         return self.backend.fetcher(timeout, stall_warn_s)
@@ -156,6 +181,7 @@ class RankSubset:
         return self.backend.drain_timings()
 
     def control_paths(self) -> list[str]:
+        self.check_current("control_paths")
         paths = self.backend.control_paths()
         return [paths[r] for r in self.selection.ranks]
 

@@ -5,7 +5,7 @@ Why: a group call sent as one Ray task per rank costs the controller ~0.2 ms of 
 persistent channel per node lets one write reach every local rank: the writer (a node agent, or
 the controller for its own node) puts one message, and each reader (a rank's host process)
 takes it from the same pages.  This module is that channel alone, with no Ray and no rankmesh
-call format in it (the design notes: ``../shared/notes/low_latency_paths.md``, section 4).
+call format in it (the call session built on it: ``rankmesh.backends.ray.session``).
 
 **Layout.** One memfd, mapped by every party: a header (magic, sizes, the abort and waiting flags), then
 ``slots`` slots, each a sequence number, a length, one "read" flag per reader and
@@ -21,7 +21,8 @@ such machines rather than risk a torn read.
 
 **Waiting.**  Every wait spins for at most ``spin_s`` (0 by default when there are more readers
 than cores: 8 ranks share 2 cores here, and a spinning reader starves the one that should run),
-then blocks in ``select`` on the party's eventfd doorbell and the peers' pidfds.  The writer
+then blocks in ``poll`` on the party's eventfd doorbell and the peers' pidfds (``poll``, not
+``select``: a process that opened a thousand files gets fds above ``select``'s limit of 1023).  The writer
 rings each reader's doorbell after publishing; a reader rings the writer's only while the writer
 says it waits for a free slot (a flag in the header), which saves a system call per message on
 both sides.  Without a fence the writer's flag and a reader's may cross unseen, so a waiting
@@ -74,8 +75,9 @@ U32 = struct.Struct("<I")
 def check_platform() -> None:
     """Refuse CPUs whose stores may be seen out of order without a fence (see the module docstring)."""
     machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64", "i686", "i386"):
-        raise RingError(f"the shared-memory ring needs x86's store ordering; this is {machine}: use the Ray path")
+    if machine not in ("x86_64", "amd64"):
+        raise RingError(f"the shared-memory ring needs 64-bit x86 (its store ordering, and atomic 64-bit sequence "
+                        f"numbers); this is {machine}: use the Ray path (RANKMESH_CONTROL=ray)")
 
 
 @dataclass(frozen=True)
@@ -142,17 +144,25 @@ class Ring:
 
     @classmethod
     def attach(cls, fds: Sequence[int], reader: int, spin_s: float | None = None) -> "Ring":
-        """Reader ``reader``'s end, from the fds :meth:`fds` lists (this process owns them from now on)."""
-        memfd = fds[0]
-        head = mmap.mmap(memfd, HEADER_BYTES)
-        magic, readers, slots, slot_bytes, _ = HEADER.unpack_from(head, 0)
-        head.close()
-        if magic != MAGIC:
-            raise RingError(f"fd {memfd} is not a rankmesh ring (magic {magic:#x})")
-        spec = RingSpec(readers, slots, slot_bytes)
-        if not 0 <= reader < readers or len(fds) != readers + 2:
-            raise RingError(f"cannot attach as reader {reader} of a ring with {readers} readers from {len(fds)} fds")
-        return cls(spec, memfd, fds[1:], reader, spin_s)
+        """Reader ``reader``'s end, from the fds :meth:`fds` lists (this process owns them from now on).
+
+        On a refusal the fds are closed too: they are this process's either way."""
+        try:
+            if not fds:
+                raise RingError("cannot attach to a ring from no fds")
+            memfd = fds[0]
+            head = mmap.mmap(memfd, HEADER_BYTES)
+            magic, readers, slots, slot_bytes, _ = HEADER.unpack_from(head, 0)
+            head.close()
+            if magic != MAGIC:
+                raise RingError(f"fd {memfd} is not a rankmesh ring (magic {magic:#x})")
+            spec = RingSpec(readers, slots, slot_bytes)
+            if not 0 <= reader < readers or len(fds) != readers + 2:
+                raise RingError(f"cannot attach as reader {reader} of a ring with {readers} readers from {len(fds)} fds")
+            return cls(spec, memfd, fds[1:], reader, spin_s)
+        except BaseException:
+            _close_fds(fds)
+            raise
 
     def fds(self) -> list[int]:
         """The memfd, then the writer's doorbell, then every reader's: what a reader attaches with."""
@@ -165,6 +175,11 @@ class Ring:
                 self._peers[os.pidfd_open(pid)] = pid
             except ProcessLookupError:
                 raise RingPeerDied(f"ring peer pid {pid} is gone already", pid) from None
+
+    def unread_readers(self) -> list[int]:
+        """The writer's view of a full ring: the readers that have not read the slot it would write next."""
+        flags = self._mm[self._flags(self._next % self.spec.slots)]
+        return [r for r in range(self.spec.readers) if not flags[r]]
 
     def peer_pids(self) -> list[int]:
         """The pids this party watches (:meth:`watch`)."""
@@ -214,7 +229,7 @@ class Ring:
 
     def poll(self) -> bytes | None:
         """The next message if it is in (a copy), else ``None`` at once: for a party that waits on
-        several rings together (:meth:`wait_fds`, then ``select``) instead of blocking on one."""
+        several rings together (:meth:`wait_fds`, then ``poll`` or ``epoll``) instead of blocking on one."""
         if self.reader is None:
             raise RingError("the writer cannot read its own ring")
         base = self._bases[self._next % self.spec.slots]
@@ -236,11 +251,11 @@ class Ring:
         return out
 
     def wait_fds(self) -> list[int]:
-        """What to ``select`` on to wake when this party may go on: its doorbell, then its peers' pidfds."""
+        """What to ``poll`` on to wake when this party may go on: its doorbell, then its peers' pidfds."""
         return [self._bell, *self._peers]
 
     def check_peers(self, readable: Sequence[int]) -> None:
-        """Raise :class:`RingPeerDied` if one of ``readable`` (from ``select`` on :meth:`wait_fds`) is
+        """Raise :class:`RingPeerDied` if one of ``readable`` (from ``poll`` on :meth:`wait_fds`) is
         a peer's pidfd; drain the doorbell if it is among them."""
         for fd in readable:
             if fd in self._peers:
@@ -304,7 +319,9 @@ class Ring:
             os.sched_yield()
             if ready():
                 return
-        watched = [self._bell, *self._peers]
+        poller = select.poll()
+        for fd in (self._bell, *self._peers):
+            poller.register(fd, select.POLLIN)
         while True:
             if self.aborted:
                 raise RingError(f"the ring was aborted while this party waited for {what}")
@@ -312,7 +329,7 @@ class Ring:
             if left <= 0:
                 party = "writer" if self.reader is None else f"reader {self.reader}"
                 raise RingTimeout(f"ring {party}: no {what} within {timeout:g} s")
-            readable, _, _ = select.select(watched, [], [], left)
+            readable = [fd for fd, _ in poller.poll(left * 1000.0)]
             for fd in readable:
                 if fd in self._peers:
                     pid = self._peers[fd]
@@ -332,12 +349,30 @@ def send_ring(conn: socket.socket, ring: Ring) -> None:
 
 
 def receive_ring(conn: socket.socket, reader: int, spin_s: float | None = None) -> Ring:
-    """Reader ``reader``'s end of the ring :func:`send_ring` sent; it watches the writer's pid."""
+    """Reader ``reader``'s end of the ring :func:`send_ring` sent; it watches the writer's pid.
+
+    The received fds are closed if anything fails (they would otherwise stay open in this process)."""
     data, fds, _, _ = socket.recv_fds(conn, 4096, MAX_READERS + 2)
-    if len(data) < 4:
-        raise RingError("the ring's sender closed the socket before sending it")
-    (size,) = struct.unpack_from("<I", data, 0)
-    meta = json.loads(data[4:4 + size])
-    ring = Ring.attach(fds, reader, spin_s)
-    ring.watch([int(meta["pid"])])
+    try:
+        if len(data) < 4:
+            raise RingError("the ring's sender closed the socket before sending it")
+        (size,) = struct.unpack_from("<I", data, 0)
+        pid = int(json.loads(data[4:4 + size])["pid"])
+    except BaseException:
+        _close_fds(fds)
+        raise
+    ring = Ring.attach(fds, reader, spin_s)  # closes them itself on a refusal
+    try:
+        ring.watch([pid])
+    except BaseException:
+        ring.close()
+        raise
     return ring
+
+
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

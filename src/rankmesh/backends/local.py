@@ -22,16 +22,18 @@ import logging
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from rankmesh.backend import RankCall, Shared
+from rankmesh.backend import Change, RankCall, Shared, merge_failures
+from rankmesh.deadline import Deadline
 from rankmesh.data import DataProtoFuture
 from rankmesh.errors import BackendError, DispatchError, WorkerError
 from rankmesh.group import WorkerGroup
 from rankmesh.mesh import RankMesh
 from rankmesh.serialization import loads
 from rankmesh.sharedmem import COW_MIN_BYTES, SharedFile
-from rankmesh.tracing.recorder import deliver, timed_call
+from rankmesh.tracing.marks import timed_call
+from rankmesh.tracing.recorder import deliver
 from rankmesh.worker import WorkerContext, construct, invoke
 
 logger = logging.getLogger(__name__)
@@ -65,12 +67,9 @@ def fetch_local(handles: Sequence[Any], timeout: float | None = None) -> list[An
     is raised, the others attached (``WorkerError.others``), as on Ray.
     """
     checked = [_check_handle(h) for h in handles]
-    failed = sorted((h for h in checked if h.error is not None), key=lambda h: h.rank)
+    failed = [(h.rank, None, None, h.error) for h in checked if h.error is not None]
     if failed:
-        first = failed[0].error
-        if isinstance(first, WorkerError):
-            first.attach([h.error for h in failed[1:] if isinstance(h.error, WorkerError) and h.error is not first])
-        raise first
+        raise merge_failures(failed)
     return [h.result() for h in checked]
 
 
@@ -213,6 +212,14 @@ class LocalExecutor:
     def failed(self) -> BaseException | None:
         return None
 
+    @property
+    def generation(self) -> int:
+        """Always 0: in-process ranks are never replaced or renumbered."""
+        return 0
+
+    def changes_since(self, generation: int) -> list[Change]:
+        return []
+
     def drain_timings(self) -> list[tuple[int, list[Any], int, int, int]]:
         """``[]``: in-process ranks hand their timings to the recorder as each call ends (``deliver``)."""
         return []
@@ -231,8 +238,10 @@ class LocalExecutor:
             return obj
         return Shared(store_object(obj))
 
-    def submit(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[LocalPending]:
-        """Run every call now, in the given (rank) order; errors are kept for :meth:`fetch`."""
+    def submit(
+        self, role: str | None, method: str, calls: Sequence[RankCall], deadline: Deadline | None = None
+    ) -> list[LocalPending]:
+        """Run every call now, in the given (rank) order; errors are kept for :meth:`fetch` (nothing to bound)."""
         if self._closed:
             raise BackendError(f"cannot call {method}: the worker group has been shut down")
         workers = self._role(role)
@@ -263,11 +272,12 @@ class LocalExecutor:
         return pending
 
     def fetch(
-        self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None
+        self, pending: Sequence[Any], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None,
+        deadline: Deadline | None = None,
     ) -> list[Any]:
         """Private copies of the outputs, even with ``borrow``: in-process, a borrowed output would
         be the worker's own object, which the caller could then change under the worker.  Calls
-        already ran, so neither ``timeout`` nor ``stall_warn_s`` has anything to watch."""
+        already ran, so neither a deadline nor ``stall_warn_s`` has anything to watch."""
         return fetch_local(pending)
 
     def fetcher(self, timeout: float | None = None, stall_warn_s: float | None = None) -> "LocalFetcher":

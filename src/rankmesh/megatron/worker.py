@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from rankmesh.backends.ray.rendezvous import init_torch_distributed
+from rankmesh.rendezvous import init_torch_distributed
 from rankmesh.dispatch.modes import Dispatch
 from rankmesh.dispatch.register import register
 from rankmesh.megatron import checkpoint

@@ -10,18 +10,43 @@ call reads one attribute.  Building a group installs nothing: ``RANKMESH_TRACE``
 when the program-wide recorder (:data:`TRACING`) is first asked for: by a group's first call
 (or shutdown), or by entering ``rankmesh.trace``; worker processes, which call no group, never
 record.
+
+Every name here is loaded with its module on first use (:func:`rankmesh.lazy.lazy_exports`):
+worker processes import :mod:`.marks` (what a rank records of a traced call) and nothing of the
+recorder, whose process-wide state only the controller needs.
 """
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-from typing import Iterator
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Mapping
 
-from .chrome import trace_document, write_trace
-from .observer import CallObserver, ObservedCall
-from .recorder import PHASES, RANK_PHASES, TRACE_ENV, TRACING, Recorder, install
-from .summary import TraceSummary, load_trace, summarize
+from rankmesh.lazy import lazy_exports
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors; at run time the names load lazily
+    from .chrome import trace_document, write_trace
+    from .observer import CallObserver, ObservedCall
+    from .recorder import PHASES, RANK_PHASES, TRACE_ENV, TRACING, Recorder, install, trace
+    from .summary import TraceSummary, load_trace, summarize
+
+#: Name -> the module it is loaded from on first use.
+NAMES: Mapping[str, str] = MappingProxyType({
+    "trace": "rankmesh.tracing.recorder",
+    "PHASES": "rankmesh.tracing.recorder",
+    "RANK_PHASES": "rankmesh.tracing.recorder",
+    "TRACE_ENV": "rankmesh.tracing.recorder",
+    "TRACING": "rankmesh.tracing.recorder",
+    "Recorder": "rankmesh.tracing.recorder",
+    "install": "rankmesh.tracing.recorder",
+    "CallObserver": "rankmesh.tracing.observer",
+    "ObservedCall": "rankmesh.tracing.observer",
+    "TraceSummary": "rankmesh.tracing.summary",
+    "load_trace": "rankmesh.tracing.summary",
+    "summarize": "rankmesh.tracing.summary",
+    "trace_document": "rankmesh.tracing.chrome",
+    "write_trace": "rankmesh.tracing.chrome",
+})
+__getattr__, __dir__ = lazy_exports(__name__, NAMES, globals())
 
 __all__ = [
     "PHASES",
@@ -39,20 +64,3 @@ __all__ = [
     "trace_document",
     "write_trace",
 ]
-
-
-@contextmanager
-def trace(path: str | os.PathLike[str]) -> Iterator[Recorder]:
-    """Record every group call made in the block; write a Chrome trace to ``path`` when it ends.
-
-    Open the file in https://ui.perfetto.dev or ``chrome://tracing``; ``rankmesh trace
-    summarize``/``plot`` read it too.  Inside the block this recorder is the program-wide
-    one; the one before it (``RANKMESH_TRACE``'s, say) is back when the block ends.
-    """
-    recorder = Recorder(path)
-    previous = install(recorder)
-    try:
-        yield recorder
-    finally:
-        install(previous)
-        write_trace(recorder, path)

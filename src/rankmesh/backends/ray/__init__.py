@@ -34,7 +34,7 @@ _EXPORTS = MappingProxyType({
     "RayResourcePool": "rankmesh.backends.ray.pool",
     "split_resource_pool": "rankmesh.backends.ray.pool",
     "merge_resource_pool": "rankmesh.backends.ray.pool",
-    "init_torch_distributed": "rankmesh.backends.ray.rendezvous",
+    "init_torch_distributed": "rankmesh.rendezvous",
     "ensure_ray": "rankmesh.backends.ray.runtime",
     "RayExecutor": "rankmesh.backends.ray.executor",
     "fetch_refs": "rankmesh.backends.ray.waiting",
@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from rankmesh.backends.ray.executor import RayExecutor
     from rankmesh.backends.ray.group import PoolPerGroup, RayWorkerGroup
     from rankmesh.backends.ray.pool import RayResourcePool, merge_resource_pool, split_resource_pool
-    from rankmesh.backends.ray.rendezvous import init_torch_distributed
+    from rankmesh.rendezvous import init_torch_distributed
     from rankmesh.backends.ray.runtime import ensure_ray
     from rankmesh.backends.ray.waiting import fetch_refs
     from rankmesh.errors import RendezvousError

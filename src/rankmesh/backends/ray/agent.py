@@ -2,60 +2,105 @@
 
 Why: with a call session the controller's cost per call stops growing with ranks on its own
 node, but a group spanning nodes cannot share one ring (shared memory is per machine).  An agent
-on each node holds that node's session (:class:`.session.CallSession`): a call costs one Ray task
-per node, carrying that node's rank calls, and one answer per node with the outputs of its ranks.
+on each node writes that node's ring (:class:`.session.CallSession`): a call costs one Ray task
+per node, carrying that node's share of the call (its headers and plan, :class:`.wire.Command`,
+sized by the controller so that every carrier falls back to Ray's tasks at the same size), and
+one answer per node with the outcome of each of its ranks.
 
 **The tree.**  One Ray task costs its sender about as much as a task per rank did (~0.9 ms of
 CPU here, ``docs/control_plane.md``), so a flat send would still cost the controller a second
 per call at 1,024 nodes.  The agents therefore form a tree of ``fanout`` children per agent:
 the controller sends to at most ``fanout`` agents, each forwards their share to its children
-before serving its own node, and answers once for its whole subtree.  The controller's cost per
-call grows with ``fanout``, and the time to reach the last node with the tree's depth
-(``log_fanout(nodes)``).
+before serving its own node, and answers once for its whole subtree.
 
-An agent is a ``num_cpus=0`` actor pinned to its node (it only waits and copies small
-messages).  Its calls run one at a time on its default thread; :meth:`NodeAgent.close` runs on
-its control thread, so a group can give its sessions up while an agent still waits on a hung call.
-An agent answers every call with a :class:`NodeAnswer`: the outputs, or the error that names the
-failed ranks (a rank's exception, a dead rank's process, a child agent gone with its node),
-never a Ray task error of its own; a failure anywhere in its subtree is answered after
-:data:`.waiting.FAIL_GRACE`, whatever the rest still runs.
+**One thread per agent.**  An agent runs each call on its default thread from start to answer:
+it forwards, writes its ring, and waits for its ranks and its children in the one wait loop
+(:func:`.waiting.gather`), so its session is only ever used by that thread.  :meth:`NodeAgent.give_up`
+and :meth:`NodeAgent.close` run on its control thread: the controller gives a call up when it
+abandons it, and the agent then answers with what it has.
+
+**Answers.**  A :class:`NodeAnswer` holds each finished rank's :class:`~.waiting.Outcome` and the
+ranks still running (after a failure's grace, or the call's deadline).  A child agent that died
+is answered for its ranks as :class:`~rankmesh.errors.AgentLostError`; the controller then asks
+those ranks' processes themselves (:meth:`AgentSession.poll`), so a rank is reported dead only if
+its own process is gone, and the ranks of a dead agent are never confused with another node's.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import ray
 
-from rankmesh.backend import RankCall
-from rankmesh.errors import RankMeshError, WorkerDiedError, WorkerError
+from rankmesh.deadline import Deadline
+from rankmesh.errors import AgentLostError, WorkerDiedError
 from rankmesh.mesh import RankCoords
-from rankmesh.tracing.recorder import FETCH
 
-from .session import CallSession, fits_a_session
-from .waiting import FAIL_GRACE, PROCESS_DIED, POLL_INTERVAL, timed_out, translate_error, warn_stall
+from .session import CallSession
+from .calls import Outcome, Pending
+from .waiting import PROCESS_DIED, gather
+from .wire import Command, command_plan, encode_command
 
 CONTROL_GROUP = "control"
 #: Children per agent, and agents the controller sends to: up to 8 nodes take one level, 72 two,
 #: 584 three (``AgentSession(fanout=...)``, ``RayWorkerGroup.set_control(agent_fanout=...)``).
 AGENT_FANOUT = 8
+#: How often an agent waiting for a call looks whether the controller gave it up (seconds).
+GIVE_UP_SLICE_S = 0.5
+#: How long the controller waits for the processes of a dead agent's ranks to say they live (seconds).
+PROBE_S = 2.0
 
-#: One node's share of a call: its rank calls, and per rank the Ray-path calls it must have run first.
-NodeWork = tuple[Sequence[RankCall], Mapping[int, int]]
+#: One node's share of a call: the distinct headers and, per reader, (header index, sequence number).
+NodeWork = tuple[tuple[bytes, ...], tuple]
 
 
 @dataclass(frozen=True)
 class NodeAnswer:
-    """A subtree's answer to a call: ``outputs`` by rank, or ``error`` naming the failed ranks."""
+    """A subtree's answer to a call: the outcome of each finished rank, and the ranks still running."""
 
-    outputs: dict[int, Any] | None = None
-    error: BaseException | None = None
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
+    unfinished: tuple[int, ...] = ()
+
+
+class AgentAnswers:
+    """The carrier of agents' answers (``name = "agent"``): a pending's handle is the ObjectRef of the
+    answer that will hold its rank's outcome.  A dead agent is answered as :class:`AgentLostError`
+    for every rank its answer would have held (its subtree's)."""
+
+    name = "agent"
+
+    def __init__(self) -> None:
+        self._answers: dict[Any, NodeAnswer | BaseException] = {}
+
+    def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
+        refs = list(dict.fromkeys(p.handle for p in pending if p.handle not in self._answers))
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=within, fetch_local=False)
+            for ref in ready:
+                try:
+                    self._answers[ref] = ray.get(ref)
+                except PROCESS_DIED as exc:
+                    self._answers[ref] = exc
+        got: dict[int, Outcome] = {}
+        for i, p in enumerate(pending):
+            answer = self._answers.get(p.handle)
+            if isinstance(answer, BaseException):
+                got[i] = Outcome(error=AgentLostError(
+                    f"the node agent serving rank {p.rank} (node {p.node}) died during {p.method}: "
+                    f"{str(answer).strip().splitlines()[0] if str(answer).strip() else type(answer).__name__}",
+                    [p.rank]))
+            elif answer is not None and p.rank in answer.outcomes:
+                got[i] = answer.outcomes[p.rank]
+            elif answer is not None and p.rank not in answer.unfinished:
+                got[i] = Outcome(error=AgentLostError(f"rank {p.rank}: its node agent answered without it", [p.rank]))
+        return got
+
+    def forget(self, handles: Sequence[Any]) -> None:
+        for handle in handles:
+            self._answers.pop(handle, None)
 
 
 class NodeAgent:
@@ -64,13 +109,11 @@ class NodeAgent:
 
     def __init__(self) -> None:
         self._session: CallSession | None = None
-        self._lock = threading.Lock()
-        self._calling = False
-        self._serving = False  # this node's share still runs (maybe after the call answered a failure below)
         self._node = ""
         self._children: dict[str, tuple[Any, tuple[str, ...]]] = {}
         self._ranks_of: dict[str, list[int]] = {}
-        self._here: concurrent.futures.ThreadPoolExecutor | None = None  # serves this node while children answer
+        self._given_up: set[int] = set()
+        self._lock = threading.Lock()  # guards _given_up and _session between the two threads
 
     def open(self, ranks: Sequence[int], actors: Mapping[int, Any], pids: Mapping[int, int],
              nodes: Sequence[str | None], coords: Sequence[RankCoords | None], node: str = "",
@@ -79,113 +122,94 @@ class NodeAgent:
         """Open a session with this node's ``ranks`` (rank-indexed ``nodes``/``coords``); returns this pid.
 
         ``node`` is this agent's node id; ``children`` maps each child agent's node id to its
-        handle and the node ids of its subtree (itself first); ``ranks_of`` gives each child's
-        ranks, to name them if the child's agent dies."""
-        self.close()
+        handle and the node ids of its subtree (itself first); ``ranks_of`` gives the ranks of
+        every node below this one, to name them if a child's agent dies."""
+        if self._session is not None:
+            self._session.close()
         session = CallSession(ranks, actors, pids, nodes, coords)
         session.open()
         with self._lock:
             self._session = session
-            self._node = node
-            self._children = {child: (handle, tuple(subtree)) for child, (handle, subtree) in (children or {}).items()}
-            self._ranks_of = {n: list(r) for n, r in (ranks_of or {}).items()}
-            if self._children and self._here is None:
-                self._here = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rankmesh-agent")
+        self._node = node
+        self._children = {child: (handle, tuple(subtree)) for child, (handle, subtree) in (children or {}).items()}
+        self._ranks_of = {n: list(r) for n, r in (ranks_of or {}).items()}
         return os.getpid()
 
-    def call(self, role: str | None, method: str, work: Mapping[str, NodeWork]) -> NodeAnswer:
-        """Run ``work`` (by node id: this node's and its subtree's) and wait for every answer.
+    def call(self, call_id: int, method: str, work: Mapping[str, NodeWork], timeout_s: float | None,
+             generation: int = 0) -> NodeAnswer:
+        """Run ``work`` (by node id: this node's and its subtree's) and wait for every rank.
 
         Children get their subtrees' shares first; this node's ranks run meanwhile."""
-        with self._lock:
-            session, self._calling = self._session, True
-        try:
+        deadline = Deadline.after(timeout_s)
+        session = self._session
+        pending: list[Pending] = []
+        for child, (handle, subtree) in self._children.items():
+            share = {n: work[n] for n in subtree if n in work}
+            if share:
+                ref = handle.call.remote(call_id, method, share, deadline.timeout(), generation)
+                ranks = [r for n in subtree if n in share for r, piece in zip(self._ranks_of.get(n, []), share[n][1])
+                         if piece is not None]
+                pending += [Pending(ref, r, method, None, None, "agent", call_id, generation) for r in ranks]
+        mine = work.get(self._node)
+        if mine is not None:
             if session is None:
-                return NodeAnswer(error=RankMeshError(f"{method}: the node agent's call session is closed"))
-            forwards = []
-            for child, (handle, subtree) in self._children.items():
-                share = {n: work[n] for n in subtree if n in work}
-                if share:
-                    forwards.append((child, handle.call.remote(role, method, share)))
-            mine = work.get(self._node)
-            if not forwards:
-                return self._serve(session, role, method, mine)
-            parts: dict[concurrent.futures.Future, str | None] = {ref.future(): child for child, ref in forwards}
-            if mine is not None:
-                assert self._here is not None
-                parts[self._here.submit(self._serve, session, role, method, mine)] = None
-            return self._gather(parts, method, session)
-        finally:
-            with self._lock:
-                self._calling = False
-                release = session is not None and session is not self._session and not self._serving
-            if release:  # closed meanwhile, and nobody uses it any more: let it go here
-                session.close()
-
-    def _serve(self, session: CallSession, role: str | None, method: str, mine: NodeWork | None) -> NodeAnswer:
-        """This node's share, through its session."""
-        if mine is None:
-            return NodeAnswer(outputs={})
-        with self._lock:
-            self._serving = True
-        try:
-            calls, after = mine
-            pending = session.submit(role, method, calls, after)
-            if pending is None:  # the controller sizes messages first (AgentSession.submit): not expected
-                return NodeAnswer(error=RankMeshError(f"{method}: the call does not fit the node's command ring"))
+                return NodeAnswer({r: Outcome(error=AgentLostError(f"{method}: the node agent's call session is closed", [r]))
+                                   for r in _called(self._node_ranks(), mine)})
+            headers, plan = mine
             try:
-                outputs = session.fetch(pending, None, None, None, None)
-            except RankMeshError as exc:
-                return NodeAnswer(error=exc)
-            return NodeAnswer(outputs={p.rank: out for p, out in zip(pending, outputs)})
-        finally:
-            with self._lock:
-                self._serving = False
-                release = session is not self._session and not self._calling
-            if release:
-                session.close()
+                pending += session.send(Command(call_id, 0, headers, plan), method, deadline, generation)
+            except Exception as exc:  # noqa: BLE001 - a full or aborted ring: every rank of this node fails with it
+                return NodeAnswer({r: Outcome(error=exc) for r in _called(session.ranks, mine)})
+        return self._wait(call_id, pending, deadline, {"session": session, "agent": AgentAnswers()})
 
-    def _gather(self, parts: dict[concurrent.futures.Future, str | None], method: str, session: CallSession) -> NodeAnswer:
-        """One answer from this node's and its children's: every output, or every failure seen
-        within :data:`.waiting.FAIL_GRACE` of the first."""
-        outputs: dict[int, Any] = {}
-        errors: list[BaseException] = []
-        left = set(parts)
-        grace_end = None
+    def drain(self, ranks: Sequence[int], timeout_s: float | None) -> NodeAnswer:
+        """Wait until ``ranks`` of this node answered every call sent to them (their answers are dropped)."""
+        session = self._session
+        if session is None:
+            return NodeAnswer({r: Outcome() for r in ranks})
+        pending = session.owes(ranks)
+        answer = self._wait(-1, pending, Deadline.after(timeout_s), {"session": session}, stop_on_failure=False)
+        done = set(ranks) - set(answer.unfinished)
+        return NodeAnswer({r: Outcome() for r in done}, answer.unfinished)
+
+    def _wait(self, call_id: int, pending: Sequence[Pending], deadline: Deadline, carriers: Mapping[str, Any],
+              stop_on_failure: bool = True) -> NodeAnswer:
+        """The one wait loop, in slices, until done, failed (after its grace), past the deadline or given up."""
+        outcomes: dict[int, Outcome] = {}
+        left = list(pending)
         while left:
-            timeout = None if grace_end is None else max(0.0, grace_end - time.monotonic())
-            done, left = concurrent.futures.wait(left, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
-                try:
-                    answer = future.result()
-                except PROCESS_DIED as exc:  # the child agent is gone, with its node: its ranks count as dead
-                    child = parts[future] or ""
-                    errors += [translate_error(AgentPending(None, child, r, method, session.nodes[r], session.coords[r]), exc)
-                               for r in self._ranks_of.get(child, [])]
-                    continue
-                if answer.error is not None:
-                    errors.append(answer.error)
-                else:
-                    outputs.update(answer.outputs or {})
-            if errors and grace_end is None:
-                grace_end = time.monotonic() + FAIL_GRACE
-            if grace_end is not None and time.monotonic() >= grace_end:
+            got = gather(left, deadline.bounded(GIVE_UP_SLICE_S), carriers, stop_on_failure=stop_on_failure)
+            for i, outcome in got.outcomes.items():
+                outcomes[left[i].rank] = outcome
+            left = [left[i] for i in got.unfinished]
+            with self._lock:
+                given_up = call_id in self._given_up
+            if got.stopped == "failed" or deadline.expired() or given_up:
                 break
-        if errors:
-            return NodeAnswer(error=merge_errors(errors, ()))
-        return NodeAnswer(outputs=outputs)
+        with self._lock:
+            self._given_up.discard(call_id)
+        return NodeAnswer(outcomes, tuple(sorted(p.rank for p in left)))
+
+    def _node_ranks(self) -> tuple[int, ...]:
+        return () if self._session is None else self._session.ranks
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def give_up(self, call_id: int) -> None:
+        """The controller abandoned call ``call_id``: answer it with what is in (within :data:`GIVE_UP_SLICE_S`)."""
+        with self._lock:
+            self._given_up.add(call_id)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def close(self) -> None:
-        """Give the session up (its hosts' session threads end); a call still waiting ends too."""
+        """Give the session up: the hosts' session threads end, dropping calls they have not read."""
         with self._lock:
             session, self._session = self._session, None
-            if session is None:
-                return
-            if self._calling or self._serving:  # the thread using it closes it when it is done
-                session.give_up()
-                return
-        session.close()
+        if session is not None:
+            session.close(stop=False)
+
+
+def _called(ranks: Sequence[int], work: NodeWork) -> list[int]:
+    return [r for r, piece in zip(ranks, work[1]) if piece is not None]
 
 
 def start_agents(node_ids: Sequence[str]) -> dict[str, Any]:
@@ -197,22 +221,6 @@ def start_agents(node_ids: Sequence[str]) -> dict[str, Any]:
         node: cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
         for node in node_ids
     }
-
-
-# ----- the controller's end ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AgentPending:
-    """One rank's share of a call sent through the agents: the answer of its subtree's top agent
-    (``ref``), and the node id whose agent serves the rank (``agent_node``)."""
-
-    ref: Any
-    agent_node: str
-    rank: int
-    method: str
-    node: str | None = None
-    coords: RankCoords | None = None
 
 
 def agent_tree(nodes: Sequence[str], fanout: int) -> tuple[list[str], dict[str, list[str]]]:
@@ -234,17 +242,24 @@ def subtree(node: str, children: Mapping[str, Sequence[str]]) -> list[str]:
     return out
 
 
+# ----- the controller's end ------------------------------------------------------------------
+
+
 class AgentSession:
     """The controller's end of a group's node agents: one call is one Ray task to each of at most
     ``fanout`` agents, which forward their subtrees' shares (see the module docstring).
 
     ``node_ids[r]`` is rank ``r``'s Ray node; every node gets an agent (the controller's own too,
-    so that one path serves the whole group).  Same interface as :class:`.session.CallSession`.
+    so that one path serves the whole group).  A carrier (``name = "agent"``), as
+    :class:`.session.CallSession` is.
     """
+
+    name = "agent"
 
     def __init__(self, actors: Sequence[Any], pids: Sequence[int], node_ids: Sequence[str],
                  nodes: Sequence[str | None], coords: Sequence[RankCoords | None], fanout: int = AGENT_FANOUT) -> None:
         self.ranks = tuple(range(len(actors)))
+        self.served = frozenset(self.ranks)
         self.actors, self.pids = list(actors), list(pids)
         self.nodes, self.coords = list(nodes), list(coords)
         self.by_node: dict[str, list[int]] = {}
@@ -254,7 +269,9 @@ class AgentSession:
         self.tops, self.children = agent_tree(list(self.by_node), fanout)
         self.top_of = {n: top for top in self.tops for n in subtree(top, self.children)}
         self.agents: dict[str, Any] = {}
-        self._unread: set[Any] = set()  # answers nobody has read (a failed call's)
+        self._answers = AgentAnswers()
+        self._lock = threading.Lock()
+        self._unsettled: set[int] = set()  # ranks sent a call whose outcome was not read yet
 
     def open(self, timeout_s: float = 60.0) -> None:
         self.agents = start_agents(list(self.by_node))
@@ -262,7 +279,7 @@ class AgentSession:
             opened = []
             for node, ranks in self.by_node.items():
                 kids = {child: (self.agents[child], subtree(child, self.children)) for child in self.children[node]}
-                below = {child: self.by_node[child] for child in self.children[node]}
+                below = {n: self.by_node[n] for child in self.children[node] for n in subtree(child, self.children)}
                 opened.append(self.agents[node].open.remote(
                     ranks, {r: self.actors[r] for r in ranks}, {r: self.pids[r] for r in ranks}, self.nodes, self.coords,
                     node, kids, below))
@@ -272,112 +289,97 @@ class AgentSession:
             raise
 
     def close(self) -> None:
+        """Stop the agents (their sessions end with them: the hosts watch the writer's pid)."""
         for agent in self.agents.values():
             try:
-                agent.close.remote()
                 ray.kill(agent, no_restart=True)
             except Exception:  # noqa: BLE001 - gone with its node already
                 pass
         self.agents = {}
 
-    def takes(self, calls: Sequence[RankCall]) -> bool:
-        return bool(self.agents) and all(c.rank in self.node_of for c in calls) and fits_a_session(calls)
+    # ----- sending ----------------------------------------------------------------------------
 
-    def submit(self, role: str | None, method: str, calls: Sequence[RankCall], after: Mapping[int, int],
-               cache: Any = None) -> list[AgentPending]:
-        per_node: dict[str, list[RankCall]] = {}
-        for call in calls:
-            per_node.setdefault(self.node_of[call.rank], []).append(call)
+    def work(self, parts: Sequence[tuple[int, bytes, int]]) -> dict[str, NodeWork] | None:
+        """Each node's share of a call (``parts``: ``(rank, header, seq)``); ``None`` if one does not fit its ring."""
+        per_node: dict[str, list[tuple[int, bytes, int]]] = {}
+        for part in parts:
+            per_node.setdefault(self.node_of[part[0]], []).append(part)
+        work = {}
+        for node, node_parts in per_node.items():
+            headers, plan = command_plan(self.by_node[node], node_parts)
+            from .session import COMMAND_MARGIN
+            from .wire import COMMAND_BYTES
+
+            if len(encode_command(Command(0, 0, headers, plan))) + COMMAND_MARGIN > COMMAND_BYTES:
+                return None
+            work[node] = (headers, plan)
+        return work
+
+    def send(self, call_id: int, work: Mapping[str, NodeWork], ranks: Sequence[int], method: str, deadline: Deadline,
+             generation: int = 0) -> list[Pending]:
         per_top: dict[str, dict[str, NodeWork]] = {}
-        for node, node_calls in per_node.items():
-            per_top.setdefault(self.top_of[node], {})[node] = (node_calls, {c.rank: after.get(c.rank, 0) for c in node_calls})
-        refs = {top: self.agents[top].call.remote(role, method, work) for top, work in per_top.items()}
-        self._unread.update(refs.values())
+        for node, share in work.items():
+            per_top.setdefault(self.top_of[node], {})[node] = share
+        refs = {top: self.agents[top].call.remote(call_id, method, share, deadline.timeout(), generation)
+                for top, share in per_top.items()}
+        with self._lock:
+            self._unsettled.update(ranks)
+        return [Pending(refs[self.top_of[self.node_of[r]]], r, method, self.nodes[r], self.coords[r], self.name, call_id,
+                        generation) for r in ranks]
+
+    def owing(self) -> set[int]:
+        """The ranks whose outcome of a call sent them was not read (a failed or abandoned call's)."""
+        with self._lock:
+            return set(self._unsettled)
+
+    def drain_pending(self, ranks: Sequence[int], deadline: Deadline) -> list[Pending]:
+        """Ask the agents of ``ranks`` to wait for what those ranks still run; one pending per rank."""
+        per_node: dict[str, list[int]] = {}
+        for r in ranks:
+            per_node.setdefault(self.node_of[r], []).append(r)
         pending = []
-        for call in calls:
-            node = self.node_of[call.rank]
-            pending.append(AgentPending(refs[self.top_of[node]], node, call.rank, method, self.nodes[call.rank],
-                                        self.coords[call.rank]))
+        for node, node_ranks in per_node.items():
+            ref = self.agents[node].drain.remote(node_ranks, deadline.timeout())
+            pending += [Pending(ref, r, "(earlier calls)", self.nodes[r], self.coords[r], self.name, -1) for r in node_ranks]
         return pending
 
-    def owes(self, ranks: Sequence[int]) -> bool:
-        return bool(self._unread)
+    def give_up(self, pending: Sequence[Pending]) -> None:
+        """The caller abandoned these calls: every agent answers them with what it has."""
+        self._answers.forget([p.handle for p in pending])
+        for call_id in {p.call_id for p in pending}:
+            for agent in self.agents.values():
+                try:
+                    agent.give_up.remote(call_id)
+                except Exception:  # noqa: BLE001 - an agent gone with its node
+                    pass
 
-    def drain(self, ranks: Sequence[int], timeout: float | None, on_died: Any = None, inspect: Any = None) -> None:
-        """Wait for every answer nobody read (a failed call's), so later Ray calls run after them."""
-        refs = list(self._unread)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    # ----- answers ------------------------------------------------------------------------------
+
+    def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
+        """The ranks' outcomes in their agents' answers; a lost agent's ranks are asked whether they live."""
+        got = self._answers.poll(pending, within, first)
+        lost = [i for i, o in got.items() if isinstance(o.error, AgentLostError)]
+        if lost:
+            dead = self._dead([pending[i].rank for i in lost])
+            for i in lost:
+                p = pending[i]
+                if p.rank in dead:
+                    got[i] = Outcome(error=WorkerDiedError(p.rank, p.method, f"its process is gone (with its node agent): "
+                                                           f"{dead[p.rank]}", p.node, coords={p.rank: p.coords}))
+        with self._lock:
+            self._unsettled.difference_update(pending[i].rank for i in got)
+        waiting = {p.handle for i, p in enumerate(pending) if i not in got}
+        self._answers.forget([p.handle for p in pending if p.handle not in waiting])  # answers read whole
+        return got
+
+    def _dead(self, ranks: Sequence[int]) -> dict[int, str]:
+        """Which of ``ranks`` have no process any more (each asked at once, on its control thread)."""
+        refs = {self.actors[r].ping.remote(): r for r in ranks}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_S, fetch_local=False)
+        dead = {}
         for ref in ready:
             try:
                 ray.get(ref)
-            except Exception:  # noqa: BLE001 - reported with its own call
-                pass
-        self._unread.difference_update(ready)
-
-    def fetch(self, pending: Sequence[AgentPending], timeout: float | None, on_died: Any, stall_warn_s: float | None,
-              inspect: Any) -> list[Any]:
-        """The outputs of ``pending``: the top agents' answers waited for together, failing fast as :mod:`.waiting` does."""
-        refs = list(dict.fromkeys(p.ref for p in pending))
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        warn_at = None if stall_warn_s is None or inspect is None else start + stall_warn_s
-        answers: dict[Any, NodeAnswer] = {}
-        failures: list[BaseException] = []
-        remaining = refs
-        grace_end = None
-        while remaining:
-            limits = [t - time.monotonic() for t in (deadline, warn_at, grace_end) if t is not None]
-            ready, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=max(0.0, min([POLL_INTERVAL, *limits])))
-            for ref in ready:
-                self._unread.discard(ref)
-                try:
-                    answers[ref] = ray.get(ref)
-                except PROCESS_DIED as exc:  # the top agent is gone, with its node: that node's ranks count as dead
-                    top = next(p.agent_node for p in pending if p.ref == ref)
-                    failures += [translate_error(p, exc) for p in pending if p.agent_node == top]
-                    continue
-                if answers[ref].error is not None:
-                    failures.append(answers[ref].error)
-            if failures and grace_end is None:
-                grace_end = time.monotonic() + FAIL_GRACE
-            now = time.monotonic()
-            if not remaining or (grace_end is not None and now >= grace_end):
-                break
-            slow = [p for p in pending if p.ref in remaining]
-            if deadline is not None and now >= deadline:
-                raise timed_out(pending, slow, timeout or 0.0, now - start, on_died, inspect)
-            if warn_at is not None and now >= warn_at:
-                warn_at = None
-                warn_stall(pending, slow, stall_warn_s or 0.0, now - start, inspect)
-        if failures:
-            err = merge_errors(failures, pending)
-            if isinstance(err, WorkerDiedError) and on_died is not None:
-                on_died(err)
-            raise err
-        FETCH.ready_ns = time.time_ns()
-        return [answers[p.ref].outputs[p.rank] for p in pending]
-
-
-def merge_errors(errors: Sequence[BaseException], pending: Sequence[Any]) -> BaseException:
-    """One error for several nodes' failures: the dead ranks of every node first, else the lowest rank's error.
-
-    A rank's coordinates and node come from ``pending`` (rank, node, coords) where it is there,
-    else from the errors themselves (an agent merging its subtree's answers has no pending)."""
-    by_rank = {p.rank: p for p in pending}
-    died = [e for e in errors if isinstance(e, WorkerDiedError)]
-    if died:
-        ranks = sorted({r for e in died for r in e.ranks})
-        first = min(died, key=lambda e: e.rank)
-        coords = {r: c for e in died for r, c in e.coords.items()}
-        coords.update({r: by_rank[r].coords for r in ranks if r in by_rank and by_rank[r].coords is not None})
-        nodes = {n for e in died for n in (e.node or "").split(", ") if n}
-        nodes |= {by_rank[r].node for r in ranks if r in by_rank and by_rank[r].node}
-        merged = WorkerDiedError(first.rank, first.method, first.detail, ", ".join(sorted(nodes)) or None, ranks=ranks,
-                                 coords=coords)
-        merged.__cause__ = first.__cause__
-        return merged
-    workers = {id(w): w for e in errors if isinstance(e, WorkerError) for w in (e, *e.others)}  # a subtree's: flat
-    if workers:
-        ordered = sorted(workers.values(), key=lambda e: e.rank)
-        return ordered[0].attach([w.attach([]) for w in ordered[1:]])
-    return errors[0]
+            except PROCESS_DIED as exc:
+                dead[refs[ref]] = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return dead

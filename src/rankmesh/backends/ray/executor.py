@@ -1,66 +1,102 @@
 """RayExecutor: the backend contract (:class:`rankmesh.backend.Backend`) over one group's host processes.
 
-* ``share`` is one ``ray.put`` per distinct object.  Tensors inside a DataProto pickle out of band
-  as numpy views, so the put is one memcpy into plasma, and every reader maps it without a copy;
-  the data layer's rebuild then gives each rank copy-on-write views (only the pages a rank
-  writes are copied; a private copy up front with ``receive="copy"``).
-* ``submit`` encodes each rank's call (:mod:`.wire`) and runs it on the rank's host.  Ranks
-  outside the collect set run with ``return_output=False`` and send back ``None``.
-* ``fetch`` waits fail-fast (:func:`.waiting.fetch_outputs`).  A dead process fails the whole
-  group: :meth:`RayExecutor.fail` kills the other ranks (so their blocked collectives end) and
-  later calls raise at once.  With ``on_rank_death="keep"`` or ``"replace"`` the survivors are
-  kept instead, for :mod:`.recovery` to replace the dead ranks.  A call past its timeout asks
-  its unfinished ranks where they are (:meth:`RayExecutor.inspect`, :mod:`.hangs`) and raises
-  :class:`~rankmesh.errors.HangError`; past ``stall_warn_s`` it logs the same report once and
-  goes on.
-* Blocking calls with inline arguments to ranks on the controller's node take the group's call
-  session instead (:mod:`.session`: one message for all of them through a shared-memory ring) once
-  it is open; ``RANKMESH_CONTROL=ray`` keeps every call on Ray, and a session that cannot be opened
-  is logged once and leaves the group on Ray.  :meth:`RayExecutor.control_paths` says which.
+One call, one path, whichever carrier takes it (``docs/architecture.md``, "One call's path"):
+
+1. **the record**: :meth:`RayExecutor.submit` gives the call an id, the group's generation, each
+   rank a sequence number, and encodes each rank's share once (:mod:`.wire`; equal shares once
+   for all, slot-only headers once per host set);
+2. **the carrier**: the group's call session when it is open and the call is blocking, has only
+   inline arguments and fits a command slot (:mod:`.session`, or the node agents of a group
+   across nodes, :mod:`.agent`); else one Ray task per rank (:mod:`.tasks`).  The size rule is
+   the same on every path: a call too big for a slot takes Ray's tasks;
+3. **the order**: before sending, the call waits for what its ranks still run on other carriers,
+   and for their abandoned calls, within its deadline (:mod:`.order`; waiting for an abandoned call
+   is logged at once and bounded by ``abandoned_wait_s`` when the call has no deadline);
+4. **the wait**: :meth:`RayExecutor.fetch` waits in the one loop (:func:`.waiting.gather`), with the
+   call's deadline, the fail-fast grace, the stall warning and the hang report
+   (:meth:`RayExecutor.inspect`, :mod:`.hangs`).  Ranks still running when the caller gives up are
+   remembered as running an abandoned call.
+
+A dead process fails the whole group: :meth:`RayExecutor.fail` kills the other ranks (so their
+blocked collectives end) and later calls raise at once; with ``on_rank_death="keep"`` or
+``"replace"`` the survivors are kept instead, for :mod:`.recovery` to replace the dead ranks.
+Recovery and lifecycle steps are calls too (:meth:`RayExecutor.step`): one record, the Ray-task
+carrier, the host's lock, a deadline and a hang report.
+
+**Threads.**  A group may be called from several threads at once.  Sending is serialized (one
+lock: the call's record, its order and its writes), so every rank receives the calls in one
+order; waiting is not, so each thread waits for and gets its own call's outputs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import threading
 import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import ray
 
-from rankmesh.backend import RankCall, Shared
-from rankmesh.errors import BackendError, RankMeshError, WorkerDiedError
+from rankmesh.backend import Change, RankCall, Shared
+from rankmesh.deadline import Deadline
+from rankmesh.errors import BackendError, RankMeshError, RingError, StaleViewError, WorkerDiedError
 from rankmesh.mesh import RankCoords
-from rankmesh.validate import optional_seconds
-
+from rankmesh.serialization import receiving
 from rankmesh.sharedmem import register_store_processes
+from rankmesh.validate import optional_seconds, positive_int, positive_seconds
 
+from .agent import AGENT_FANOUT, AgentSession
 from .hangs import gather_hangs
 from .hosts import HostSet
+from .order import Abandoned, Ledger, Waits
 from .runtime import raylet_pids
-from .agent import AGENT_FANOUT, AgentPending, AgentSession
-from .session import CONTROL_MODES, CallSession, SessionPending, control_mode
-from .waiting import Pending, fetch_outputs, ready_indices
-from .wire import encode_rank_call, slot_method
+from .session import CallSession
+from .tasks import RayTasks, ready_refs, start_step
+from .calls import Carrier, Pending
+from .waiting import Gathered, combine_errors, fetch_outputs, gather, timed_out
+from .wire import Command, command_plan, encode_rank_call
 
 logger = logging.getLogger(__name__)
+
+#: ``RANKMESH_CONTROL``: ``auto`` (the default) opens a session where it can; ``ray`` keeps every
+#: call on Ray's task-per-rank path.
+CONTROL_ENV = "RANKMESH_CONTROL"
+CONTROL_MODES: tuple[str, ...] = ("auto", "ray")
+#: How long a call without a deadline waits for a rank's abandoned call to end before it gives up
+#: (seconds; ``RayWorkerGroup(abandoned_wait_s=...)``).
+ABANDONED_WAIT_S = 60.0
+
+
+def control_mode(environ: Mapping[str, str] | None = None) -> str:
+    """The ``RANKMESH_CONTROL`` setting, checked."""
+    import os
+
+    value = (os.environ if environ is None else environ).get(CONTROL_ENV, "auto").strip().lower() or "auto"
+    if value not in CONTROL_MODES:
+        raise ValueError(f"{CONTROL_ENV}={value!r}: expected one of {', '.join(CONTROL_MODES)}")
+    return value
 
 
 @dataclass
 class CallStats:
-    """Counters for tests and benchmarks: puts made, calls submitted."""
+    """Counters for tests and benchmarks: puts made, calls submitted (rank calls), and each carrier's calls."""
 
     puts: int = 0
     calls: int = 0
+    by_carrier: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, puts: int = 0, calls: int = 0) -> None:
+    def add(self, puts: int = 0, calls: int = 0, carrier: str | None = None) -> None:
         with self.lock:
             self.puts += puts
             self.calls += calls
+            if carrier is not None:
+                self.by_carrier[carrier] = self.by_carrier.get(carrier, 0) + 1
 
 
 #: What a group does when a rank's process dies: ``fail`` (stop the others, refuse later calls),
@@ -75,10 +111,11 @@ class GroupFetcher:
     """The picklable fetch function of one group's futures (:meth:`RayExecutor.fetcher`).
 
     Equal for one group (futures of one call merge flat); ``timeout_s`` bounds each fetch.
-    Where its group's executor lives (the controller that made it) it fails the group on a dead
-    rank and reports hangs, as a blocking call does: it holds the executor by weak reference
-    (a future must not keep a shut-down group alive).  The reference does not travel: a fetcher
-    unpickled in another process (a worker fetching a future's parts) just raises.
+    Where its group's executor lives (the controller that made it) it fetches through it, as a
+    blocking call does (a dead rank fails the group, a hang is reported, ranks left running are
+    remembered): it holds the executor by weak reference (a future must not keep a shut-down
+    group alive).  The reference does not travel: unpickled in another process (a worker
+    fetching a future's parts) it waits with the Ray-task carrier alone.
     """
 
     token: str
@@ -93,30 +130,29 @@ class GroupFetcher:
         return None if self.executor is None else self.executor()
 
     def __call__(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        limit = self.timeout_s if timeout is None else timeout
         executor = self._executor()
-        inspect = None if executor is None else executor.inspect
-        return fetch_outputs(handles, self.timeout_s if timeout is None else timeout, self.died, False, self.stall_warn_s, inspect)
+        if executor is not None:
+            return executor.fetch(handles, deadline=Deadline.after(limit), stall_warn_s=self.stall_warn_s)
+        return fetch_outputs(handles, limit, None, False, self.stall_warn_s)
 
     def ready(self, handles: Sequence[Any], timeout: float | None = 0.0) -> list[int]:
         """:class:`rankmesh.backend.ReadyCheck`: which of ``handles`` are done (nothing fetched)."""
-        return ready_indices(handles, timeout)
-
-    def died(self, err: WorkerDiedError) -> None:
-        """Fail the group this fetcher belongs to, when it lives in this process."""
-        executor = self._executor()
-        if executor is not None:
-            executor.fail(err)
+        refs = [h.handle if isinstance(h, Pending) else h for h in handles]
+        done = ready_refs(refs, timeout)
+        return [i for i, ref in enumerate(refs) if ref in done]
 
 
 class RayExecutor:
     """:class:`rankmesh.backend.Backend` over the processes of ``hosts`` (one per rank).
 
     ``coords[r]`` (optional) is rank ``r``'s :class:`~rankmesh.mesh.RankCoords`, for error messages.
-    ``call_timeout_s`` bounds every fetch that gives no timeout of its own (``None``: wait as long
+    ``call_timeout_s`` bounds every call that gives no timeout of its own (``None``: wait as long
     as the ranks run); ``stall_warn_s`` logs where the unfinished ranks are, once per call, when
-    a call runs that long (``None``: never).  Role groups spawned from one group share its
-    executor: one closed flag, one failure, one set of stats.  ``on_rank_death`` is one of
-    :data:`ON_RANK_DEATH`.
+    a call runs that long (``None``: never); ``abandoned_wait_s`` bounds how long a call without a
+    deadline waits for ranks still running an abandoned call.  Role groups spawned from one group
+    share its executor: one closed flag, one failure, one set of stats.  ``on_rank_death`` is one
+    of :data:`ON_RANK_DEATH`.
     """
 
     def __init__(
@@ -126,24 +162,31 @@ class RayExecutor:
         call_timeout_s: float | None = None,
         stall_warn_s: float | None = None,
         on_rank_death: str = "fail",
+        abandoned_wait_s: float = ABANDONED_WAIT_S,
     ) -> None:
         if on_rank_death not in ON_RANK_DEATH:
-            raise BackendError(f"on_rank_death must be one of {list(ON_RANK_DEATH)}, got {on_rank_death!r}")
+            raise BackendError(f"on_rank_death must be one of {', '.join(map(repr, ON_RANK_DEATH))}, got {on_rank_death!r}")
         self.hosts = hosts
         self.world_size = len(hosts.actors)
-        self.nodes = hosts.nodes
-        self.coords = list(coords) if coords is not None else [None] * self.world_size
+        self.coords: list[RankCoords | None] = list(coords) if coords is not None else [None] * self.world_size
         self.call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
-        self.on_rank_death = on_rank_death
         self.stall_warn_s = optional_seconds(stall_warn_s, "stall_warn_s", BackendError)
+        self.abandoned_wait_s = positive_seconds(abandoned_wait_s, "abandoned_wait_s", BackendError)
+        self.on_rank_death = on_rank_death
         self.stats = CallStats()
-        #: Encoded slot-only call headers and call slots, one table per host set (:class:`.wire.HeaderCache`).
-        self.headers = hosts.headers
+        self.headers = hosts.headers  # shared by every executor over these processes (wire.HeaderCache)
+        self.nodes = hosts.nodes
+        self.dead: set[int] = set()
         self._failed: RankMeshError | None = None
-        self.dead: set[int] = set()  # ranks seen dead since the last replacement
-        # Rank calls of failed calls whose outputs no caller will read (see settle()).
-        self.abandoned: list[Pending] = []
         self.token = uuid.uuid4().hex
+        self._send_lock = threading.RLock()  # a call's id, sequence numbers, order and writes: one sender at a time
+        self._ids = itertools.count(1)
+        self._seq = [0] * self.world_size
+        self._ledger = Ledger(self.world_size)
+        self._failed_outputs: list[Pending] = []  # Ray outputs of failed calls that no caller will read (settle)
+        self.generation = 0
+        self._changes: list[Change] = []
+        self._tasks = RayTasks()
         #: Whether this group may open a call session (``RANKMESH_CONTROL``; detached groups never do:
         #: other drivers may call their processes), the session once open, and why there is none.
         self.control = "ray" if hosts.detached else control_mode()
@@ -153,6 +196,8 @@ class RayExecutor:
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
         register_store_processes(raylet_pids())
 
+    # ----- state ----------------------------------------------------------------------------------
+
     @property
     def closed(self) -> bool:
         return self.hosts.closed
@@ -160,6 +205,22 @@ class RayExecutor:
     @property
     def failed(self) -> RankMeshError | None:
         return self._failed
+
+    def changes_since(self, generation: int) -> list[Change]:
+        return [c for c in self._changes if c.generation > generation]
+
+    def _new_generation(self, what: str, renumbered: bool) -> None:
+        self.generation += 1
+        self._changes.append(Change(self.generation, what, renumbered))
+
+    @property
+    def unread_outputs(self) -> list[Pending]:
+        """Ray outputs of failed calls not read yet (the group reads them as they arrive: :meth:`settle`)."""
+        return list(self._failed_outputs)
+
+    def abandoned_calls(self) -> dict[int, Abandoned]:
+        """Rank -> the abandoned call it may still run (what a later call to it waits for first)."""
+        return self._ledger.abandoned()
 
     def close(self) -> None:
         """Kill the processes and release their placement groups (idempotent)."""
@@ -170,7 +231,7 @@ class RayExecutor:
         """End the call session but keep the processes (another group will drive them)."""
         self._end_session()
 
-    # ----- call sessions (.session) -----------------------------------------------------------
+    # ----- call sessions (.session, .agent) -------------------------------------------------------
 
     def set_control(self, mode: str, agent_fanout: int | None = None) -> None:
         """``"auto"`` or ``"ray"`` (see ``RayWorkerGroup.set_control``); a session stays open while on Ray.
@@ -180,19 +241,17 @@ class RayExecutor:
             raise BackendError(f"set_control(mode): expected one of {', '.join(map(repr, CONTROL_MODES))}, got {mode!r}")
         if mode == "auto" and self.hosts.detached:
             raise BackendError("set_control('auto'): a detached group stays on the Ray path (other drivers may call its processes)")
-        if agent_fanout is not None:
-            if isinstance(agent_fanout, bool) or not isinstance(agent_fanout, int) or agent_fanout < 1:
-                raise BackendError(f"set_control(agent_fanout): expected a positive integer, got {agent_fanout!r}")
-            if agent_fanout != self.agent_fanout and isinstance(self.session, AgentSession):
-                ranks = list(self.session.ranks)
-                if self.session.owes(ranks):  # a failed call's answers: read before the agents go
-                    self.session.drain(ranks, self.call_timeout_s, self._session_died, self.inspect)
-                self._end_session()
-            self.agent_fanout = agent_fanout
-        self.control = mode
+        with self._send_lock:
+            if agent_fanout is not None:
+                agent_fanout = positive_int(agent_fanout, "set_control(agent_fanout)", BackendError)
+                if agent_fanout != self.agent_fanout and isinstance(self.session, AgentSession):
+                    self._settle_carrier(self.session, Deadline.after(self.call_timeout_s).bounded(self.abandoned_wait_s))
+                    self._end_session()
+                self.agent_fanout = agent_fanout
+            self.control = mode
 
     def _open_session(self) -> CallSession | AgentSession | None:
-        """The group's session, opened on first use; ``None``: Ray only.
+        """The group's session, opened on first use; ``None``: Ray's tasks only.
 
         All ranks on the controller's node: the controller writes their ring itself
         (:class:`.session.CallSession`).  Ranks on other nodes: one agent per node serves its
@@ -217,34 +276,43 @@ class RayExecutor:
             else:
                 session = AgentSession(self.hosts.actors, pids, node_ids, self.nodes, self.coords, self.agent_fanout)
             session.open()
-        except Exception as exc:  # noqa: BLE001 - the Ray path always works: say why once, and use it
+        except Exception as exc:  # noqa: BLE001 - Ray's tasks always work: say why once, and use them
             self.session_note = f"{type(exc).__name__}: {exc}"
-            logger.warning("worker group %s: no call session (%s); its calls take the Ray path", self.hosts.name_prefix,
+            logger.warning("worker group %s: no call session (%s); its calls take Ray's tasks", self.hosts.name_prefix,
                            self.session_note)
             return None
         self.session = session
         return session
 
     def _end_session(self) -> None:
-        """Close the session (its processes changed or stopped); the next call may open a new one."""
-        if self.session is not None:
-            self.session.close()
-            self.session = None
-        if not self.hosts.detached:
-            self.session_note = ""
+        """Close the session (its processes changed or stopped); the next call may open a new one.
 
-    def _session_died(self, err: WorkerDiedError) -> None:
-        self._end_session()
-        self.fail(err)
+        Calls the hosts were sent and had not started are dropped with it (a closed ring), and
+        what the ranks owed on it no longer orders anything."""
+        with self._send_lock:
+            session, self.session = self.session, None
+            if session is not None:
+                session.close(stop=False) if isinstance(session, CallSession) else session.close()
+                self._ledger.drained(session.name, range(self.world_size))
+            if not self.hosts.detached:
+                self.session_note = ""
 
     def control_paths(self) -> list[str]:
         """Per rank, how blocking calls with inline arguments reach it: ``"session"`` (the
         controller's ring), ``"agent"`` (its node agent's ring) or ``"ray"`` (a task per rank)."""
-        if self.session is None or self.control == "ray":
+        session = self.session
+        if session is None or self.control == "ray":
             return ["ray"] * self.world_size
-        path = "session" if isinstance(self.session, CallSession) else "agent"
-        ranks = set(self.session.ranks)
-        return [path if r in ranks else "ray" for r in range(self.world_size)]
+        ranks = set(session.ranks)
+        return [session.name if r in ranks else "ray" for r in range(self.world_size)]
+
+    def _carriers(self) -> dict[str, Carrier]:
+        carriers: dict[str, Carrier] = {"ray": self._tasks}
+        if self.session is not None:
+            carriers[self.session.name] = self.session
+        return carriers
+
+    # ----- failure --------------------------------------------------------------------------------
 
     def fail(self, err: WorkerDiedError) -> None:
         """Mark the group failed after ``err`` and kill its other processes.
@@ -268,12 +336,24 @@ class RayExecutor:
         logger.error("worker group failed: %s; stopping its %d processes", err, self.world_size)
         self.hosts.kill()
 
-    def reshape(self, coords: Sequence[RankCoords]) -> None:
+    def kill_ranks(self, ranks: Sequence[int], why: str) -> None:
+        """Kill ``ranks``' processes on purpose; the group then treats them as dead (its ``on_rank_death``)."""
+        for rank in ranks:
+            ray.kill(self.hosts.actors[rank], no_restart=True)
+        first = min(ranks)
+        self.fail(WorkerDiedError(first, "kill_ranks", why, self.nodes[first], ranks=list(ranks),
+                                  coords={r: self.coords[r] for r in ranks if self.coords[r] is not None}))
+
+    def reshape(self, coords: Sequence[RankCoords], what: str) -> None:
         """The group shrank or grew (:mod:`.remesh`): ``hosts`` holds the new ranks' processes, in
         rank order, and ``coords`` their coordinates; accept calls again."""
-        self.world_size = len(self.hosts.actors)
-        self.coords = list(coords)
-        self.recovered()
+        with self._send_lock:
+            self.world_size = len(self.hosts.actors)
+            self.coords = list(coords)
+            self._seq = [0] * self.world_size
+            self._ledger.resize(self.world_size)
+            self._new_generation(what, renumbered=True)
+        self._recovered()
 
     def abandon(self, err: RankMeshError) -> None:
         """Fail the group for good (dead ranks could not be replaced): stop every process."""
@@ -281,8 +361,14 @@ class RayExecutor:
         logger.error("worker group failed: %s; stopping its %d processes", err, self.world_size)
         self.hosts.kill()
 
-    def recovered(self) -> None:
-        """The dead ranks were replaced: accept calls again, with the new processes' nodes."""
+    def recovered(self, ranks: Sequence[int]) -> None:
+        """``ranks`` were replaced by new processes: accept calls again."""
+        with self._send_lock:
+            self._ledger.resize(self.world_size)  # the survivors drained: nothing of theirs runs any more
+            self._new_generation(f"ranks {sorted(ranks)} replaced", renumbered=False)
+        self._recovered()
+
+    def _recovered(self) -> None:
         self.nodes = self.hosts.nodes
         self._end_session()  # new processes: the next call opens a session with them
         self.dead.clear()
@@ -290,7 +376,7 @@ class RayExecutor:
         self.settle()  # the survivors were drained: their failed attempts' outputs are in
 
     def settle(self) -> None:
-        """Read and drop the outputs of failed calls that have arrived; keep the others for later.
+        """Read and drop the Ray outputs of failed calls that have arrived; keep the others for later.
 
         When a call fails, the caller gets the first error and the other ranks' outputs are left
         unread.  Ray logs an "Unhandled error" with a full traceback for every failed output it
@@ -298,16 +384,16 @@ class RayExecutor:
         retried) would end in one such block per survivor.  The group reads them itself instead,
         as they arrive (here after a failure, before the next submit, after a replacement).
         """
-        if not self.abandoned:
+        if not self._failed_outputs:
             return
-        refs = [p.ref for p in self.abandoned]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
-        for ref in ready:
+        refs = [p.handle for p in self._failed_outputs]
+        done = ready_refs(refs, 0.0)
+        for ref in done:
             try:
                 ray.get(ref, timeout=0)
             except Exception:  # noqa: BLE001 - already reported through the call's own error
                 pass
-        self.abandoned = [p for p in self.abandoned if p.ref not in ready]
+        self._failed_outputs = [p for p in self._failed_outputs if p.handle not in done]
 
     def _check_usable(self, method: str) -> None:
         if self.closed:
@@ -329,82 +415,228 @@ class RayExecutor:
                 coords=f.coords,
             )
 
+    # ----- calls ----------------------------------------------------------------------------------
+
     def share(self, obj: Any) -> Shared:
         if isinstance(obj, Shared):
             return obj
         self.stats.add(puts=1)
         return Shared(ray.put(obj))
 
-    def submit(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[Pending]:
-        self._check_usable(method)
-        if self.abandoned:
-            self.settle()
-        session = self._open_session()
-        if session is not None and session.takes(calls):
-            counts, actors = self.hosts.ray_calls, self.hosts.actors
-            after = {c.rank: counts.of(c.rank, actors[c.rank]) for c in calls}
-            pending = session.submit(role, method, calls, after, self.headers)
-            if pending is not None:  # else too big for a slot: Ray carries it
-                self.stats.add(calls=len(pending))
-                return pending
-        if self.session is not None:  # open, whether this call may use it or not
+    def submit(
+        self, role: str | None, method: str, calls: Sequence[RankCall], deadline: Deadline | None = None
+    ) -> list[Pending]:
+        deadline = deadline if deadline is not None else Deadline.after(self.call_timeout_s)
+        with self._send_lock:
+            self._check_usable(method)
+            for call in calls:
+                if not 0 <= call.rank < self.world_size:
+                    raise BackendError(f"{method}: rank {call.rank} is out of range for world size {self.world_size}")
+            if self._failed_outputs:
+                self.settle()
+            call_id = next(self._ids)
             ranks = [c.rank for c in calls]
-            if self.session.owes(ranks):  # a rank runs calls in the order they were sent, whichever path
-                self.session.drain(ranks, self.call_timeout_s, self._session_died, self.inspect)
-        counts = self.hosts.ray_calls
-        pending = []
-        marked = False  # a traced call's first rank sends the fetch mark (rankmesh.tracing.recorder)
-        cache, actors, nodes, coords = self.headers, self.hosts.actors, self.nodes, self.coords
-        for call in calls:
-            rank = call.rank
-            if not 0 <= rank < self.world_size:
-                raise BackendError(f"{method}: rank {rank} is out of range for world size {self.world_size}")
-            fetch_mark = call.trace and not call.keep and not marked  # the first rank of a traced blocking call
-            marked = marked or fetch_mark
-            header, refs, slot = encode_rank_call(role, method, call, cache, fetch_mark)
-            actor = actors[rank]
-            if call.keep:  # traced non-blocking: the host keeps the timing (drain_timings)
-                ref = actor.execute_kept.remote(call.keep, header, *refs)
-            elif slot is None:
-                ref = (actor.execute_traced if call.trace else actor.execute).remote(header, *refs)
-            elif cache.installed(slot, rank, actor):  # no header argument (see wire.HeaderCache)
-                ref = getattr(actor, slot_method(slot, len(refs))).remote(*refs)
+            seqs = self._next_seqs(ranks)  # a call that is never sent leaves a gap, which the hosts accept
+            encoded = self._encode(role, method, calls)
+            session = self._open_session()
+            work = self._session_work(session, calls, encoded, call_id, seqs)
+            if isinstance(session, CallSession) and work is not None and session.full():
+                work = None  # a reader still runs an earlier call: the ring would hold this one up behind it
+            carrier = session.name if work is not None else "ray"
+            self._order(carrier, ranks, method, deadline)
+            if isinstance(session, CallSession) and work is not None:
+                pending = session.send(work, method, deadline, self.generation)
+            elif work is not None:
+                pending = session.send(call_id, work, ranks, method, deadline, self.generation)
             else:
-                ref = actor.execute_install.remote(slot, header, *refs)
-                cache.mark_installed(slot, rank, actor)
-            pending.append(Pending(ref, rank, method, nodes[rank], coords[rank]))
-            counts.sent(rank, actor)
-        self.stats.add(calls=len(pending))
+                pending = self._send_tasks(method, calls, encoded, call_id)
+            self._ledger.sent(carrier, call_id, ranks)
+        self.stats.add(calls=len(pending), carrier=carrier)
         return pending
 
+    def _next_seqs(self, ranks: Sequence[int]) -> dict[int, int]:
+        seqs = {}
+        for rank in ranks:
+            self._seq[rank] += 1
+            seqs[rank] = self._seq[rank]
+        return seqs
+
+    def _encode(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[tuple[bytes, list[Any], int | None]]:
+        """Each call's ``(header, shared refs, call slot)``; calls with the same arguments are encoded once."""
+        memo: dict[tuple[Any, ...], tuple[bytes, list[Any], int | None]] = {}
+        out = []
+        marked = False  # a traced blocking call's first rank sends the fetch mark (rankmesh.tracing.marks)
+        for call in calls:
+            fetch_mark = call.trace and not call.keep and not marked
+            marked = marked or fetch_mark
+            key = (tuple(map(id, call.args)), tuple((k, id(v)) for k, v in call.kwargs.items()), call.return_output,
+                   call.trace, call.receive, fetch_mark)
+            got = memo.get(key)
+            if got is None:
+                got = memo[key] = encode_rank_call(role, method, call, self.headers, fetch_mark)
+            out.append(got)
+        return out
+
+    def _session_work(self, session: Any, calls: Sequence[RankCall], encoded: Sequence[tuple[bytes, list[Any], int | None]],
+                      call_id: int, seqs: Mapping[int, int]) -> Any:
+        """What ``session`` would write for this call (a command, or the agents' per-node work), or
+        ``None`` when the call must take Ray's tasks: no session, a non-blocking or kept-timing call,
+        an argument in the object store, or a message that does not fit a slot (on every path alike)."""
+        if session is None:
+            return None
+        for call, (_, refs, _) in zip(calls, encoded):
+            if not call.blocking or call.keep or refs or call.rank not in session.served:
+                return None
+        parts = [(c.rank, header, seqs[c.rank]) for c, (header, _, _) in zip(calls, encoded)]
+        if isinstance(session, CallSession):
+            headers, plan = command_plan(session.ranks, parts)
+            command = Command(call_id, call_id, headers, plan)
+            return command if session.fits(command) else None
+        return session.work(parts)
+
+    def _send_tasks(self, method: str, calls: Sequence[RankCall], encoded: Sequence[tuple[bytes, list[Any], int | None]],
+                    call_id: int) -> list[Pending]:
+        actors, nodes, coords, cache = self.hosts.actors, self.nodes, self.coords, self.headers
+        pending = []
+        for call, (header, refs, slot) in zip(calls, encoded):
+            ref = self._tasks.start(actors[call.rank], call.rank, header, refs, slot, cache, call.trace, call.keep)
+            pending.append(Pending(ref, call.rank, method, nodes[call.rank], coords[call.rank], "ray", call_id, self.generation))
+        return pending
+
+    # ----- order (.order) -------------------------------------------------------------------------
+
+    def _owing(self) -> dict[str, set[int]]:
+        session = self.session
+        if session is None:
+            return {}
+        if isinstance(session, CallSession):
+            return {session.name: {p.rank for p in session.owes(session.ranks)}}
+        return {session.name: session.owing()}
+
+    def _order(self, carrier: str, ranks: Sequence[int], method: str, deadline: Deadline) -> None:
+        """Wait (within ``deadline``) for what ``ranks`` must finish before this call is sent to them."""
+        waits = self._ledger.before(carrier, ranks, self._owing())
+        if not waits:
+            return
+        bound = deadline
+        if waits.abandoned:
+            if not deadline.finite:
+                bound = Deadline.after(self.abandoned_wait_s)
+            calls = sorted({(a.call_id, a.describe()) for a in waits.abandoned.values()})
+            logger.warning("worker group %s: ranks %s still run %s; %s waits for it first (up to %g s) and is sent after",
+                           self.hosts.name_prefix, sorted(waits.abandoned), "; ".join(d for _, d in calls), method,
+                           bound.seconds or 0.0)
+        pending = self._waits_pending(waits, bound)
+        got = gather(pending, bound, self._carriers(), stop_on_failure=False)
+        self._note_waited(pending, got)
+        failures = got.failures(pending)  # an abandoned call's own error is nobody's; a dead process is this call's
+        err = combine_errors(failures) if failures else None
+        if isinstance(err, WorkerDiedError):
+            self.fail(err)
+            raise err
+        if got.unfinished:
+            slow = [pending[i] for i in got.unfinished]
+            ranks_left = sorted({p.rank for p in slow})
+            running = "; ".join(sorted({waits.abandoned[r].describe() for r in ranks_left if r in waits.abandoned})) or \
+                "their calls sent earlier"
+            note = (f"{method} was not sent: ranks {ranks_left} still run {running}, which it waits for first. "
+                    + self.advice(ranks_left))
+            raise timed_out(slow, slow, bound.seconds or 0.0, got.waited_s, self.fail, self.inspect, note, method)
+
+    def _waits_pending(self, waits: Waits, deadline: Deadline) -> list[Pending]:
+        pending = [Pending(self.hosts.actors[r].fence.remote(), r, "fence", self.nodes[r], self.coords[r], "ray", -1)
+                   for r in waits.fence]
+        session = self.session
+        for carrier, ranks in waits.drain.items():
+            if session is None or session.name != carrier:
+                self._ledger.drained(carrier, ranks)  # the carrier is gone: nothing of it orders anything
+                continue
+            pending += session.owes(ranks) if isinstance(session, CallSession) else session.drain_pending(ranks, deadline)
+        return pending
+
+    def _note_waited(self, pending: Sequence[Pending], got: Gathered) -> None:
+        self._ledger.fenced([pending[i].rank for i in got.outcomes if pending[i].carrier == "ray"])
+        for name in {p.carrier for p in pending} - {"ray"}:
+            self._ledger.drained(name, [pending[i].rank for i in got.outcomes if pending[i].carrier == name])
+
+    def advice(self, ranks: Sequence[int]) -> str:
+        """What happens to ``ranks`` left running a call, and how to get them back (a HangError's note)."""
+        ranks = sorted(ranks)
+        later = (f"the group's next calls to them wait for it first (up to their timeout, or "
+                 f"abandoned_wait_s={self.abandoned_wait_s:g} s without one) and say so")
+        if self.on_rank_death == "fail":
+            back = (f"to get them back, shut the group down (wg.shutdown()) and start a new one; a group created with "
+                    f"on_rank_death='keep' can instead replace them: wg.kill_ranks({ranks}), then wg.replace_dead_ranks()")
+        elif self.on_rank_death == "keep":
+            back = f"to get them back: wg.kill_ranks({ranks}), then wg.replace_dead_ranks(); or wg.shutdown()"
+        else:
+            back = (f"to get them back: wg.kill_ranks({ranks}) (the next call then recovers them, "
+                    f"on_rank_death={self.on_rank_death!r}); or wg.shutdown()")
+        return f"Ranks {ranks} keep running it: {later}; {back}"
+
+    # ----- waiting --------------------------------------------------------------------------------
+
     def fetch(
-        self, pending: Sequence[Pending], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None
+        self, pending: Sequence[Pending], timeout: float | None = None, borrow: bool = False, stall_warn_s: float | None = None,
+        deadline: Deadline | None = None,
     ) -> list[Any]:
-        """Outputs of ``pending``; ``timeout=None`` / ``stall_warn_s=None`` mean the group's settings."""
-        if pending and isinstance(pending[0], (SessionPending, AgentPending)):
-            if self.session is None:  # closed since: the group failed or was shut down
-                self._check_usable(pending[0].method)
-                raise BackendError(f"{pending[0].method}: the call session closed before its answers were read")
-            return self.session.fetch(
-                pending,
-                self.call_timeout_s if timeout is None else timeout,
-                self._session_died,
-                self.stall_warn_s if stall_warn_s is None else stall_warn_s,
-                self.inspect,
-            )
-        try:
-            return fetch_outputs(
-                pending,
-                self.call_timeout_s if timeout is None else timeout,
-                self.fail,
-                borrow,
-                self.stall_warn_s if stall_warn_s is None else stall_warn_s,
-                self.inspect,
-            )
-        except RankMeshError:
-            self.abandoned.extend(pending)  # nobody reads this call's other outputs (settle)
-            self.settle()
-            raise
+        """Outputs of ``pending``; without ``deadline``, ``timeout`` from now (``None``: the group's)."""
+        if not pending:
+            return []
+        deadline = deadline if deadline is not None else Deadline.after(self.call_timeout_s if timeout is None else timeout)
+        stall = self.stall_warn_s if stall_warn_s is None else stall_warn_s
+        self._check_current(pending)
+        carriers = self._carriers()
+        missing = {p.carrier for p in pending} - set(carriers)
+        if missing:  # the session closed since: the group failed or was shut down
+            self._check_usable(pending[0].method)
+            raise BackendError(f"{pending[0].method}: the call session closed before its answers were read")
+        with receiving("borrow") if borrow else contextlib.nullcontext():
+            got = gather(pending, deadline, carriers, stall, self.inspect)
+        for call_id, ranks in _by_call(pending, got.outcomes):
+            self._ledger.finished("ray", call_id, ranks)
+        if got.stopped == "done":
+            return [got.outcomes[i].value for i in range(len(pending))]
+        self._given_up(pending, got)
+        failures = got.failures(pending)
+        if failures:
+            err = combine_errors(failures)
+            if isinstance(err, WorkerDiedError):
+                self.fail(err)
+            elif isinstance(err, RingError):  # a host's session thread ended: the next call opens a new session
+                self._end_session()
+            raise err
+        slow = [pending[i] for i in got.unfinished]
+        raise timed_out(pending, slow, deadline.seconds or 0.0, got.waited_s, self.fail, self.inspect,
+                        self.advice([p.rank for p in slow]))
+
+    def _given_up(self, pending: Sequence[Pending], got: Gathered) -> None:
+        """The caller gives up ``pending``'s unfinished ranks: remember them, and let their answers go."""
+        unfinished = [pending[i] for i in got.unfinished]
+        why = "past its deadline" if got.stopped == "deadline" else "another rank failed"
+        for call_id, ranks in _by_call(unfinished, {i: None for i in range(len(unfinished))}):
+            first = next(p for p in unfinished if p.call_id == call_id)
+            self._ledger.abandon(call_id, first.method, first.carrier, ranks, why)
+        session = self.session
+        if session is not None:
+            session.give_up([p for p in unfinished if p.carrier == session.name])
+        self._failed_outputs.extend(p for p in pending if p.carrier == "ray")
+        self.settle()
+
+    def _check_current(self, pending: Sequence[Pending]) -> None:
+        """Refuse unfinished calls made before the ranks were renumbered: their ranks are others' now."""
+        older = [p for p in pending if p.generation < self.generation]
+        if not older:
+            return
+        changes = [c.what for c in self.changes_since(min(p.generation for p in older)) if c.renumbered]
+        if not changes:
+            return
+        refs = [p.handle for p in older if p.carrier == "ray"]
+        if len(refs) == len(older) and len(ready_refs(refs, 0.0)) == len(set(refs)):
+            return  # done before the change: the outputs are what the ranks of that time made
+        raise StaleViewError(
+            f"{pending[0].method}: this call was made before the group changed ({'; '.join(changes)}) and had not "
+            "finished; its ranks are numbered otherwise now. Call it again on the group (or on a new view)")
 
     def fetcher(self, timeout: float | None = None, stall_warn_s: float | None = None) -> GroupFetcher:
         return GroupFetcher(
@@ -427,3 +659,45 @@ class RayExecutor:
     def inspect(self, unfinished: Sequence[Pending], finished: Sequence[Pending], after_s: float) -> tuple[Any, dict]:
         """Where each unfinished rank is (:func:`.hangs.gather_hangs` over this group's hosts)."""
         return gather_hangs(self.hosts.actors, unfinished, finished, after_s)
+
+    def _settle_carrier(self, session: Any, deadline: Deadline) -> None:
+        """Wait until nothing of ``session`` is owed (before closing it for a new tree)."""
+        owing = self._owing().get(session.name, set())
+        if owing:
+            pending = self._waits_pending(Waits(drain={session.name: tuple(sorted(owing))}), deadline)
+            self._note_waited(pending, gather(pending, deadline, self._carriers(), stop_on_failure=False))
+
+    # ----- host steps (recovery and lifecycle, as calls) ------------------------------------------
+
+    def step(self, step: str, ranks: Sequence[int], args: Sequence[tuple[Any, ...]] | None = None,
+             timeout: float | None = None, what: str | None = None) -> list[Any]:
+        """Run host step ``step`` on ``ranks`` (``args[i]`` for ``ranks[i]``) and wait for every answer.
+
+        A step is a call like any other: one record, the Ray-task carrier, the host's lock (it
+        queues behind what the rank still runs), ``timeout`` and a hang report.  It is sent at
+        once, without waiting for the ranks' earlier calls: the host's lock orders it after them.
+        """
+        pending = self.start_step(step, ranks, args, what)
+        return fetch_outputs(pending, timeout, None, False, None, self.inspect, advice=self.advice)
+
+    def watch(self, pending: Sequence[Pending], deadline: Deadline) -> Gathered:
+        """The outcomes of ``pending`` within ``deadline``, failures included (for a caller that follows
+        a step's progress rank by rank, as recovery's drain does)."""
+        return gather(pending, deadline, self._carriers(), stop_on_failure=False)
+
+    def start_step(self, step: str, ranks: Sequence[int], args: Sequence[tuple[Any, ...]] | None = None,
+                   what: str | None = None) -> list[Pending]:
+        """:meth:`step` without waiting: the pending calls (for a caller that watches their progress)."""
+        with self._send_lock:  # steps are awaited before the group takes calls again: the ledger need not know them
+            call_id = next(self._ids)
+            return [start_step(self.hosts.actors[rank], rank, step, () if args is None else args[i], what,
+                               self.nodes[rank], self.coords[rank], call_id, self.generation)
+                    for i, rank in enumerate(ranks)]
+
+
+def _by_call(pending: Sequence[Pending], outcomes: Mapping[int, Any]) -> list[tuple[int, list[int]]]:
+    """``(call id, ranks)`` of the pending calls whose index is in ``outcomes``, one entry per call."""
+    calls: dict[int, list[int]] = {}
+    for i in outcomes:
+        calls.setdefault(pending[i].call_id, []).append(pending[i].rank)
+    return list(calls.items())

@@ -28,7 +28,7 @@ from rankmesh.placement import Placement, RankPlace
 from rankmesh.validate import optional_seconds, positive_seconds
 
 from .classes import RayClassWithInitArgs, fused_worker_class, unwrap_actor_class
-from .executor import RayExecutor
+from .executor import ABANDONED_WAIT_S, RayExecutor
 from .hosts import HostSet, attach_hosts, build_workers, check_worker_env, start_hosts
 from .pool import RayResourcePool
 from .recovery import Recovery, ReplacementReport, check_recoverable, probe_dead, replace_dead_ranks
@@ -121,8 +121,10 @@ class RayWorkerGroup(WorkerGroup):
         progress: bool | None = None,
         stall_warn_s: float | None = None,
         on_rank_death: str = "fail",
+        abandoned_wait_s: float = ABANDONED_WAIT_S,
     ) -> None:
         call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
+        abandoned_wait_s = positive_seconds(abandoned_wait_s, "abandoned_wait_s", BackendError)
         stall_warn_s = optional_seconds(stall_warn_s, "stall_warn_s", BackendError)
         start_timeout = positive_seconds(start_timeout, "start_timeout", BackendError)
         if not isinstance(resource_pool, RayResourcePool):
@@ -165,13 +167,14 @@ class RayWorkerGroup(WorkerGroup):
         finally:
             startup.close()
         try:
-            executor, recovery = self._drive(hosts, table, call_timeout_s, stall_warn_s, on_rank_death)
+            executor, recovery = self._drive(hosts, table, call_timeout_s, stall_warn_s, on_rank_death, abandoned_wait_s)
             self._attach(hosts, table, executor, recovery, startup)
         except BaseException:
             hosts.shutdown()
             raise
         if resource_pool.spares and on_rank_death != "fail":
-            hosts.free_slots = resource_pool.spare_slots()
+            for slot in resource_pool.spare_slots():
+                hosts.free_slot(slot)
             refill_spares(hosts)  # in the background: the group is usable now
         elif resource_pool.spares:
             logger.info("worker group %s keeps no spares: on_rank_death='fail' never replaces a rank", prefix)
@@ -214,10 +217,11 @@ class RayWorkerGroup(WorkerGroup):
         call_timeout_s: float | None = None,
         stall_warn_s: float | None = None,
         on_rank_death: str = "fail",
+        abandoned_wait_s: float = ABANDONED_WAIT_S,
     ) -> tuple[RayExecutor, Recovery]:
         """A new executor over ``hosts`` and the recovery state of its ``on_rank_death`` policy."""
         coords = [table.mesh.rank_coords(r) for r in range(len(hosts.actors))]
-        executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s, on_rank_death)
+        executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s, on_rank_death, abandoned_wait_s)
         return executor, Recovery(on_rank_death)
 
     @classmethod
@@ -428,6 +432,20 @@ class RayWorkerGroup(WorkerGroup):
         if report is not None:
             logger.warning("%s", report.format())
         return report
+
+    def kill_ranks(self, ranks: Sequence[int]) -> None:
+        """Kill the processes of ``ranks`` now, as a way out for ranks stuck for good (a ``HangError``'s advice).
+
+        The group then treats them as dead ranks, by its ``on_rank_death`` policy: ``"fail"``
+        stops the others too; ``"keep"`` waits for :meth:`replace_dead_ranks` (or
+        :meth:`shrink_dead_replicas`); the retrying policies recover on the next call.
+        """
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or not ranks:
+            raise BackendError(f"kill_ranks(ranks) takes a list of ranks of this group, got {ranks!r}")
+        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.world_size]
+        if bad:
+            raise BackendError(f"kill_ranks(ranks): {bad} are not ranks of this group (0..{self.world_size - 1})")
+        self.executor.kill_ranks(sorted(set(ranks)), "killed on purpose (kill_ranks)")
 
     def shrink_dead_replicas(self, timeout_s: float = DEFAULT_START_TIMEOUT) -> RemeshReport | None:
         """Drop the dp replicas of the dead ranks and go on with the others; ``None`` when no rank is dead.

@@ -11,21 +11,30 @@ Ray's actor-died error and is reported ``dead``, with that error kept for the ca
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import ray
 
 from rankmesh.hangs import HangReport, RankHang
 from rankmesh.hangs.report import DEAD, NO_ANSWER, STUCK
 
-from .waiting import PROCESS_DIED, Pending
+from .calls import Pending
+from .waiting import PROCESS_DIED
 
 #: The most seconds asking for stacks may take, all unfinished ranks together.
 GATHER_BUDGET_S = 2.0
 
 
+def hang_inspector(actors: Mapping[int, Any] | Sequence[Any]):
+    """An ``inspect`` function (:data:`.waiting.Inspect`) over ``actors`` (by rank), for waits no executor owns."""
+    def inspect(unfinished: Sequence[Pending], finished: Sequence[Pending], after_s: float) -> tuple[HangReport, dict]:
+        return gather_hangs(actors, unfinished, finished, after_s)
+
+    return inspect
+
+
 def gather_hangs(
-    actors: Sequence[Any],
+    actors: Mapping[int, Any] | Sequence[Any],
     unfinished: Sequence[Pending],
     finished: Sequence[Pending],
     after_s: float,

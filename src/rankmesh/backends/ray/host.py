@@ -11,11 +11,16 @@ Creation takes three steps so that MASTER_PORT is known before any user code run
 :meth:`WorkerHost.setup` on every rank with the full environment.  The controller drives these
 steps from :mod:`.hosts`; this module is what every worker process imports.
 
-Calls run one at a time, in submission order, on the actor's default thread, or on the session
-thread for calls that come through a call session (:mod:`.session`: a shared-memory ring instead
-of a Ray task); a lock keeps them one at a time and the session's pieces say how many Ray calls
-come before them.  :meth:`WorkerHost.stacks` runs in a second concurrency group (``control``, one
-thread), so it answers while a call blocks: that is how a hang is localized (:mod:`rankmesh.hangs`).
+Calls run one at a time: on the actor's default thread (a Ray task, in submission order) or on
+the session thread (a call session's ring, :mod:`.serve`), under **one lock** for everything that
+touches the workers or torch.distributed.  The host's own steps (building workers, leaving and
+re-joining torch.distributed, restoring from a peer, tearing down: :data:`STEPS`) are calls like
+any other (a header whose ``step`` is set, :mod:`.wire`), so recovery queues behind a call a
+survivor still runs instead of tearing its process groups down under it.  Which carrier's call
+runs first is the controller's to decide (:mod:`.order`): the host keeps no count of calls.
+:meth:`WorkerHost.stacks`, :meth:`~WorkerHost.ping` and the session's own methods run in a second
+concurrency group (``control``, one thread), so they answer while a call blocks: that is how a
+hang is localized (:mod:`rankmesh.hangs`) and a busy rank told from a dead one.
 """
 
 from __future__ import annotations
@@ -36,14 +41,14 @@ from rankmesh.hangs import ProcessStacks, capture_process
 from rankmesh.mesh import RankMesh
 from rankmesh.sharedmem import register_store_processes
 from rankmesh.devices import unify_visible_devices
-from rankmesh.tracing.recorder import FETCH_MARK, KEEP_MAX, timed_call
+from rankmesh.tracing.marks import FETCH_MARK, KEEP_MAX, timed_call
 from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke, move
 
 from .rejoin import exit_on_call, leave, rejoin, restore
-from .rendezvous import reserve_port
+from rankmesh.rendezvous import reserve_port
 from .reshard import RayObjects
 from .runtime import node_ip_address, worker_raylet_pid
-from .session import connect, start_serving
+from .serve import SessionState, connect, start_serving
 from .wire import BARE_SLOT_METHODS, SLOT_METHODS, CallHeader, decode_call, fill_call
 
 logger = logging.getLogger(__name__)
@@ -52,6 +57,15 @@ logger = logging.getLogger(__name__)
 #: answers while a call blocks the default one.  Calls keep the default group, one at a time and
 #: in order (Ray runs an actor's tasks in order unless told otherwise, whatever its groups).
 CONTROL_GROUP = "control"
+
+
+#: The host's own steps a call may name (``CallHeader.step``): lifecycle and recovery, run under
+#: the host's lock like worker calls.  ``describe`` and ``ping`` are not steps: they must answer
+#: while a call runs (the control thread).
+STEPS: frozenset[str] = frozenset({
+    "node_info", "reserve_master_port", "setup", "warm", "teardown", "clock", "leave_distributed",
+    "rejoin_distributed", "restore_from_peer", "exit_on_next_call",
+})
 
 
 def host_actor_options() -> dict[str, Any]:
@@ -109,11 +123,9 @@ class WorkerHost:
         raylet = worker_raylet_pid()
         register_store_processes([] if raylet is None else [raylet])
         self._objects = RayObjects()  # the process's object transport, shared by its roles (reshard)
-        self._running = threading.Lock()  # one call at a time, from Ray's thread or the session's
-        self._turn = threading.Condition()  # session calls wait here for the Ray calls sent before them
-        self._ray_done = 0  # Ray-path calls run in this process (execute, call_<slot>)
+        self._lock = threading.Lock()  # one call or step at a time, from Ray's thread or the session's
         self._session: tuple[Any, Any] | None = None  # the open call session's (ring, reply ring)
-        self._parked: dict[int, Any] = {}  # session outputs too big for the reply ring, by call id
+        self._session_state = SessionState()  # its parked outputs and the last call it read
         self._device_index: int | None = None  # the CUDA device calls run on (set on every calling thread)
         self._thread_state = threading.local()
 
@@ -156,8 +168,6 @@ class WorkerHost:
         imported_ns = time.time_ns()
         if self._setup is not None:
             raise BackendError(f"rank {self._rank} of {self._group_name} is already set up")
-        with self._turn:  # a new group's Ray calls count from zero, as the controller counts them (build_workers)
-            self._ray_done = 0
         self._rank = setup.rank  # a spare becomes the rank it replaces
         self._env_before = {k: os.environ.get(k) for k in setup.env}
         os.environ.update({k: str(v) for k, v in setup.env.items()})
@@ -248,23 +258,20 @@ class WorkerHost:
         starts and already rebuilt by the data layer as this rank's private (copy-on-write) data.  A traced
         call comes through :meth:`execute_traced` (``enter_ns``), so an untraced one reads no clock.
         """
-        try:
-            return self._run(decode_call(header, shared), shared, enter_ns, keep)
-        finally:
-            self._ray_call_done()
+        return self._run(decode_call(header, shared), shared, enter_ns, keep)
 
-    def _ray_call_done(self) -> None:
-        with self._turn:
-            self._ray_done += 1
-            self._turn.notify_all()
+    def fence(self) -> None:
+        """Nothing: it returns once every Ray task sent before it has (the controller's order, :mod:`.order`)."""
 
     def _run(self, call: CallHeader, shared: tuple[Any, ...], enter_ns: int = 0, keep: int = 0) -> Any:
-        with self._running:
+        with self._lock:
             return self._run_now(call, shared, enter_ns, keep)
 
     def _run_now(self, call: CallHeader, shared: tuple[Any, ...], enter_ns: int, keep: int) -> Any:
         self._call_thread = threading.get_ident()
         try:
+            if call.step:
+                return self._step(call)
             worker = self._worker(call.role)
             if call.trace:  # a traced call: the output travels back with this rank's timing
                 traced = timed_call(
@@ -285,6 +292,12 @@ class WorkerHost:
         finally:
             self._call_thread = None
 
+    def _step(self, call: CallHeader) -> Any:
+        """A host step (:data:`STEPS`), under the lock like a worker call."""
+        if call.method not in STEPS:
+            raise BackendError(f"rank {self._rank} of {self._group_name}: no host step {call.method!r} (steps: {sorted(STEPS)})")
+        return getattr(self, call.method)(*call.args, **call.kwargs)
+
     def execute_install(self, slot: int, header: bytes, *shared: Any) -> Any:
         """:meth:`execute`, keeping ``header`` as call slot ``slot``: later calls come as ``call_<slot>(*shared)``."""
         enter_ns = time.time_ns()  # used only if the header is a traced call's (once per slot and host)
@@ -298,10 +311,7 @@ class WorkerHost:
         A traced header (every rank of a traced blocking call but the first, which carries the
         fetch mark) reads the clock on arrival, as :meth:`execute_traced` does.
         """
-        try:
-            return self._run_installed(slot, shared)
-        finally:
-            self._ray_call_done()
+        return self._run_installed(slot, shared)
 
     def _run_installed(self, slot: int, shared: tuple[Any, ...]) -> Any:
         call = self._decoded.get(slot)
@@ -321,7 +331,7 @@ class WorkerHost:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def open_session(self, address: str, reader: int) -> int:
-        """Join the controller's call session at Unix socket ``address`` as ``reader``; returns this pid.
+        """Join the writer's call session at Unix socket ``address`` as ``reader``; returns this pid.
 
         Runs on the control thread (a running call does not hold it up).  A session opened
         before is given up first: its ring is aborted, which ends its thread.
@@ -329,20 +339,21 @@ class WorkerHost:
         self.close_session()
         ring, reply = connect(address, reader)
         self._session = (ring, reply)
-        start_serving(ring, reply, self._session_call, self._park, lambda: -1 if self._rank is None else self._rank)
+        self._session_state = state = SessionState()
+        start_serving(ring, reply, self._session_call, state, lambda: self._rank)
         return os.getpid()
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def close_session(self) -> None:
-        """Give up the open call session, if any (its thread ends)."""
+        """Give up the open call session, if any (its thread ends; what it parked goes)."""
         if self._session is not None:
             ring, _ = self._session
             ring.abort()  # a no-op if the session thread ended on its own and closed it
             self._session = None
+        self._session_state.clear()
 
-    def _session_call(self, call: CallHeader, ray_calls: int, enter_ns: int) -> Any:
-        """Run a session call once this process has run the ``ray_calls`` Ray calls sent before it."""
-        with self._turn:
-            self._turn.wait_for(lambda: self._ray_done >= ray_calls)
+    def _session_call(self, call: CallHeader, seq: int, enter_ns: int) -> Any:
+        """Run a call that came through the session (on the session thread, under the host's lock)."""
         if self._device_index is not None and not getattr(self._thread_state, "device_set", False):
             import torch  # deferred: only a process with accelerators gets here
 
@@ -350,13 +361,10 @@ class WorkerHost:
             self._thread_state.device_set = True
         return self._run(call, (), enter_ns if call.trace else 0)
 
-    def _park(self, call_id: int, output: Any) -> None:
-        self._parked[call_id] = output
-
     @ray.method(concurrency_group=CONTROL_GROUP)
     def take_parked(self, call_id: int) -> Any:
         """A session call's output that was too big for the reply ring (through the object store)."""
-        return self._parked.pop(call_id)
+        return self._session_state.take(call_id)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stacks(self) -> ProcessStacks:
@@ -391,6 +399,7 @@ class WorkerHost:
 
     # ----- introspection (attaching to detached groups, tests) ---------------------------------
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def describe(self) -> dict[str, Any]:
         """What another driver needs to attach: rank, world size, mesh, roles, placement."""
         info = self.node_info()
@@ -409,7 +418,9 @@ class WorkerHost:
             )
         return info
 
-    def ping(self) -> int:
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def ping(self) -> int | None:
+        """This rank (``None`` for a spare): answers at once, even while a call runs (a liveness probe)."""
         return self._rank
 
     def clock(self) -> int:

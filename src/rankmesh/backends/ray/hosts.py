@@ -7,15 +7,24 @@ Starting takes two steps so that tests can reuse processes: :func:`launch_hosts`
 :func:`start_hosts` does both and kills everything on failure.  :func:`attach_hosts` finds the
 hosts of a detached group started by another driver.  :meth:`HostSet.shutdown` kills the
 processes and releases (or removes) their placement groups.
+
+**One owner.**  A :class:`HostSet`'s fields are read by the modules that drive the processes
+(the executor, recovery, remesh, spares) and written only by its own methods: a rank's process
+replaced (:meth:`HostSet.put_rank`), the ranks renumbered (:meth:`HostSet.rearrange`), bundles
+freed and taken (:meth:`HostSet.free_slot`, :meth:`HostSet.take_free_slots`), spares added and
+taken (:meth:`HostSet.add_spares`, :meth:`HostSet.take_spare`), a new rendezvous
+(:meth:`HostSet.set_rendezvous`).  Every call to the processes made here is a host step
+(:func:`.tasks.start_step`), waited for with a deadline and a hang report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import ray
 from ray._raylet import PlacementGroupID
@@ -26,12 +35,14 @@ from rankmesh.errors import BackendError, WorkerEnvError
 from rankmesh.mesh import RankMesh
 from rankmesh.placement import RankPlace
 
+from .hangs import hang_inspector
 from .host import HostSetup, RoleInit, WorkerHost, host_actor_options
-from .rendezvous import RESERVED_ENV
+from rankmesh.rendezvous import RESERVED_ENV
 from .runtime import DETACHED_NAMESPACE
-from .session import RayCallCount
 from .startup import StartupProgress
-from .waiting import Pending, fetch_outputs
+from .tasks import start_step
+from .calls import Pending
+from .waiting import fetch_outputs
 from .wire import CALL_SLOTS, HeaderCache
 
 logger = logging.getLogger(__name__)
@@ -68,13 +79,71 @@ class HostSet:
     #: Warm standby processes (:class:`.spares.Spare`) and the standby bundles that have none yet.
     spares: list[Any] = field(default_factory=list)
     free_slots: list[Any] = field(default_factory=list)
-    #: Ray-path calls sent to each rank's process, which a call session's pieces wait for (:mod:`.session`).
-    ray_calls: RayCallCount = field(default_factory=RayCallCount)
 
     @property
     def nodes(self) -> list[str | None]:
         """Node address of every rank (for error messages)."""
         return [i.get("node_ip") for i in self.info] if self.info else [None] * len(self.actors)
+
+    # ----- the one writer of the fields (see the module docstring) ----------------------------------
+
+    def put_rank(self, rank: int, actor: Any, info: Mapping[str, Any], slot: Any = None) -> None:
+        """Rank ``rank`` runs in ``actor`` now (a replacement, or a spare that took its place; ``slot``: its bundle)."""
+        self.actors[rank] = actor
+        self.info[rank] = {**info, "rank": rank}
+        if slot is not None:
+            self.slots[rank] = slot
+
+    def rearrange(self, actors: list[Any], info: list[dict[str, Any]], slots: list[Any], setups: list[HostSetup],
+                  names: list[str]) -> None:
+        """The group's ranks are renumbered (a shrink or a grow): every per-rank field at once."""
+        lengths = {len(actors), len(info), len(slots), len(setups), len(names)}
+        if len(lengths) != 1:
+            raise BackendError(f"rearranging hosts: per-rank fields of different lengths {sorted(lengths)}")
+        self.actors, self.info, self.slots, self.setups, self.names = actors, info, slots, setups, names
+
+    def set_rendezvous(self, master: tuple[str, int]) -> None:
+        """A fresh MASTER_ADDR/MASTER_PORT: every rank's setup carries it from now on."""
+        self.master = tuple(master)
+        env = {"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
+        self.setups = [dataclasses.replace(setup, env={**setup.env, **env}) for setup in self.setups]
+
+    def free_slot(self, slot: Any) -> None:
+        """``slot`` holds no rank any more (a dead rank's, a dropped replica's): a spare or a grow may take it."""
+        self.free_slots.append(slot)
+
+    def take_free_slots(self, count: int) -> list[Any]:
+        """Up to ``count`` free bundles, oldest first (given back with :meth:`free_slot` if unused)."""
+        taken, self.free_slots = self.free_slots[:count], self.free_slots[count:]
+        return taken
+
+    def add_spares(self, spares: Sequence[Any]) -> None:
+        self.spares.extend(spares)
+
+    def take_spare(self, spare: Any) -> None:
+        """``spare`` leaves the standby list (it takes a rank, or it is found dead)."""
+        self.spares.remove(spare)
+
+    def add_placement_group(self, pg_id: str) -> None:
+        """A placement group the group made for itself (a grow): removed on shutdown, or by :meth:`drop_placement_group`."""
+        self.pg_ids.append(pg_id)
+
+    def drop_placement_group(self, pg_id: str) -> None:
+        """Remove a placement group the group made and no rank uses (a grow that failed)."""
+        if pg_id in self.pg_ids:
+            self.pg_ids.remove(pg_id)
+        remove_placement_group_by_id(pg_id)
+
+    def step(self, step: str, ranks: Sequence[int], args: Sequence[tuple[Any, ...]] | None = None,
+             timeout: float | None = None, what: str | None = None) -> list[Any]:
+        """Run host step ``step`` on ``ranks``' processes and wait for them (bounded, with a hang report).
+
+        For a group's start and end, before or after any executor drives the processes; a driven
+        group's steps go through its executor (:meth:`.executor.RayExecutor.step`)."""
+        nodes = self.nodes
+        pending = [start_step(self.actors[r], r, step, () if args is None else args[i], what, nodes[r])
+                   for i, r in enumerate(ranks)]
+        return fetch_outputs(pending, timeout, inspect=hang_inspector(self.actors))
 
     def kill(self) -> None:
         """Kill every process now, spares too (no restart); the placement groups stay reserved."""
@@ -85,8 +154,10 @@ class HostSet:
                 logger.debug("killing %s: %s", actor, exc)
 
     def teardown_workers(self, timeout: float = 60.0) -> None:
-        """Drop the role objects in every host, keeping the processes (see ``WorkerHost.teardown``)."""
-        fetch_outputs([Pending(a.teardown.remote(), r, "teardown") for r, a in enumerate(self.actors)], timeout)
+        """Drop the role objects in every host, keeping the processes (see ``WorkerHost.teardown``).
+
+        Each host tears down once the call it runs has ended (the host's lock)."""
+        self.step("teardown", range(len(self.actors)), timeout=timeout)
 
     def shutdown(self) -> None:
         """Kill every host (all roles in them), then release or remove the placement groups."""
@@ -184,13 +255,13 @@ def launch_hosts(
     hosts.places = pool.places()
     hosts.slots = list(slots)
     try:
-        pend = [Pending(a.node_info.remote(), r, "start") for r, a in enumerate(actors)]
-        pend.append(Pending(actors[0].reserve_master_port.remote(), 0, "reserve_master_port"))
-        *info, master = fetch_outputs(pend, timeout=timeout)
+        pend = [start_step(a, r, "node_info", what="start") for r, a in enumerate(actors)]
+        pend.append(start_step(actors[0], 0, "reserve_master_port"))
+        *info, master = fetch_outputs(pend, timeout=timeout, inspect=hang_inspector(actors))
         if progress is not None:
             # A round trip to processes already up (the first one included their boot).
             sent = time.time_ns()
-            now = fetch_outputs([Pending(a.clock.remote(), r, "clock") for r, a in enumerate(actors)], timeout=timeout)
+            now = hosts.step("clock", range(len(actors)), timeout=timeout)
             progress.clocks(sent, time.time_ns(), now)
             progress.rank_stage("started", [i["started_ns"] for i in info])
         for rank, (slot, got) in enumerate(zip(slots, info)):
@@ -215,10 +286,7 @@ def build_workers(
     """Set every rank's environment and build its role objects (all ranks in parallel)."""
     world = len(hosts.actors)
     addr, port = hosts.master
-    # A reused process may have run calls of earlier groups that these counts never saw (calls sent
-    # past the group, refused ones): both sides count the new group's Ray calls from zero.
-    hosts.ray_calls = RayCallCount()
-    setups, sent = [], []
+    sent = []
     for rank, place in enumerate(hosts.places):
         env = {
             "RANK": str(rank),
@@ -244,8 +312,7 @@ def build_workers(
             group_name=hosts.name_prefix,
         )
         sent.append(setup)
-        setups.append(Pending(hosts.actors[rank].setup.remote(setup), rank, "setup", hosts.nodes[rank]))
-    done = fetch_outputs(setups, timeout=timeout)
+    done = hosts.step("setup", range(world), [(setup,) for setup in sent], timeout=timeout)
     hosts.setups = sent
     if progress is not None:
         progress.rank_stage("imported", [d[0] for d in done])
@@ -304,6 +371,7 @@ def attach_hosts(name_prefix: str, timeout: float) -> HostSet:
     if missing:
         raise BackendError(f"detached group {name_prefix!r} lacks ranks {missing} (dead or still starting)")
     actors = [ray.get_actor(found[r], namespace=DETACHED_NAMESPACE) for r in range(world)]
+    # describe runs on the control threads: the processes answer while they run another driver's call.
     info = fetch_outputs([Pending(a.describe.remote(), r, "describe") for r, a in enumerate(actors)], timeout)
     if any("world_size" not in i for i in info):
         raise BackendError(f"detached group {name_prefix!r} is not set up yet")

@@ -40,15 +40,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import ray
-import ray.exceptions as rex
 
 from rankmesh.errors import RecoveryError, ShardLostError, WorkerDiedError
 from rankmesh.mesh import RankCoords, RankMesh
 
+from rankmesh.deadline import Deadline
+
 from .executor import RayExecutor
+from .hangs import hang_inspector
 from .hosts import HostSet, start_host
 from .spares import prune_dead_spares, refill_spares, take_spares
-from .waiting import PROCESS_DIED, Pending, fetch_outputs
+from .tasks import start_step
+from .waiting import PROCESS_DIED, fetch_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +184,7 @@ def restore_rounds(peers: Mapping[int, int]) -> list[dict[int, int]]:
 
 
 def probe_dead(hosts: HostSet, timeout: float = PROBE_TIMEOUT) -> set[int]:
-    """Ranks whose process is gone, found by pinging every rank (a busy rank counts as alive)."""
+    """Ranks whose process is gone, found by pinging every rank (on its control thread: a busy rank answers too)."""
     refs = {a.ping.remote(): r for r, a in enumerate(hosts.actors)}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout, fetch_local=False)
     dead = set()
@@ -193,39 +196,41 @@ def probe_dead(hosts: HostSet, timeout: float = PROBE_TIMEOUT) -> set[int]:
     return dead
 
 
-def drain(hosts: HostSet, survivors: Sequence[int], dead: set[int], mesh: RankMesh, timeout: float) -> tuple[set[int], set[int]]:
-    """Every survivor leaves torch.distributed once its main thread is free.
+def drain(executor: RayExecutor, survivors: Sequence[int], mesh: RankMesh, timeout: float) -> tuple[set[int], set[int]]:
+    """Every survivor leaves torch.distributed once the call it runs has ended.
 
-    Returns (ranks found dead meanwhile, survivors that stayed blocked and are to be replaced
-    too).  A survivor counts as blocked when no other survivor has finished for
+    Leaving is a host step (:meth:`.executor.RayExecutor.start_step`): it queues behind the call a
+    survivor still runs (the host's lock), so no process group is torn down under a live
+    collective.  Returns (ranks found dead meanwhile, survivors that stayed blocked and are to be
+    replaced too).  A survivor counts as blocked when no other survivor has finished for
     :data:`STUCK_GRACE_S` while it is still busy (it waits on nothing that will come); it is
     replaced only if a free survivor holds its shard.  Otherwise the drain waits up to
     ``timeout`` and raises :class:`RecoveryError` naming the survivors still busy.
     """
-    refs = {hosts.actors[r].leave_distributed.remote(): r for r in survivors}
-    pending = list(refs)
+    pending = executor.start_step("leave_distributed", survivors)
+    deadline = Deadline.after(timeout)
     died, failed, free = set(), [], set()
-    start = last = time.monotonic()
     stuck: set[int] = set()
+    last = time.monotonic()
     while pending:
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2, fetch_local=False)
-        for ref in ready:
+        got = executor.watch(pending, deadline.bounded(STUCK_GRACE_S))
+        for i, outcome in got.outcomes.items():
+            rank = pending[i].rank
             last = time.monotonic()
-            try:
-                ray.get(ref)
-                free.add(refs[ref])
-            except PROCESS_DIED:
-                died.add(refs[ref])
-            except rex.RayTaskError as exc:
-                failed.append(f"rank {refs[ref]}: {str(exc).strip().splitlines()[-1]}")
-        now = time.monotonic()
-        busy = {refs[r] for r in pending}
-        if busy and now - last >= STUCK_GRACE_S:
+            if outcome.error is None:
+                free.add(rank)
+            elif isinstance(outcome.error, PROCESS_DIED):
+                died.add(rank)
+            else:
+                failed.append(f"rank {rank}: {str(outcome.error).strip().splitlines()[-1]}")
+        pending = [pending[i] for i in got.unfinished]
+        busy = {p.rank for p in pending}
+        if busy and time.monotonic() - last >= STUCK_GRACE_S:
             want = {r: shard_of(mesh, r) for r in busy}
             if all(any(shard_of(mesh, p) == c for p in free) for c in want.values()):
                 stuck = busy
                 break
-        if busy and now - start >= timeout:
+        if busy and deadline.expired():
             raise RecoveryError(
                 f"cannot replace dead ranks: survivor ranks {sorted(busy)} are still busy {timeout:g}s after the "
                 "death (blocked in user code, or in a collective that never errors) and no free rank holds their "
@@ -249,49 +254,50 @@ def start_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float) -> 
     slots = hosts.slots
     for rank in ranks:
         ray.kill(hosts.actors[rank], no_restart=True)  # make sure: a half-dead process holds its bundle
-    deadline = time.monotonic() + timeout
+    deadline = Deadline.after(timeout)
     for pg in {id(slots[r].pg): slots[r].pg for r in ranks}.values():
         # A bundle whose node died is rescheduled by Ray onto a node with room.
-        left = max(0.1, deadline - time.monotonic())
-        if not pg.wait(timeout_seconds=left):
+        if not pg.wait(timeout_seconds=max(0.1, deadline.left())):
             raise RecoveryError(f"the placement group of ranks {list(ranks)} is not placed again within {timeout:g}s "
                                 "(no node has room for the lost bundles)", list(ranks))
     actors = {r: start_host(hosts.pool, slots[r], r, hosts.name_prefix, hosts.detached, hosts.options) for r in ranks}
-    pend = [Pending(a.node_info.remote(), r, "start") for r, a in actors.items()]
-    info = fetch_outputs(pend, timeout=max(0.1, deadline - time.monotonic()))
+    pend = [start_step(a, r, "node_info", what="start") for r, a in actors.items()]
+    info = fetch_outputs(pend, deadline=deadline.bounded(max(0.1, deadline.left())), inspect=hang_inspector(actors))
     for (rank, actor), got in zip(actors.items(), info):
-        hosts.actors[rank] = actor
-        hosts.info[rank] = got
+        hosts.put_rank(rank, actor, got)
     return dict(zip(actors, info))
 
 
-def reform(hosts: HostSet, new: Sequence[int], survivors: Sequence[int], timeout: float, moved: bool = False) -> list[tuple[int, int]]:
-    """A fresh rendezvous for the whole world: new ranks build their workers, survivors rejoin.
+def reform(executor: RayExecutor, new: Sequence[int], survivors: Sequence[int], timeout: float,
+           moved: bool = False) -> list[tuple[int, int]]:
+    """A fresh rendezvous for the whole world: new ranks build their workers, survivors rejoin (host steps).
 
     ``moved``: the survivors changed rank (a shrink or a grow, :mod:`.remesh`), so each also gets
     its new setup (``hosts.setups``).  Returns each new rank's (classes imported, workers built)
     times on its own clock (ns).
     """
-    addr, port = fetch_outputs([Pending(hosts.actors[0].reserve_master_port.remote(True), 0, "reserve_master_port")], timeout)[0]
-    hosts.master = (addr, port)
-    env = {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
-    for rank, setup in enumerate(hosts.setups):
-        hosts.setups[rank] = dataclasses.replace(setup, env={**setup.env, **env})
-    pend = [Pending(hosts.actors[r].setup.remote(hosts.setups[r]), r, "setup (replacement)", hosts.nodes[r]) for r in new]
-    pend += [Pending(hosts.actors[r].rejoin_distributed.remote(env, hosts.setups[r] if moved else None), r,
-                     "rejoin_distributed", hosts.nodes[r]) for r in survivors]
-    done = fetch_outputs(pend, timeout=timeout)
+    hosts = executor.hosts
+    deadline = Deadline.after(timeout)
+    (master,) = executor.step("reserve_master_port", [0], [(True,)], timeout)
+    hosts.set_rendezvous(tuple(master))
+    env = {"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
+    pending = executor.start_step("setup", new, [(hosts.setups[r],) for r in new], "setup (replacement)")
+    pending += executor.start_step("rejoin_distributed", survivors,
+                                   [(env, hosts.setups[r] if moved else None) for r in survivors])
+    done = fetch_outputs(pending, deadline=deadline, inspect=executor.inspect, advice=executor.advice)
     return [tuple(d) for d in done[: len(new)]]
 
 
-def restore(hosts: HostSet, peers: Mapping[int, int], timeout: float) -> None:
+def restore(executor: RayExecutor, peers: Mapping[int, int], timeout: float) -> None:
     """Each new rank receives its state from its live peer (both ends called at once), round by round."""
+    deadline = Deadline.after(timeout)
     for rnd in restore_rounds(peers):
-        pend = []
+        ranks, args = [], []
         for rank, peer in rnd.items():
-            pend.append(Pending(hosts.actors[rank].restore_from_peer.remote(peer, False), rank, "restore_from_peer"))
-            pend.append(Pending(hosts.actors[peer].restore_from_peer.remote(rank, True), peer, "restore_from_peer"))
-        fetch_outputs(pend, timeout=timeout)
+            ranks += [rank, peer]
+            args += [(peer, False), (rank, True)]
+        fetch_outputs(executor.start_step("restore_from_peer", ranks, args), deadline=deadline,
+                      inspect=executor.inspect, advice=executor.advice)
 
 
 def check_recoverable(hosts: HostSet, executor: RayExecutor, what: str) -> None:
@@ -338,7 +344,7 @@ def replace_dead_ranks(
         try:
             peers = restore_peers(mesh, sorted(dead))
             survivors = [r for r in range(len(hosts.actors)) if r not in dead]
-            more, stuck = drain(hosts, survivors, dead, mesh, timeout)
+            more, stuck = drain(executor, survivors, mesh, timeout)
             if more or stuck:  # died while the others drained, or blocked for good: replace them too
                 dead |= more | stuck
                 peers = restore_peers(mesh, sorted(dead))
@@ -366,11 +372,11 @@ def replace_dead_ranks(
             report.new_pids = {r: i["pid"] for r, i in info.items()}
             report.moved = {r: i.get("node_id") != old_ids[r] for r, i in info.items()}
             sent_ns = time.time_ns()
-            built = reform(hosts, report.ranks, survivors, timeout)
+            built = reform(executor, report.ranks, survivors, timeout)
             t3 = time.monotonic()
             report.import_s = max(0.0, max((imp - sent_ns) / 1e9 for imp, _ in built))
             report.init_s = (t3 - t2) - report.import_s
-            restore(hosts, peers, timeout)
+            restore(executor, peers, timeout)
             t4 = time.monotonic()
             report.restore_s = t4 - t3
         except Exception as exc:
@@ -379,7 +385,7 @@ def replace_dead_ranks(
             if err is exc:
                 raise
             raise err from exc
-        executor.recovered()
+        executor.recovered(report.ranks)
         for check in recovery.checks:
             try:
                 check()
@@ -400,5 +406,4 @@ def exit_on_next_call(group: Any, rank: int, method: str) -> int:
 
     Nothing of that call runs on the rank.  Returns the pid of the process that will die.
     """
-    host = group.workers[rank]
-    return fetch_outputs([Pending(host.exit_on_next_call.remote(group.role, method), rank, "exit_on_next_call")], 60.0)[0]
+    return group.executor.step("exit_on_next_call", [rank], [(group.role, method)], 60.0)[0]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from rankmesh.worker import invoke
 
-from .rendezvous import init_torch_distributed
+from rankmesh.rendezvous import init_torch_distributed
 
 logger = logging.getLogger(__name__)
 

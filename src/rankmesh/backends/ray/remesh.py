@@ -51,11 +51,13 @@ from rankmesh.mesh import RankMesh
 from rankmesh.replicas import select_replicas
 
 from .executor import RayExecutor
+from .hangs import hang_inspector
 from .hosts import HostSet, actor_name, start_host
 from .pool import Slot
 from .recovery import Recovery, drain, reform, restore, shard_of
 from .spares import refill_spares, spare_order, warm_refs
-from .waiting import Pending, fetch_outputs
+from .tasks import start_step
+from .waiting import fetch_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -155,14 +157,7 @@ def _move_hosts(hosts: HostSet, plan: Remesh, new_actors: dict[int, Any], new_in
         env = {**setups[rank].env, "RANK": str(rank), "WORLD_SIZE": str(world)}
         setups[rank] = dataclasses.replace(setups[rank], rank=rank, world_size=world, mesh=plan.new, meshes={}, env=env)
         info[rank] = {**info[rank], "rank": rank}
-    hosts.actors, hosts.info, hosts.slots, hosts.setups, hosts.names = actors, info, slots, setups, names
-
-
-def _finish(hosts: HostSet, executor: RayExecutor, recovery: Recovery, plan: Remesh, versions: Sequence[int]) -> None:
-    """The controller's side after the processes re-formed: executor and every role group re-planned."""
-    executor.reshape([plan.new.rank_coords(r) for r in range(plan.new.world_size)])
-    for group in recovery.live_groups():
-        group._reshape(plan.new, versions)
+    hosts.rearrange(actors, info, slots, setups, names)
 
 
 def _run_checks(recovery: Recovery, executor: RayExecutor, ranks: Sequence[int]) -> None:
@@ -189,7 +184,7 @@ def shrink_dead_replicas(
     try:
         survivors = [r for r in range(mesh.world_size) if r not in dead]
         if not drained:
-            more, _ = drain(hosts, survivors, dead, mesh, timeout)
+            more, _ = drain(executor, survivors, mesh, timeout)
             if more - set(plan.dropped):
                 # Died while the others drained, in a kept replica: that replica goes too.
                 dead |= more
@@ -199,13 +194,16 @@ def shrink_dead_replicas(
         report.drain_s = t1 - t0
         for rank in plan.dropped:  # the dead and the lost replicas' live ranks
             ray.kill(hosts.actors[rank], no_restart=True)
-            hosts.free_slots.append(hosts.slots[rank])
+            hosts.free_slot(hosts.slots[rank])
         _move_hosts(hosts, plan, {}, {}, {})
-        reform(hosts, [], list(range(plan.new.world_size)), timeout, moved=True)
+        executor.reshape([plan.new.rank_coords(r) for r in range(plan.new.world_size)],
+                         f"shrank {mesh} -> {plan.new} (dp replicas {list(plan.lost_replicas)} dropped)")
+        reform(executor, [], list(range(plan.new.world_size)), timeout, moved=True)
         t2 = time.monotonic()
         report.reform_s = t2 - t1
         kept_versions = [v for d, v in enumerate(versions) if d not in plan.lost_replicas]
-        _finish(hosts, executor, recovery, plan, kept_versions)
+        for group in recovery.live_groups():
+            group._reshape(plan.new, kept_versions)
     except Exception as exc:
         err = exc if isinstance(exc, RecoveryError) else RecoveryError(f"shrinking the group after the death of ranks "
                                                                         f"{sorted(dead)} failed: {exc}", sorted(dead))
@@ -224,20 +222,23 @@ def _processes_for(hosts: HostSet, plan: Remesh, timeout: float) -> tuple[dict[i
     """A process for every added rank: warm spares, then the group's free bundles, then new placement groups.
 
     Returns (actors, node infos, bundles, ranks that got a spare).  Nothing of the group is
-    touched; on failure what was started here is stopped and spares go back.
+    touched; on failure what was started here is stopped, spares and free bundles go back, and the
+    placement groups made here are removed.
     """
     added = list(plan.added)
     actors: dict[int, Any] = {}
     slots: dict[int, Slot] = {}
     taken: dict[int, Any] = {}  # added rank -> the spare that takes it
-    free: list[Slot] = []  # bundles for new processes: the group's free ones, then new placement groups
+    free: list[Slot] = []  # the group's free bundles taken for new processes
+    made: list[Any] = []  # placement groups made here, and their bundles
     try:
         for rank, spare in zip(added, spare_order(hosts.spares, None, warm_refs(hosts.spares))):
-            hosts.spares.remove(spare)
+            hosts.take_spare(spare)
             taken[rank] = spare
             actors[rank], slots[rank] = spare.actor, spare.slot
         left = [r for r in added if r not in actors]
-        free += [hosts.free_slots.pop(0) for _ in range(min(len(left), len(hosts.free_slots)))]
+        free += hosts.take_free_slots(len(left))
+        new_slots: list[Slot] = []
         per_replica = plan.new.world_size // plan.new.size("dp")
         need = len(left) - len(free)
         if need > 0:
@@ -248,25 +249,29 @@ def _processes_for(hosts: HostSet, plan: Remesh, timeout: float) -> tuple[dict[i
             for _ in range(need // per_replica):
                 pg = placement_group([dict(pool.bundle) for _ in range(per_replica)], strategy="STRICT_PACK",
                                      name=f"{hosts.name_prefix}_grow{len(hosts.pg_ids)}")
-                hosts.pg_ids.append(pg.id.hex())  # removed with the group
+                hosts.add_placement_group(pg.id.hex())  # removed with the group, or below if the grow fails
+                made.append(pg)
                 if not pg.wait(timeout_seconds=max(0.1, deadline - time.monotonic())):
                     raise RecoveryError(
                         f"grow: no node has room for a replica of {per_replica} x {pool.bundle} within {timeout:g} s; "
                         "free resources (or add a node), or keep spares (RayResourcePool(..., spares=N))")
                 node = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
-                free += [Slot(pg=pg, entry=-1, bundle_index=b, node_id=node, node_ip="") for b in range(per_replica)]
-        for rank, slot in zip(left, free):
+                new_slots += [Slot(pg=pg, entry=-1, bundle_index=b, node_id=node, node_ip="") for b in range(per_replica)]
+        for rank, slot in zip(left, [*free, *new_slots]):
             actors[rank] = start_host(hosts.pool, slot, None, hosts.name_prefix, False, hosts.options)
             slots[rank] = slot
-        pend = [Pending(taken[r].warm, r, "spare") if r in taken else Pending(actors[r].node_info.remote(), r, "start")
+        pend = [dataclasses.replace(taken[r].warm, rank=r) if r in taken else start_step(actors[r], r, "node_info", what="start")
                 for r in added]
-        info = dict(zip(added, fetch_outputs(pend, timeout=timeout)))
+        info = dict(zip(added, fetch_outputs(pend, timeout=timeout, inspect=hang_inspector(actors))))
     except BaseException:
         for rank, actor in actors.items():
             if rank not in taken:
                 ray.kill(actor, no_restart=True)
-        hosts.spares.extend(taken.values())
-        hosts.free_slots.extend(free)  # every bundle taken here goes back, whether a process started in it or not
+        hosts.add_spares(list(taken.values()))
+        for slot in free:  # the group's bundles go back, whether a process started in one or not
+            hosts.free_slot(slot)
+        for pg in made:  # and the placement groups made for this grow go
+            hosts.drop_placement_group(pg.id.hex())
         raise
     return actors, info, slots, list(taken)
 
@@ -288,24 +293,28 @@ def grow(
     t1 = time.monotonic()
     report.start_s = t1 - t0
     try:
-        drain(hosts, list(range(mesh.world_size)), set(), mesh, timeout)
+        executor.release()  # calls the ranks were sent and had not started go with the session
+        drain(executor, list(range(mesh.world_size)), mesh, timeout)
         t2 = time.monotonic()
         report.drain_s = t2 - t1
         old_actors = {old: hosts.actors[old] for old in plan.moves}
         _move_hosts(hosts, plan, actors, info, slots)
         moved = [plan.moves[old] for old in old_actors]
-        reform(hosts, list(plan.added), moved, timeout, moved=True)
+        executor.reshape([plan.new.rank_coords(r) for r in range(plan.new.world_size)],
+                         f"grew {mesh} -> {plan.new} (ranks {list(plan.added)} added)")
+        reform(executor, list(plan.added), moved, timeout, moved=True)
         t3 = time.monotonic()
         report.reform_s = t3 - t2
         # Each new rank restores from the live rank holding its shard (the lowest; old ranks only).
         report.peers = {r: min(p for p in moved if shard_of(plan.new, p) == shard_of(plan.new, r)) for r in plan.added}
-        restore(hosts, report.peers, timeout)
+        restore(executor, report.peers, timeout)
         t4 = time.monotonic()
         report.restore_s = t4 - t3
         # A new replica's weights are its peers': so is its version.
         copied = {plan.new.rank_coords(r).dp: versions[plan.new.rank_coords(p).dp] for r, p in report.peers.items()}
         new_versions = [versions[d] if d < len(versions) else copied[d] for d in range(plan.new.size("dp"))]
-        _finish(hosts, executor, recovery, plan, new_versions)
+        for group in recovery.live_groups():
+            group._reshape(plan.new, new_versions)
     except Exception as exc:
         err = exc if isinstance(exc, RecoveryError) else RecoveryError(f"growing the group by {replicas} replica(s) failed: {exc}")
         executor.abandon(err)

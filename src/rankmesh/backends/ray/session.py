@@ -1,152 +1,82 @@
-"""Call sessions: a group's calls to the ranks on the controller's node through one shared-memory ring, not one Ray task per rank.
+"""Call sessions: a group's calls to the ranks on one node through one shared-memory ring, not one Ray task per rank.
 
-Why: a Ray task costs the controller about 0.2 ms of CPU per rank, so a call's fan-out grows with
-ranks (``docs/control_plane.md``).  A session is opened once per group: the controller writes one
-message per call into a command ring (:mod:`rankmesh.ring`) that every local rank's host reads,
-and each host answers on its own reply ring.  Ray still places, starts, watches and stops the
-processes, and still carries data: a session call has only inline arguments.
+Why: a Ray task costs its sender about 0.2 ms of CPU per rank, so a call's fan-out grows with
+ranks (``docs/control_plane.md``).  A session is opened once per group and node: its writer (the
+controller for its own node, a node agent for another, :mod:`.agent`) puts one message per call
+into a command ring (:mod:`rankmesh.ring`) that every local rank's host reads, and each host
+answers on its own reply ring (the host's end is :mod:`.serve`).  Ray still places, starts,
+watches and stops the processes, and still carries data: a session call has only inline
+arguments (:mod:`.wire`, "a header holds no ObjectRef").
 
-**Which calls take a session** (:meth:`CallSession.takes`): blocking calls on ranks that all
-read the session, whose arguments travel inside the call (no :class:`~rankmesh.backend.Shared`
-object: a batch in the object store goes with its Ray task, as before, since an ObjectRef
-pickled outside Ray's own serialization stays pinned for good) and whose message fits a slot.
-Non-blocking calls take Ray: their handles are ObjectRefs that other groups' workers fetch.
+This module is the writer's end, one carrier of the transport (:class:`.waiting.Carrier`):
+:meth:`CallSession.send` writes a call, :meth:`CallSession.poll` says which ranks answered.
+Every wait is bounded: a write waits for a free slot no longer than the call's deadline
+(:class:`~rankmesh.errors.RingTimeout` names the readers that did not read), opening no longer
+than ``timeout_s``, and a parked output's fetch no longer than :data:`TAKE_PARKED_S`.  The
+session may be used from several threads: writes are serialized (so the ring carries calls in
+call-id order), and answers read by one thread for another's call are kept for it.
 
-**Order.**  A rank runs its calls in the order the controller sent them, whichever path each took:
-
-* a session call after Ray calls: each rank's piece carries how many Ray calls the controller had
-  sent that rank (:class:`RayCallCount`); the host runs the piece once it has run that many;
-* a Ray call after session calls: the controller first reads what the rank still owes on its
-  reply ring (:meth:`CallSession.drain`; only a failed call leaves answers unread).
-
-**Failures.**  A host whose process exits is seen at once through its pidfd and reported as
-:class:`~rankmesh.errors.WorkerDiedError` naming the rank; a call past its timeout asks the ranks
-where they are, as on the Ray path (:mod:`.hangs`).  The controller's exit ends every host's
-session thread (they watch its pid).  Rings are anonymous memfds: nothing is left in ``/dev/shm``.
-
-Messages (pickled): a call is ``(call_id, headers, plan)``, ``headers`` the distinct encoded
-:class:`~.wire.CallHeader` of the call and ``plan[reader]`` either ``None`` (not called) or
-``(header index, Ray calls to wait for)``; an answer is ``(call_id, status, value)``.
+**Failures.**  A host whose process exits is seen at once through its pidfd and answered as a
+:class:`~rankmesh.errors.WorkerDiedError` naming the rank; a host whose session thread ended
+aborts its reply ring, answered as a :class:`~rankmesh.errors.RingError` (the group then opens a
+new session).  The writer's exit ends every host's session thread (they watch its pid).  Rings
+are anonymous memfds: nothing is left in ``/dev/shm``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import pickle
 import select
 import socket
 import struct
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from ray import cloudpickle
-
-from rankmesh.backend import RankCall, Shared
-from rankmesh.errors import RingError, RingPeerDied, WorkerDiedError, WorkerError
+from rankmesh.deadline import Deadline
+from rankmesh.errors import RingError, RingPeerDied, RingTimeout, WorkerDiedError
 from rankmesh.mesh import RankCoords
 from rankmesh.ring import Ring, RingSpec, check_platform, receive_ring, send_ring
-from rankmesh.tracing.recorder import FETCH
 
-from .waiting import FAIL_GRACE, POLL_INTERVAL, Inspect, combine_errors, task_error, timed_out, warn_stall
-from .wire import HeaderCache, encode_rank_call
+from .calls import Outcome, Pending
+from .waiting import task_error
+from .wire import COMMAND_BYTES, COMMAND_SLOTS, ERROR, PARKED, STOP, Command, decode_answer, encode_command
 
 logger = logging.getLogger(__name__)
 
-#: ``RANKMESH_CONTROL``: ``auto`` (the default) opens a session where it can; ``ray`` keeps every
-#: call on Ray's task-per-rank path.
-CONTROL_ENV = "RANKMESH_CONTROL"
-CONTROL_MODES: tuple[str, ...] = ("auto", "ray")
-#: Command ring: calls in flight, and the largest call message (bigger ones take Ray).
-COMMAND_SLOTS = 8
-COMMAND_BYTES = 1 << 20
-#: Reply rings: answers in flight, and the largest answer (bigger ones are parked: :data:`PARKED`).
-REPLY_SLOTS = 4
-REPLY_BYTES = 1 << 20
-STOP = b"stop"
-OK, ERROR, PARKED = 0, 1, 2  # answer statuses; PARKED: fetch the output with WorkerHost.take_parked
-
-
-def control_mode(environ: Mapping[str, str] | None = None) -> str:
-    """The ``RANKMESH_CONTROL`` setting, checked."""
-    value = (os.environ if environ is None else environ).get(CONTROL_ENV, "auto").strip().lower() or "auto"
-    if value not in CONTROL_MODES:
-        raise ValueError(f"{CONTROL_ENV}={value!r}: expected one of {', '.join(CONTROL_MODES)}")
-    return value
-
-
-@dataclass(frozen=True)
-class SessionPending:
-    """One rank's share of a session call (the Ray path's :class:`.waiting.Pending`, without a reference)."""
-
-    call_id: int
-    rank: int
-    method: str
-    node: str | None = None
-    coords: RankCoords | None = None
-
-
-@dataclass
-class RayCallCount:
-    """Ray-path calls the controller sent each rank's current process (what a session piece waits for).
-
-    Kept with the actor handle it counts for, so a replaced rank's new process counts from zero.
-    """
-
-    counts: dict[int, tuple[Any, int]] = field(default_factory=dict)
-
-    def sent(self, rank: int, actor: Any) -> None:
-        held, n = self.counts.get(rank, (actor, 0))
-        self.counts[rank] = (actor, (n if held is actor else 0) + 1)
-
-    def of(self, rank: int, actor: Any) -> int:
-        held, n = self.counts.get(rank, (None, 0))
-        return n if held is actor else 0
-
-
-#: Inline bytes (str and bytes arguments) a session call may carry in all, so that its message
-#: always fits a command slot (headers add little; a broadcast argument is encoded once).
-INLINE_LIMIT = COMMAND_BYTES // 4
-
-
-def fits_a_session(calls: Sequence[RankCall]) -> bool:
-    """Blocking, timed by nobody later (no ``keep``), no object-store argument, small inline arguments."""
-    inline = 0
-    for call in calls:
-        if not call.blocking or call.keep:
-            return False
-        for value in (*call.args, *call.kwargs.values()):
-            if isinstance(value, Shared):
-                return False
-            if isinstance(value, (str, bytes)):
-                inline += len(value)
-    return inline <= INLINE_LIMIT
+#: The longest a parked output's fetch (one ``take_parked`` Ray call) may take (seconds).
+TAKE_PARKED_S = 120.0
+#: Bytes a command's encoding may grow by between sizing it and writing it (its floor and id).
+COMMAND_MARGIN = 64
 
 
 class CallSession:
-    """The controller's end of one group's session with its ranks on this node.
+    """The writer's end of one group's session with its ranks on one node (a carrier: ``name = "session"``).
 
     ``ranks`` read the command ring in this order (reader ``i`` is ``ranks[i]``); ``actors``,
-    ``pids``, ``nodes`` and ``coords`` are indexed by rank.  Opening hands each host the ring and
-    takes its reply ring (:meth:`open`); ``timeout_s`` bounds that handshake.
+    ``pids``, ``nodes`` and ``coords`` are indexed by rank.
     """
 
-    def __init__(self, ranks: Sequence[int], actors: Sequence[Any], pids: Mapping[int, int],
+    name = "session"
+
+    def __init__(self, ranks: Sequence[int], actors: Sequence[Any] | Mapping[int, Any], pids: Mapping[int, int],
                  nodes: Sequence[str | None], coords: Sequence[RankCoords | None]) -> None:
         check_platform()
         self.ranks = tuple(ranks)
+        self.served = frozenset(self.ranks)
         self.reader_of = {rank: i for i, rank in enumerate(self.ranks)}
         self.actors = {rank: actors[rank] for rank in self.ranks}
         self.pids = {rank: pids[rank] for rank in self.ranks}
         self.nodes, self.coords = list(nodes), list(coords)
         self.ring: Ring | None = None
         self.replies: dict[int, Ring] = {}
-        self._next_id = 1
-        self._owed: dict[int, list[int]] = {rank: [] for rank in self.ranks}  # sent, answers unread
-        self._given_up = threading.Event()
+        self._write_lock = threading.Lock()  # one writer at a time: the ring carries calls in id order
+        self._read_lock = threading.Lock()  # reply rings, the answers read ahead, the epoll set
+        self._owed: dict[int, list[int]] = {rank: [] for rank in self.ranks}  # per rank: calls sent, answer not taken
+        self._unwanted: set[int] = set()  # calls given up: their answers are dropped as they come
+        self._answers: dict[tuple[int, int], tuple[int, Any]] = {}  # (rank, call id) -> answer read ahead
+        self._broken: dict[int, BaseException] = {}  # rank -> why its reply ring cannot be read any more
         self._epoll: select.epoll | None = None  # every reply ring's doorbell and host pidfd, registered once
         self._rank_of_fd: dict[int, int] = {}
         self._exited: set[int] = set()  # ranks whose host process exited
@@ -154,17 +84,22 @@ class CallSession:
     # ----- opening and closing ----------------------------------------------------------------
 
     def open(self, timeout_s: float = 30.0) -> None:
-        import ray  # deferred: the module is imported by hosts too, which have Ray already
+        """Hand each host the ring and take its reply ring, within ``timeout_s``.
+
+        On failure every host that joined is told to leave (the ring is aborted, which ends its
+        session thread) and every fd is closed, so nothing of a failed open stays behind.
+        """
+        import ray  # deferred: agents and the controller have Ray; the module itself needs only its handles
 
         address = f"\0rankmesh-session-{uuid.uuid4().hex}"
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        deadline = Deadline.after(timeout_s)
         try:
             server.bind(address)
             server.listen(len(self.ranks))
             server.settimeout(0.2)
             self.ring = Ring.create(RingSpec(readers=len(self.ranks), slots=COMMAND_SLOTS, slot_bytes=COMMAND_BYTES))
             opened = [self.actors[rank].open_session.remote(address, i) for i, rank in enumerate(self.ranks)]
-            deadline = time.monotonic() + timeout_s
             for _ in self.ranks:
                 while True:
                     try:
@@ -173,14 +108,14 @@ class CallSession:
                     except socket.timeout:
                         done, _ = ray.wait(opened, num_returns=len(opened), timeout=0)
                         ray.get(done)  # a host that failed to join raises here, at once
-                        if time.monotonic() > deadline:
+                        if deadline.expired():
                             raise TimeoutError(f"ranks did not join the call session within {timeout_s:g} s") from None
                 with conn:
-                    conn.settimeout(timeout_s)
+                    conn.settimeout(max(0.1, deadline.left()))
                     (reader,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
                     send_ring(conn, self.ring)
                     self.replies[self.ranks[reader]] = receive_ring(conn, 0)
-            ray.get(opened, timeout=timeout_s)
+            ray.get(opened, timeout=max(0.1, deadline.left()))
             self.ring.watch(list(self.pids.values()))
             self._epoll = select.epoll()
             for rank, reply in self.replies.items():
@@ -194,268 +129,162 @@ class CallSession:
             server.close()
 
     def close(self, stop: bool = True) -> None:
-        """Tell the hosts to end their session threads (``stop``), then let go of the rings."""
-        if self.ring is not None:
-            if stop:
+        """End the hosts' session threads (``stop``: after the calls they were sent; else at once,
+        dropping unread calls) and let go of the rings."""
+        with self._write_lock:
+            if self.ring is not None:
                 try:
-                    self.ring.write(STOP, timeout=1.0)
+                    if stop:
+                        self.ring.write(STOP, timeout=1.0)
+                    else:
+                        self.ring.abort()
                 except RingError:  # a host is gone or the ring is full of unread calls: abort instead
                     self.ring.abort()
-            self.ring.close()
-            self.ring = None
-        for reply in self.replies.values():
-            reply.close()
-        self.replies = {}
-        if self._epoll is not None:
-            self._epoll.close()
-            self._epoll = None
+                self.ring.close()
+                self.ring = None
+        with self._read_lock:
+            for reply in self.replies.values():
+                reply.close()
+            self.replies = {}
+            if self._epoll is not None:
+                self._epoll.close()
+                self._epoll = None
 
-    def give_up(self) -> None:
-        """From another thread: make a :meth:`fetch` in progress raise within :data:`POLL_INTERVAL`."""
-        self._given_up.set()
+    # ----- sending ----------------------------------------------------------------------------
 
-    # ----- calls -------------------------------------------------------------------------------
+    def full(self) -> bool:
+        """Whether the next write would wait: a reader has not read the oldest call in the ring (it runs
+        an earlier call), so a call to the other ranks is better sent another way."""
+        ring = self.ring
+        return ring is not None and bool(ring.unread_readers())
 
-    def takes(self, calls: Sequence[RankCall]) -> bool:
-        """Whether this call goes through the session (see the module docstring)."""
-        return self.ring is not None and all(c.rank in self.reader_of for c in calls) and fits_a_session(calls)
+    def fits(self, command: Command) -> bool:
+        """Whether ``command`` (sized with any floor) fits one slot of the command ring."""
+        return len(encode_command(command)) + COMMAND_MARGIN <= COMMAND_BYTES
 
-    def submit(self, role: str | None, method: str, calls: Sequence[RankCall], after: Mapping[int, int],
-               cache: HeaderCache | None = None) -> list[SessionPending] | None:
-        """Write the call for every rank at once; ``None`` (nothing sent) if it does not fit a slot.
+    def send(self, command: Command, method: str, deadline: Deadline, generation: int = 0) -> list[Pending]:
+        """Write ``command`` for every reader at once; one pending per called rank, in plan order.
 
-        ``after[rank]``: the Ray-path calls the rank must have run first (:class:`RayCallCount`)."""
-        assert self.ring is not None
-        headers: list[bytes] = []
-        index: dict[tuple[Any, ...], int] = {}
-        plan: list[tuple[int, int] | None] = [None] * len(self.ranks)
-        marked = False
-        for call in calls:
-            fetch_mark = call.trace and not marked  # the first rank of a traced call (rankmesh.tracing.recorder)
-            marked = marked or fetch_mark
-            key = (tuple(map(id, call.args)), tuple((k, id(v)) for k, v in call.kwargs.items()),
-                   call.return_output, call.trace, call.receive, fetch_mark)
-            at = index.get(key)
-            if at is None:
-                at = index[key] = len(headers)
-                headers.append(encode_rank_call(role, method, call, cache, fetch_mark)[0])
-            plan[self.reader_of[call.rank]] = (at, after.get(call.rank, 0))
-        call_id = self._next_id
-        message = pickle.dumps((call_id, headers, plan), protocol=5)
-        if len(message) > self.ring.spec.slot_bytes:
-            return None
-        self.ring.write(message)
-        self._next_id += 1
-        pending = []
-        for call in calls:
-            self._owed[call.rank].append(call_id)
-            pending.append(SessionPending(call_id, call.rank, method, self.nodes[call.rank], self.coords[call.rank]))
-        return pending
-
-    def owes(self, ranks: Sequence[int]) -> bool:
-        """Whether any of ``ranks`` has session calls whose answers were not read."""
-        return any(self._owed.get(rank) for rank in ranks)
-
-    def drain(self, ranks: Sequence[int], timeout: float | None, on_died: Callable[[WorkerDiedError], None] | None = None,
-              inspect: Inspect | None = None) -> None:
-        """Read (and drop) every answer ``ranks`` still owe: their session calls are over after this."""
-        pending = [SessionPending(owed[-1], rank, "(earlier session calls)", self.nodes[rank], self.coords[rank])
-                   for rank in ranks if (owed := self._owed.get(rank))]
-        if pending:
-            self.fetch(pending, timeout, on_died, None, inspect, errors=False)
-
-    def fetch(self, pending: Sequence[SessionPending], timeout: float | None, on_died: Callable[[WorkerDiedError], None] | None,
-              stall_warn_s: float | None, inspect: Inspect | None, errors: bool = True) -> list[Any]:
-        """The outputs of ``pending``, in order; fails fast as :func:`.waiting.fetch_outputs` does.
-
-        ``errors=False`` (draining): the ranks' own errors are dropped, deaths and timeouts still raise.
+        Waits for a free slot until ``deadline``; past it, :class:`RingTimeout` names the ranks
+        that have not read the oldest slot (they still run an earlier call).
         """
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        warn_at = None if stall_warn_s is None or inspect is None else start + stall_warn_s
-        results: dict[int, Any] = {}
-        failures: list[tuple[SessionPending, BaseException]] = []
-        exited: set[int] = set()  # ranks whose host process exited: dead unless their answer is in
-        waiting = list(pending)
-        look: set[int] = set()  # the ranks to poll: those whose doorbell rang (a ready answer's has) or who exited
-        grace_end = None
-        while waiting:
-            still = []
-            for p in waiting:
-                if p.rank not in look:
-                    still.append(p)
-                    continue
-                answer = self._answer(p)
-                if answer is not None:
-                    if answer[0] != ERROR:
-                        results[p.rank] = self._value(p, answer)
-                    elif errors:
-                        failures.append((p, task_error(p, *answer[1])))
-                elif p.rank in exited:
-                    failures.append((p, self._died(p)))
+        with self._write_lock:
+            if self.ring is None:
+                raise RingError(f"{method}: the call session is closed")
+            called = [rank for rank, piece in zip(self.ranks, command.plan) if piece is not None]
+            with self._read_lock:
+                owed = [c for r in self.ranks for c in self._owed[r] if c not in self._unwanted]
+            floor = min([*owed, command.call_id])
+            message = encode_command(Command(command.call_id, floor, command.headers, command.plan))
+            try:
+                self.ring.write(message, timeout=deadline.timeout())
+            except RingTimeout as exc:
+                slow = [self.ranks[r] for r in self.ring.unread_readers()]
+                raise RingTimeout(f"{method}: the command ring stayed full until the call's deadline: ranks "
+                                  f"{slow} have not read their earlier calls ({exc})") from None
+            with self._read_lock:
+                for rank in called:
+                    self._owed[rank].append(command.call_id)
+        return [Pending(command.call_id, rank, method, self.nodes[rank], self.coords[rank], self.name, command.call_id,
+                        generation) for rank in called]
+
+    def owes(self, ranks: Sequence[int]) -> list[Pending]:
+        """A drain: one pending per rank of ``ranks`` with answers not read yet, done once the rank
+        answered its newest call (``call_id`` -1: its answers are dropped, not returned)."""
+        with self._read_lock:
+            return [Pending(owed[-1], rank, "(earlier session calls)", self.nodes[rank], self.coords[rank], self.name, -1)
+                    for rank in ranks if (owed := self._owed.get(rank))]
+
+    def give_up(self, pending: Sequence[Pending]) -> None:
+        """Nobody will take these calls' answers: drop them as they come (and let their parked outputs go)."""
+        with self._read_lock:
+            self._unwanted.update(p.handle for p in pending)
+
+    # ----- answers (the carrier's poll) -------------------------------------------------------
+
+    def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
+        """Outcomes of the answered ones among ``pending`` (by index), waiting up to ``within`` for one."""
+        end = time.monotonic() + within
+        while True:
+            with self._read_lock:
+                got = self._take(pending)
+                if got or time.monotonic() >= end:
+                    return got
+                self._wait([p.rank for p in pending], end - time.monotonic())
+
+    def _take(self, pending: Sequence[Pending]) -> dict[int, Outcome]:
+        """Read every answer that is in for ``pending``'s ranks; the outcomes of ``pending`` among them."""
+        got: dict[int, Outcome] = {}
+        for i, p in enumerate(pending):
+            if p.rank not in self._broken:
+                self._read_ahead(p.rank, p.handle)
+            answer = self._answers.pop((p.rank, p.handle), None)
+            if answer is not None:
+                got[i] = self._outcome(p, answer)
+            elif p.rank in self._broken:
+                got[i] = Outcome(error=self._broken[p.rank])
+            elif p.rank in self._exited:
+                got[i] = Outcome(error=self._died(p))
+            elif not any(c <= p.handle for c in self._owed.get(p.rank, ())):
+                if p.call_id == -1 or p.handle in self._unwanted:
+                    got[i] = Outcome()  # a drain, or a given-up call: answered, nothing to return
                 else:
-                    still.append(p)
-            waiting = still
-            if failures and grace_end is None:
-                grace_end = time.monotonic() + FAIL_GRACE  # ranks failing together are reported together
-            now = time.monotonic()
-            if not waiting or (grace_end is not None and now >= grace_end):
-                break
-            if self._given_up.is_set():
-                raise RingError(f"{pending[0].method}: the call session was closed while ranks "
-                                f"{sorted(p.rank for p in waiting)} still ran it")
-            if deadline is not None and now >= deadline:
-                raise timed_out(pending, waiting, timeout or 0.0, now - start, on_died, inspect)
-            if warn_at is not None and now >= warn_at:
-                warn_at = None
-                warn_stall(pending, waiting, stall_warn_s or 0.0, now - start, inspect)
-            rang, gone = self._wait(waiting, [t for t in (deadline, warn_at, grace_end) if t is not None])
-            exited |= gone
-            # Nothing rang within the slice: look at every rank once (a doorbell drained by an
-            # earlier fetch that did not wait on its rank must not leave an answer unseen).
-            look = (rang | exited) or {p.rank for p in waiting}
-        if not waiting:
-            FETCH.ready_ns = time.time_ns()
-        if failures:
-            err = combine_errors(failures)
-            if isinstance(err, WorkerDiedError) and on_died is not None:
-                on_died(err)
-            raise err
-        return [results[p.rank] for p in pending]
+                    got[i] = Outcome(error=RingError(f"rank {p.rank}: the answer to session call {p.handle} is not on "
+                                                     "this session (it was closed and opened again since)"))
+        return got
 
-    # ----- internals ---------------------------------------------------------------------------
-
-    def _answer(self, p: SessionPending) -> tuple[int, Any] | None:
-        """``p``'s answer if it is in, dropping the answers of older calls nobody reads any more."""
-        owed = self._owed[p.rank]
-        reply = self.replies[p.rank]
-        while owed and owed[0] <= p.call_id:
-            message = reply.poll()
+    def _read_ahead(self, rank: int, upto: int) -> None:
+        """Read ``rank``'s answers up to call ``upto``, keeping each for whoever takes it (dropped if unwanted)."""
+        owed = self._owed[rank]
+        reply = self.replies.get(rank)
+        while owed and owed[0] <= upto:
+            if reply is None:
+                self._broken[rank] = RingError(f"rank {rank}: the call session was closed before its answers were read")
+                return
+            try:
+                message = reply.poll()
+            except RingError as exc:  # the host's session thread ended (it aborted its reply ring)
+                self._broken[rank] = RingError(f"rank {rank}'s call session ended: {exc}")
+                return
             if message is None:
-                return None
-            call_id, status, value = pickle.loads(message)
+                return
+            call_id, status, value = decode_answer(message)
             owed.pop(0)
-            if call_id == p.call_id:
-                return status, value
-        raise RingError(f"rank {p.rank}: the answer to session call {p.call_id} was read already")
+            if call_id in self._unwanted:
+                if not any(call_id in o for o in self._owed.values()):
+                    self._unwanted.discard(call_id)  # every rank answered it: nothing more to drop
+                continue
+            self._answers[(rank, call_id)] = (status, value)
 
-    def _value(self, p: SessionPending, answer: tuple[int, Any]) -> Any:
+    def _outcome(self, p: Pending, answer: tuple[int, Any]) -> Outcome:
         status, value = answer
+        if status == ERROR:
+            return Outcome(error=task_error(p, *value))
         if status == PARKED:  # too big for the reply ring: the host kept it for one Ray task
             import ray
 
-            return ray.get(self.actors[p.rank].take_parked.remote(p.call_id))
-        return value
-
-    def _wait(self, waiting: Sequence[SessionPending], limits: Sequence[float]) -> tuple[set[int], set[int]]:
-        """Sleep until an answer may be in or a host exits (at most :data:`POLL_INTERVAL`).
-
-        Returns the ranks whose doorbell rang and those whose host exited (their pidfds leave the
-        epoll set, which would otherwise wake at once from now on).
-        """
-        assert self._epoll is not None
-        left = min([POLL_INTERVAL, *(t - time.monotonic() for t in limits)])
-        rang = set()
-        for fd, _ in self._epoll.poll(max(0.0, left)):
-            rank = self._rank_of_fd[fd]
             try:
-                self.replies[rank].check_peers([fd])
-                rang.add(rank)
-            except RingPeerDied:
-                self._epoll.unregister(fd)
-                self._exited.add(rank)
-        return rang, self._exited & {p.rank for p in waiting}
+                return Outcome(ray.get(self.actors[p.rank].take_parked.remote(p.handle), timeout=TAKE_PARKED_S))
+            except Exception as exc:  # noqa: BLE001 - the host died meanwhile, or the store failed: the rank's error
+                return Outcome(error=exc)
+        return Outcome(value)
 
-    def _died(self, p: SessionPending) -> WorkerDiedError:
+    def _wait(self, ranks: Sequence[int], within: float) -> None:
+        """Sleep until an answer may be in or a host exits (at most ``within``)."""
+        if self._epoll is None:
+            time.sleep(max(0.0, min(within, 0.05)))
+            return
+        for fd, _ in self._epoll.poll(max(0.0, within)):
+            rank = self._rank_of_fd[fd]
+            reply = self.replies.get(rank)
+            if reply is None:
+                continue
+            try:
+                reply.check_peers([fd])
+            except RingPeerDied:
+                self._epoll.unregister(fd)  # a pidfd stays readable: it would wake every wait from now on
+                self._exited.add(rank)
+
+    def _died(self, p: Pending) -> WorkerDiedError:
         return WorkerDiedError(p.rank, p.method, f"its process (pid {self.pids[p.rank]}) exited", p.node,
                                coords={p.rank: p.coords} if p.coords is not None else None)
-
-
-# ----- the host's end -------------------------------------------------------------------------
-
-#: ``run(header, ray_calls, enter_ns)``: run one call on the host once it has run ``ray_calls`` Ray calls.
-Run = Callable[[Any, int, int], Any]
-
-
-def serve(ring: Ring, reply: Ring, run: Run, park: Callable[[int, Any], None], rank: Callable[[], int]) -> None:
-    """A host's session thread: run every call the ring brings for this reader, answer each on ``reply``.
-
-    Ends on :data:`STOP`, when the controller exits or aborts the ring, or when ``reply`` cannot
-    be written (the controller stopped reading).  ``park(call_id, output)`` keeps an output too
-    big for ``reply`` for the controller to fetch through Ray.
-    """
-    decoded: dict[bytes, Any] = {}
-    try:
-        while True:
-            message = ring.read(timeout=None)
-            if message == STOP:
-                return
-            call_id, headers, plan = pickle.loads(message)
-            piece = plan[ring.reader]
-            if piece is None:
-                continue
-            enter_ns = time.time_ns()
-            at, ray_calls = piece
-            header = headers[at]
-            try:
-                call = decoded.get(header)
-                if call is None:
-                    call = pickle.loads(header)
-                    if len(decoded) < 1024:
-                        decoded[header] = call
-                answer = (call_id, OK, run(call, ray_calls, enter_ns))
-            except Exception as exc:  # noqa: BLE001 - the controller raises it, naming the rank
-                answer = (call_id, ERROR, _error_parts(exc, rank()))
-            reply.write(_encode_answer(answer, park), timeout=None)
-    except RingError as exc:  # the controller is gone or gave the session up: nothing to answer
-        logger.debug("call session ends: %s", exc)
-    finally:
-        ring.close()
-        reply.close()
-
-
-def _encode_answer(answer: tuple[int, int, Any], park: Callable[[int, Any], None]) -> bytes:
-    call_id, status, value = answer
-    try:
-        encoded = pickle.dumps(answer, protocol=5)  # a few us, against cloudpickle's ~10 for a small answer
-    except Exception:  # noqa: BLE001 - a class or function defined in __main__: by value
-        try:
-            encoded = cloudpickle.dumps(answer, protocol=5)
-        except Exception as exc:  # noqa: BLE001 - an output that does not pickle is the call's error
-            encoded = cloudpickle.dumps((call_id, ERROR, _error_parts(exc, -1)), protocol=5)
-    if len(encoded) <= REPLY_BYTES:
-        return encoded
-    park(call_id, value)
-    return cloudpickle.dumps((call_id, PARKED, None), protocol=5)
-
-
-def _error_parts(exc: BaseException, rank: int) -> tuple[BaseException, str]:
-    """What travels for a failed call: the error itself if it pickles, else a WorkerError of its text."""
-    import traceback
-
-    text = getattr(exc, "remote_traceback", None) or "".join(traceback.format_exception(exc))
-    try:
-        cloudpickle.dumps(exc)
-        return exc, text
-    except Exception:  # noqa: BLE001
-        return WorkerError(rank, None, "", f"{type(exc).__name__}: {exc}", None, text), text
-
-
-def start_serving(ring: Ring, reply: Ring, run: Run, park: Callable[[int, Any], None], rank: Callable[[], int]) -> threading.Thread:
-    """:func:`serve` on a daemon thread of its own (the host's session thread)."""
-    thread = threading.Thread(target=serve, args=(ring, reply, run, park, rank), name="rankmesh-session", daemon=True)
-    thread.start()
-    return thread
-
-
-def connect(address: str, reader: int, timeout_s: float = 30.0) -> tuple[Ring, Ring]:
-    """A host's side of :meth:`CallSession.open`: the command ring as ``reader``, and a new reply ring."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        sock.connect(address)
-        sock.sendall(struct.pack("<I", reader))
-        ring = receive_ring(sock, reader)
-        reply = Ring.create(RingSpec(readers=1, slots=REPLY_SLOTS, slot_bytes=REPLY_BYTES))
-        reply.watch(ring.peer_pids())  # the controller: an answer never waits on a reader that is gone
-        send_ring(sock, reply)
-        return ring, reply

@@ -36,6 +36,8 @@ import ray.exceptions as rex
 
 from .hosts import HostSet, start_host
 from .pool import Slot
+from .tasks import ready_refs, start_step
+from .calls import Pending
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +48,16 @@ class Spare:
 
     slot: Slot
     actor: Any
-    warm: Any  # ObjectRef of ``actor.warm(roles)``: the process's node info once imported
+    warm: Pending  # the host step ``warm(roles)``: the process's node info once imported
     started: float  # controller clock (time.monotonic) when it was asked to start
     asked_ns: int = 0  # the same moment on the wall clock, to time its start and imports (same machine)
 
     def describe(self) -> dict[str, Any]:
         """Node and pid once warm (``warm: False`` and no pid before)."""
-        ready, _ = ray.wait([self.warm], timeout=0, fetch_local=False)
         info: dict[str, Any] = {"node_id": self.slot.node_id, "node_ip": self.slot.node_ip, "warm": False, "pid": None}
-        if ready:
+        if ready_refs([self.warm.handle]):
             try:
-                got = ray.get(self.warm)
+                got = ray.get(self.warm.handle)
             except rex.RayError as exc:
                 return {**info, "error": str(exc).strip().splitlines()[-1]}
             info.update(node_id=got["node_id"], node_ip=got["node_ip"], pid=got["pid"], warm=True)
@@ -66,7 +67,8 @@ class Spare:
 def start_spare(hosts: HostSet, slot: Slot) -> Spare:
     """Start a standby process in ``slot`` and ask it to import the group's worker classes (not waited for)."""
     actor = start_host(hosts.pool, slot, None, hosts.name_prefix, False, hosts.options)
-    return Spare(slot, actor, actor.warm.remote(hosts.setups[0].roles), time.monotonic(), time.time_ns())
+    warm = start_step(actor, -1, "warm", (hosts.setups[0].roles,), "warm (a spare)", slot.node_ip)
+    return Spare(slot, actor, warm, time.monotonic(), time.time_ns())
 
 
 def refill_spares(hosts: HostSet) -> list[Spare]:
@@ -75,9 +77,8 @@ def refill_spares(hosts: HostSet) -> list[Spare]:
     if hosts.closed or not hosts.setups or hosts.pool is None:
         return []
     room = max(0, hosts.pool.spares - len(hosts.spares))
-    slots, hosts.free_slots = hosts.free_slots[:room], hosts.free_slots[room:]
-    new = [start_spare(hosts, slot) for slot in slots]
-    hosts.spares.extend(new)
+    new = [start_spare(hosts, slot) for slot in hosts.take_free_slots(room)]
+    hosts.add_spares(new)
     if new:
         logger.info("worker group %s: %d spare process(es) starting", hosts.name_prefix, len(new))
     return new
@@ -86,7 +87,7 @@ def refill_spares(hosts: HostSet) -> list[Spare]:
 def prune_dead_spares(hosts: HostSet, timeout: float = 1.0) -> list[Spare]:
     """Drop the spares whose process is gone (their node died with the rank, say); returns them.
 
-    One ping to each spare at once; a spare still importing answers late and counts as alive.
+    One ping to each spare at once (on its control thread: a spare still importing answers too).
     Their bundles become free again (a bundle on a dead node is re-placed by Ray when it can be).
     """
     if not hosts.spares:
@@ -100,8 +101,8 @@ def prune_dead_spares(hosts: HostSet, timeout: float = 1.0) -> list[Spare]:
         except rex.RayError:
             gone.append(refs[ref])
     for spare in gone:
-        hosts.spares.remove(spare)
-        hosts.free_slots.append(spare.slot)
+        hosts.take_spare(spare)
+        hosts.free_slot(spare.slot)
     if gone:
         logger.warning("worker group %s: %d spare process(es) died (on %s)", hosts.name_prefix, len(gone),
                        sorted({s.slot.node_ip for s in gone}))
@@ -110,16 +111,13 @@ def prune_dead_spares(hosts: HostSet, timeout: float = 1.0) -> list[Spare]:
 
 def warm_refs(spares: Sequence[Spare]) -> set[Any]:
     """The warm-up references of ``spares`` that have answered (those spares are warm), asking without waiting."""
-    if not spares:
-        return set()
-    ready, _ = ray.wait([s.warm for s in spares], num_returns=len(spares), timeout=0, fetch_local=False)
-    return set(ready)
+    return ready_refs([s.warm.handle for s in spares], 0.0)
 
 
 def spare_order(spares: Sequence[Spare], node_id: str | None, warm: Collection[Any]) -> list[Spare]:
     """Spares in the order a rank on ``node_id`` tries them: its node first, then warm (``warm``:
     the warm-up references that have answered) before cold, then oldest first."""
-    return sorted(spares, key=lambda s: (s.slot.node_id != node_id, s.warm not in warm, s.started))
+    return sorted(spares, key=lambda s: (s.slot.node_id != node_id, s.warm.handle not in warm, s.started))
 
 
 def take_spares(hosts: HostSet, ranks: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
@@ -137,21 +135,19 @@ def take_spares(hosts: HostSet, ranks: Sequence[int], timeout: float) -> dict[in
         if not hosts.spares:
             break
         for spare in spare_order(hosts.spares, hosts.slots[rank].node_id, warm_refs(hosts.spares)):
-            hosts.spares.remove(spare)
+            hosts.take_spare(spare)
             try:
-                info = ray.get(spare.warm, timeout=max(0.1, deadline - time.monotonic()))
+                info = ray.get(spare.warm.handle, timeout=max(0.1, deadline - time.monotonic()))
             except (rex.RayError, TimeoutError) as exc:
                 logger.warning("worker group %s: spare in bundle %d of %s is unusable (%s); trying the next",
                                hosts.name_prefix, spare.slot.bundle_index, spare.slot.node_ip,
                                str(exc).strip().splitlines()[-1])
                 ray.kill(spare.actor, no_restart=True)
-                hosts.free_slots.append(spare.slot)
+                hosts.free_slot(spare.slot)
                 continue
             ray.kill(hosts.actors[rank], no_restart=True)  # make sure: a half-dead process holds its bundle
-            hosts.free_slots.append(hosts.slots[rank])
-            hosts.slots[rank] = spare.slot
-            hosts.actors[rank] = spare.actor
-            hosts.info[rank] = {**info, "rank": rank}
+            hosts.free_slot(hosts.slots[rank])
+            hosts.put_rank(rank, spare.actor, info, spare.slot)
             # What the spare saved, paid before the death: process start, then the imports.
             taken[rank] = {**hosts.info[rank], "spare_start_s": (info["started_ns"] - spare.asked_ns) / 1e9,
                            "spare_import_s": (info["warm_ns"] - info["started_ns"]) / 1e9}

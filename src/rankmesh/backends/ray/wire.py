@@ -13,14 +13,22 @@ installed on the host, ``call_<slot>(*shared_values)``: see :class:`HeaderCache`
 
 So a shared object takes three shapes on its way: ``Shared(ObjectRef)`` in the controller, a
 ``SharedSlot(i)`` in the header, and the value itself (this rank's private copy, rebuilt by the
-data layer when Ray unpickles it) in the worker's arguments.
+data layer when Ray unpickles it) in the worker's arguments.  A header holds no ObjectRef: one
+pickled outside Ray's own serialization stays pinned in the object store for good, so anything
+that holds references (a future passed along, a list of handles) travels as a shared value.
+
+The same headers ride a call session's command ring (:mod:`.session`, :mod:`.serve`): one
+:func:`encode_command` per call carries the distinct headers once and, per reader, which header
+is its call and its sequence number; each answer is one :func:`encode_answer`.  A header whose
+``step`` is set names a step of the host itself (``setup``, ``leave_distributed``, ...), not a
+worker method: recovery and lifecycle steps are calls like any other (:mod:`.host`).
 """
 
 from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from ray import cloudpickle
 
@@ -45,8 +53,10 @@ class CallHeader:
     return_output: bool = True
     trace: bool = False
     receive: str | None = None
-    #: A traced call's first rank: its output starts with :data:`rankmesh.tracing.recorder.FETCH_MARK`.
+    #: A traced call's first rank: its output starts with :data:`rankmesh.tracing.marks.FETCH_MARK`.
     fetch_mark: bool = False
+    #: ``method`` names a step of the host (:data:`rankmesh.backends.ray.host.STEPS`), not of a worker.
+    step: bool = False
 
 
 #: Host methods ``call_0`` ... ``call_{CALL_SLOTS - 1}``: a slot-only header installed on a host
@@ -132,11 +142,13 @@ def encode_call(
 
 
 def encode_rank_call(
-    role: str | None, method: str, call: RankCall, cache: HeaderCache | None = None, fetch_mark: bool = False
+    role: str | None, method: str, call: RankCall, cache: HeaderCache | None = None, fetch_mark: bool = False,
+    step: bool = False,
 ) -> tuple[bytes, list[Any], int | None]:
     """:func:`encode_call` plus the header's call slot in ``cache`` (``None``: send the header).
 
     ``fetch_mark``: this rank's output starts with the trace's fetch mark (a traced call's first rank).
+    ``step``: ``method`` is a host step (never cached: steps run once per recovery, not per call).
     """
     refs: list[Any] = []
     args: tuple[Any, ...] = call.args
@@ -159,14 +171,14 @@ def encode_rank_call(
         args = tuple(swap(a) for a in args)
         kwargs = {k: swap(v) for k, v in kwargs.items()}
     key = None
-    if cache is not None and not plain:
+    if cache is not None and not plain and not step:
         key = (role, method, args, tuple(kwargs.items()), call.return_output, call.trace, call.receive, fetch_mark)
         cached = cache.get(key)
         if cached is not None:
             return cached[0], refs, cached[1]
     # cloudpickle: arguments may be lambdas or classes defined in the driver's __main__.
     encoded = cloudpickle.dumps(
-        CallHeader(role, method, args, kwargs, call.return_output, call.trace, call.receive, fetch_mark)
+        CallHeader(role, method, args, kwargs, call.return_output, call.trace, call.receive, fetch_mark, step)
     )
     slot = None if key is None else cache.put(key, encoded)
     return encoded, refs, slot
@@ -189,3 +201,92 @@ def fill_call(call: CallHeader, values: tuple[Any, ...]) -> CallHeader:
         return values[value.index] if isinstance(value, SharedSlot) else value
 
     return replace(call, args=tuple(fill(a) for a in call.args), kwargs={k: fill(v) for k, v in call.kwargs.items()})
+
+
+# ----- a call session's messages (:mod:`.session` writes commands, :mod:`.serve` reads them) -----
+
+#: Command ring: calls in flight, and the largest call message (bigger ones take Ray's tasks).
+COMMAND_SLOTS = 8
+COMMAND_BYTES = 1 << 20
+#: Reply rings: answers in flight, and the largest answer (bigger ones are parked: :data:`PARKED`).
+REPLY_SLOTS = 4
+REPLY_BYTES = 1 << 20
+#: Answer statuses: the output inline, the error, or "parked" (too big for a reply slot: the
+#: host keeps it for one ``take_parked`` call through the object store).
+OK, ERROR, PARKED = 0, 1, 2
+#: The command that ends a host's session thread.
+STOP = b"stop"
+
+
+@dataclass(frozen=True)
+class Command:
+    """One call as a session's command ring carries it to every reader.
+
+    ``headers`` are the call's distinct encoded :class:`CallHeader`; ``plan[reader]`` is ``None``
+    (the reader's rank is not called) or ``(header index, sequence number)``.  ``floor``: the
+    host may drop outputs it parked for calls below this id (the controller read or gave them up).
+    """
+
+    call_id: int
+    floor: int
+    headers: tuple[bytes, ...]
+    plan: tuple[tuple[int, int] | None, ...]
+
+
+def encode_command(command: Command) -> bytes:
+    return pickle.dumps((command.call_id, command.floor, command.headers, command.plan), protocol=5)
+
+
+def decode_command(message: bytes) -> Command:
+    call_id, floor, headers, plan = pickle.loads(message)
+    return Command(call_id, floor, tuple(headers), tuple(plan))
+
+
+def command_plan(readers: Sequence[int], parts: Sequence[tuple[int, bytes, int]]) -> tuple[tuple[bytes, ...], tuple]:
+    """``(headers, plan)`` of a command: ``parts`` are ``(rank, header, seq)``, ``readers[i]`` is reader ``i``'s rank.
+
+    Equal headers (a broadcast call) are carried once.
+    """
+    index: dict[bytes, int] = {}
+    reader_of = {rank: i for i, rank in enumerate(readers)}
+    plan: list[tuple[int, int] | None] = [None] * len(readers)
+    for rank, header, seq in parts:
+        at = index.setdefault(header, len(index))
+        plan[reader_of[rank]] = (at, seq)
+    return tuple(index), tuple(plan)
+
+
+def encode_answer(call_id: int, status: int, value: Any, limit: int, park: Callable[[int, Any], None]) -> bytes:
+    """One answer for the reply ring: pickled (cloudpickle for what only it can pickle); an
+    output over ``limit`` bytes is handed to ``park`` and answered as :data:`PARKED`."""
+    answer = (call_id, status, value)
+    try:
+        encoded = pickle.dumps(answer, protocol=5)  # a few us, against cloudpickle's ~10 for a small answer
+    except Exception:  # noqa: BLE001 - a class or function defined in __main__: by value
+        try:
+            encoded = cloudpickle.dumps(answer, protocol=5)
+        except Exception as exc:  # noqa: BLE001 - an output that does not pickle is the call's error
+            encoded = cloudpickle.dumps((call_id, ERROR, error_parts(exc, None)), protocol=5)
+    if len(encoded) <= limit:
+        return encoded
+    park(call_id, value)
+    return pickle.dumps((call_id, PARKED, None), protocol=5)
+
+
+def decode_answer(message: bytes) -> tuple[int, int, Any]:
+    call_id, status, value = pickle.loads(message)
+    return call_id, status, value
+
+
+def error_parts(exc: BaseException, rank: int | None) -> tuple[BaseException, str]:
+    """What travels for a failed call: the error itself if it pickles, else a WorkerError of its text."""
+    import traceback
+
+    from rankmesh.errors import WorkerError
+
+    text = getattr(exc, "remote_traceback", None) or "".join(traceback.format_exception(exc))
+    try:
+        cloudpickle.dumps(exc)
+        return exc, text
+    except Exception:  # noqa: BLE001
+        return WorkerError(-1 if rank is None else rank, None, "", f"{type(exc).__name__}: {exc}", None, text), text

@@ -1,0 +1,141 @@
+"""The host's end of a call session: a thread that reads the command ring and answers on the host's reply ring.
+
+The writer's end (the controller, or a node agent) is :mod:`.session`; the messages are
+:mod:`.wire`'s.  This module is what every worker process runs of a session, and it imports
+neither Ray's waiting nor the controller's modules: only the ring and the wire format.
+
+The thread runs until :data:`~.wire.STOP`, until the writer exits or aborts the ring, or until
+its reply cannot be written within :data:`REPLY_WAIT_S` (the writer stopped reading).  Whatever
+else goes wrong in it (a bug, a resource limit) is logged, and the thread aborts its reply ring
+so that the writer sees at once that this rank's session ended instead of waiting for an answer
+that never comes.  It records the sequence number of every call it reads (:class:`SessionState`)
+and refuses one that goes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from typing import Any, Callable
+
+from rankmesh.errors import RingError
+from rankmesh.ring import Ring, RingSpec, receive_ring, send_ring
+
+from .wire import ERROR, OK, REPLY_BYTES, REPLY_SLOTS, STOP, CallHeader, decode_command, encode_answer, error_parts
+
+logger = logging.getLogger(__name__)
+
+#: The longest an answer waits for room on the reply ring (the writer reads every answer it is
+#: owed before it sends the rank another call, so a full ring means the writer is gone or stuck).
+REPLY_WAIT_S = 300.0
+#: Decoded headers kept per session (a group binds a fixed set of methods).
+DECODED_MAX = 1024
+
+#: ``run(header, seq, enter_ns)``: run one call on the host (under its lock).
+Run = Callable[[CallHeader, int, int], Any]
+
+
+class SessionState:
+    """What a host's session thread knows: outputs parked for ``take_parked``, the last call it read.
+
+    Shared by the session thread and the host's control thread (``take_parked``), hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parked: dict[int, Any] = {}
+        self.seq = 0  # the sequence number of the last call read
+        self.call_id = 0
+
+    def park(self, call_id: int, output: Any) -> None:
+        with self._lock:
+            self._parked[call_id] = output
+
+    def take(self, call_id: int) -> Any:
+        with self._lock:
+            try:
+                return self._parked.pop(call_id)
+            except KeyError:
+                raise RingError(f"no parked output of session call {call_id} (dropped: the call was given up)") from None
+
+    def drop_below(self, floor: int) -> None:
+        with self._lock:
+            for call_id in [c for c in self._parked if c < floor]:
+                del self._parked[call_id]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._parked.clear()
+
+    @property
+    def parked(self) -> int:
+        with self._lock:
+            return len(self._parked)
+
+
+def serve(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable[[], int | None]) -> None:
+    """A host's session thread: run every call the ring brings for this reader, answer each on ``reply``."""
+    decoded: dict[bytes, CallHeader] = {}
+    try:
+        while True:
+            message = ring.read(timeout=None)  # idle: blocks in the kernel, ends when the writer exits
+            if message == STOP:
+                return
+            command = decode_command(message)
+            state.drop_below(command.floor)
+            piece = command.plan[ring.reader]
+            if piece is None:
+                continue
+            enter_ns = time.time_ns()
+            at, seq = piece
+            if seq <= state.seq:
+                raise RingError(f"call {command.call_id} has sequence number {seq}, after {state.seq}: out of order")
+            state.seq, state.call_id = seq, command.call_id
+            header = command.headers[at]
+            try:
+                call = decoded.get(header)
+                if call is None:
+                    call = pickle.loads(header)
+                    if len(decoded) < DECODED_MAX:
+                        decoded[header] = call
+                answer = encode_answer(command.call_id, OK, run(call, seq, enter_ns), REPLY_BYTES, state.park)
+            except Exception as exc:  # noqa: BLE001 - the writer raises it, naming the rank
+                answer = encode_answer(command.call_id, ERROR, error_parts(exc, rank()), REPLY_BYTES, state.park)
+            reply.write(answer, timeout=REPLY_WAIT_S)
+    except RingError as exc:  # the writer is gone, gave the session up, or stopped reading
+        logger.debug("call session ends: %s", exc)
+    except BaseException:  # anything else: say so, and make the writer see it at once
+        logger.exception("rank %s: the call session thread failed; its session ends", rank())
+        reply.abort()
+    finally:
+        ring.close()
+        reply.close()
+
+
+def start_serving(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable[[], int | None]) -> threading.Thread:
+    """:func:`serve` on a daemon thread of its own (the host's session thread)."""
+    thread = threading.Thread(target=serve, args=(ring, reply, run, state, rank), name="rankmesh-session", daemon=True)
+    thread.start()
+    return thread
+
+
+def connect(address: str, reader: int, timeout_s: float = 30.0) -> tuple[Ring, Ring]:
+    """A host's side of :meth:`.session.CallSession.open`: the command ring as ``reader``, and a new reply ring."""
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(address)
+        sock.sendall(struct.pack("<I", reader))
+        ring = receive_ring(sock, reader)
+        try:
+            reply = Ring.create(RingSpec(readers=1, slots=REPLY_SLOTS, slot_bytes=REPLY_BYTES))
+            reply.watch(ring.peer_pids())  # the writer: an answer never waits on a reader that is gone
+            send_ring(sock, reply)
+        except BaseException:
+            ring.close()
+            raise
+        return ring, reply

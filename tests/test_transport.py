@@ -1,0 +1,272 @@
+"""One transport under every call: bounded waits, calls that fail early or are abandoned, threads, views.
+
+Real Ray, real worker processes, real gloo.  Each test names the promise of the transport it
+checks (``docs/control_plane.md``, "What the transport promises", T1-T8); what happened is read
+from the ranks themselves (their own logs, pids and thread names), not from what the group
+says of itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rankmesh import DataProto  # noqa: E402
+from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
+from rankmesh.errors import HangError, StaleViewError, WorkerDiedError, WorkerError  # noqa: E402
+from rankmesh.mesh import RankMesh  # noqa: E402
+from tests.transport_workers import Explodes, TransportWorker  # noqa: E402
+
+SESSION_THREAD = "rankmesh-session"
+
+
+def threads(wg) -> list[set[str]]:
+    return [{thread for _, _, thread in log} for log in wg.history()]
+
+
+@pytest.fixture(scope="module")
+def wg(host_bank):
+    """A 4-rank group on the default path (the controller's call session), in the bank's processes."""
+    group = host_bank.build(RayClassWithInitArgs(TransportWorker), RankMesh(dp=4))
+    yield group
+    host_bank.give_back(group)
+
+
+def run_in_thread(fn, *args):
+    """``fn(*args)`` on a daemon thread; the dict gets ``"value"`` or ``"error"`` and ``"took"``."""
+    out: dict = {}
+
+    def body() -> None:
+        start = time.monotonic()
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+        out["took"] = time.monotonic() - start
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_an_argument_that_does_not_unpickle_leaves_later_calls_alone(wg):
+    """T2: a call that fails before its method runs on a rank cannot hold that rank's next call."""
+    with pytest.raises(WorkerError):
+        wg.take(Explodes())  # an object argument: it travels through the object store, one Ray task per rank
+    wg.history()
+    assert wg.with_timeout(10).echo("after") == ["after"] * 4
+    assert threads(wg) == [{SESSION_THREAD}] * 4  # the next call took the session, and ran
+
+
+def test_two_threads_calling_one_group_get_their_own_answers(wg):
+    """T6: a group may be called from several threads; each call gets its own outputs."""
+    wg.history()
+    calls = 60
+    results: dict[int, list] = {0: [], 1: [], 2: []}
+
+    def blocking(tid: int) -> None:
+        for i in range(calls):
+            results[tid].append((i, wg.echo((tid, i))))
+
+    def non_blocking(tid: int) -> None:
+        for i in range(calls):
+            results[tid].append((i, wg.echo_later((tid, i)).get()))
+
+    workers = [threading.Thread(target=blocking, args=(0,)), threading.Thread(target=blocking, args=(1,)),
+               threading.Thread(target=non_blocking, args=(2,))]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(120)
+    assert not any(t.is_alive() for t in workers)
+    for tid in (0, 1, 2):
+        assert results[tid] == [(i, [(tid, i)] * 4) for i in range(calls)]
+    logs = wg.history()
+    for log in logs:  # every rank ran every call once, and each thread's calls in the order it sent them
+        values = [value for _, value, _ in log]
+        assert sorted(values) == sorted((tid, i) for tid in (0, 1, 2) for i in range(calls))
+        for tid in (0, 1, 2):
+            assert [v for v in values if v[0] == tid] == [(tid, i) for i in range(calls)]
+
+
+def test_a_stuck_rank_never_holds_calls_to_the_other_ranks(wg):
+    """T3: a rank that stopped reading (it runs an abandoned call) holds no call that does not name it,
+    and a call that names it ends at its deadline, saying why."""
+    wg.history()
+    with pytest.raises(HangError):
+        wg.with_timeout(0.5).nap(1, 6.0)  # rank 1 runs on; the call is abandoned
+    t0 = time.monotonic()
+    for i in range(12):  # more calls than the command ring has slots
+        thread, out = run_in_thread(lambda i=i: wg.call_ranks("echo", [(i,)] * 3, ranks=[0, 2, 3], timeout_s=3))
+        thread.join(10)
+        assert not thread.is_alive(), f"call {i} to ranks 0, 2, 3 still waits"
+        assert out.get("value") == [i] * 3, out
+    assert time.monotonic() - t0 < 5.0  # none of them waited for rank 1
+    with pytest.raises(HangError) as info:
+        wg.with_timeout(1).echo("all")  # names rank 1: it waits for the abandoned call first, then gives up
+    assert info.value.ranks == [1] and "nap" in str(info.value)
+    time.sleep(max(0.0, 6.5 - (time.monotonic() - t0)))
+    assert wg.with_timeout(5).echo("after") == ["after"] * 4
+    logs = wg.history()
+    assert [m for m, _, _ in logs[1]] == ["nap", "echo"]  # rank 1: the abandoned call, then the next one it was sent
+    assert [v for m, v, _ in logs[0] if m == "echo"] == [*range(12), "after"]
+
+
+def test_parked_outputs_of_an_abandoned_call_are_dropped(wg):
+    """T5: an output too big for a reply slot, of a call nobody reads any more, does not stay in the worker."""
+    with pytest.raises(HangError):
+        wg.with_timeout(0.3).big_after(1.0, 3 << 20)
+    assert wg.with_timeout(10).echo("next") == ["next"] * 4  # waits for the abandoned call, then runs
+    parked = ray.get([actor.__ray_call__.remote(lambda host: host._session_state.parked) for actor in wg.workers])
+    assert parked == [0] * 4
+
+
+def object_refs(future) -> list:
+    """The ObjectRefs a future's handles hold (whatever the handle type)."""
+    refs = []
+    for handle in future.handles:
+        values = [handle] if isinstance(handle, ray.ObjectRef) else list(vars(handle).values())
+        refs += [v for v in values if isinstance(v, ray.ObjectRef)]
+    return refs
+
+
+def test_futures_passed_along_free_their_references(host_bank):
+    """T4: a future handed to another group's call is not pinned once caller and callee dropped it."""
+    import torch
+
+    producer = host_bank.build(RayClassWithInitArgs(TransportWorker), RankMesh(dp=1))
+    consumer = host_bank.build(RayClassWithInitArgs(TransportWorker), RankMesh(dp=1))
+    core = ray._private.worker.global_worker.core_worker
+    seed = DataProto.from_dict({"i": torch.arange(1)})
+    try:
+        ids = set()
+        for _ in range(40):
+            future = producer.make(seed)  # 8 MiB into the store, a future on the controller
+            ids |= {ref.hex().encode() for ref in object_refs(future)}
+            assert consumer.take(future) == ["DataProto"]  # the consumer's rank fetches it itself
+            del future
+        assert len(ids) == 40
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while True:
+            left = ids & set(core.get_all_reference_counts())  # keys: hex ids, as bytes
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert not left, f"{len(left)} of the 40 outputs are still referenced (pinned) by the controller"
+    finally:
+        host_bank.give_back(consumer)
+        host_bank.give_back(producer)
+
+
+def test_a_rank_with_1100_open_files_answers(host_bank):
+    """T7: a rank whose session fds are numbered above 1023 still serves calls."""
+    group = host_bank.build(RayClassWithInitArgs(TransportWorker, 1100), RankMesh(dp=2))
+    try:
+        assert group.with_timeout(15).echo("hi") == ["hi"] * 2
+        assert threads(group) == [{SESSION_THREAD}] * 2
+        assert min(group.highest_fd()) >= 1100
+    finally:
+        host_bank.give_back(group)
+
+
+def test_a_grow_that_cannot_be_placed_keeps_no_placement_group(host_bank):
+    """T5: a grow refused for want of room leaves no placement group behind."""
+    from ray.util import placement_group_table
+
+    from rankmesh.errors import RecoveryError
+
+    group = host_bank.build(RayClassWithInitArgs(TransportWorker), RankMesh(dp=2))
+    try:
+        before = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+        with pytest.raises(RecoveryError, match="no node has room"):
+            group.grow(replicas=64, timeout_s=1.0)
+        after = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+        assert after - before == set()
+        assert group.echo(1) == [1, 1]  # the group is unchanged and usable
+    finally:
+        host_bank.give_back(group)
+
+
+# ----- groups of their own: kills, replacements, shrinks -------------------------------------------------
+
+
+def test_after_a_hang_error_the_next_call_warns_at_once_and_ends_at_its_bound(ray_session, caplog):
+    """T3: ranks still in an abandoned call make a later call warn at once and end at the default bound,
+    never wait silently; the HangError's advice (kill and replace them) brings them back."""
+    wg = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(TransportWorker, distributed=True),
+                        on_rank_death="keep", abandoned_wait_s=3.0)
+    try:
+        with pytest.raises(HangError) as info:
+            wg.call_ranks("act", [("world",), ("skip",)], timeout_s=2)  # rank 0 waits in an all_reduce rank 1 skips
+        hang = info.value
+        assert hang.ranks == [0]
+        assert "kill_ranks" in str(hang) and "shutdown" in str(hang)  # what happens next, and how to get rank 0 back
+        caplog.set_level(logging.WARNING)
+        thread, out = run_in_thread(wg.noop)
+        time.sleep(1.0)
+        warned = [r.getMessage() for r in caplog.records if "act" in r.getMessage() and "still" in r.getMessage()]
+        assert warned, "no warning within 1 s that rank 0 still runs the abandoned call"
+        thread.join(15)
+        assert not thread.is_alive(), "the call after the HangError still waits"
+        assert isinstance(out.get("error"), HangError) and 2.5 < out["took"] < 8.0, out
+        assert out["error"].ranks == [0] and "not sent" in str(out["error"])
+        wg.kill_ranks([0])
+        report = wg.replace_dead_ranks()
+        assert report.ranks == [0]
+        assert wg.echo("back") == ["back", "back"]
+        assert wg.call_ranks("act", [("world",)] * 2, timeout_s=10) == [2.0, 2.0]
+    finally:
+        wg.shutdown()
+
+
+def test_a_survivor_blocked_on_a_live_peer_finishes_its_call_before_the_replacement(ray_session):
+    """T8: recovery steps wait for the call a survivor runs (one lock on the host): a survivor blocked in
+    a collective on a live peer finishes it, and only then leaves torch.distributed."""
+    wg = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(TransportWorker, distributed=True),
+                        mesh=RankMesh(tp=2, dp=2), on_rank_death="keep")
+    try:
+        wg.echo("on the session")
+        assert threads(wg) == [{SESSION_THREAD}] * 4
+        # Rank 0 waits in its tp group for rank 1, which joins after 3 s; rank 2's tp peer, rank 3, dies.
+        with pytest.raises(WorkerDiedError) as info:
+            wg.call_ranks("act", [("tp",), ("late:3",), ("tp",), ("exit",)])
+        assert info.value.ranks == [3]
+        report = wg.replace_dead_ranks()
+        assert report.ranks == [3] and report.stuck == []
+        assert wg.last()[:2] == [2.0, 2.0]  # ranks 0 and 1 finished their all_reduce (1 + 1), untouched
+        assert wg.call_ranks("act", [("tp",)] * 4, timeout_s=20) == [2.0] * 4
+    finally:
+        wg.shutdown()
+
+
+def test_a_view_taken_before_a_shrink_is_refused(ray_session):
+    """T8 (generations): a replica view of an older mesh never reaches another replica's processes."""
+    wg = RayWorkerGroup(RayResourcePool([3], use_gpu=False), RayClassWithInitArgs(TransportWorker),
+                        mesh=RankMesh(dp=3), on_rank_death="keep")
+    try:
+        held = wg.replica(1)
+        pid_of = dict(wg.whoami())
+        assert held.whoami() == [(1, pid_of[1])]
+        os.kill(pid_of[0], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError):
+            wg.echo(0)
+        wg.shrink_dead_replicas()
+        with pytest.raises(StaleViewError) as info:
+            held.whoami()
+        text = str(info.value)
+        assert "shrank" in text and "wg.replica(" in text
+        with pytest.raises(StaleViewError):
+            held.weight_version = 3
+        assert wg.weight_versions == (0, 0)
+        assert wg.replica(1).whoami() == [(1, pid_of[2])]  # a fresh view: replica 1 is the old replica 2
+    finally:
+        wg.shutdown()
