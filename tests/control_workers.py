@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 
+from rankmesh.data import DataProto
 from rankmesh.dispatch import Dispatch, register
 from rankmesh.worker import Worker
 
@@ -70,6 +71,29 @@ class ControlWorker(Worker):
     @register(Dispatch.DP_COMPUTE)
     def per_rank(self, value: int) -> int:
         return value * 10 + self.rank
+
+    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def rows_later(self, data: DataProto) -> DataProto:
+        """Non-blocking: each row's ``x`` times 10 plus this rank, into a future."""
+        self._note("rows_later", len(data))
+        return DataProto.from_dict({"y": data.batch["x"] * 10 + self.rank})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def rows_now(self, data: DataProto) -> DataProto:
+        """Blocking: the same, for a chain that starts with a blocking call."""
+        self._note("rows_now", len(data))
+        return DataProto.from_dict({"y": data.batch["x"] * 10 + self.rank})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def total(self, data: DataProto) -> list[int]:
+        """Every rank's view of a batch it was handed (a future materialized on the rank): its ``y`` column."""
+        self._note("total", len(data))
+        return [int(v) for v in data.batch["y"]]
+
+    def count_args(self, *values: object) -> int:
+        """How many positional arguments arrived (a call whose message is bigger than a ring slot)."""
+        self._note("count_args", len(values))
+        return len(values)
 
 
 def kill_after(pid: int, seconds: float) -> dict:

@@ -33,17 +33,23 @@ def answer(sock: socket.socket, value: dict) -> None:
 
 
 def read_messages(address: str, reader: int, count: int, pause_s: float = 0.0) -> None:
-    """Read ``count`` messages; answer how many, the sum of their first 8 bytes (little-endian) and their sizes."""
+    """Read ``count`` messages; answer the number each carried in its first 8 bytes (little-endian),
+    in the order read, and their sizes; then try to write, which a reader may not."""
     sock = connect(address)
     ring = receive_ring(sock, reader)
-    total, sizes = 0, []
+    numbers, sizes = [], []
     for _ in range(count):
         msg = ring.read(timeout=30)
-        total += struct.unpack_from("<Q", msg, 0)[0]
+        numbers.append(struct.unpack_from("<Q", msg, 0)[0])
         sizes.append(len(msg))
         if pause_s:
             time.sleep(pause_s)
-    answer(sock, {"pid": os.getpid(), "count": count, "sum": total, "sizes": sizes})
+    try:
+        ring.write(b"x")
+        refused = None
+    except RingError as exc:
+        refused = str(exc)
+    answer(sock, {"pid": os.getpid(), "count": count, "numbers": numbers, "sizes": sizes, "write_refused": refused})
     ring.close()
 
 

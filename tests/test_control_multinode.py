@@ -19,10 +19,14 @@ PATHS = ("agent", "tree", "ray")
 def scenarios(cluster) -> dict:
     """Runs inside the driver process: every scenario on both paths, one report."""
     import os
+    import threading
     import time
 
+    import ray
+
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from rankmesh.errors import WorkerDiedError, WorkerError
+    from rankmesh.backends.ray.agent import subtree
+    from rankmesh.errors import AgentLostError, WorkerDiedError, WorkerError
     from tests.control_workers import ControlWorker, kill_after
 
     report: dict = {}
@@ -48,6 +52,37 @@ def scenarios(cluster) -> dict:
         except WorkerError as exc:
             got["error"] = {"rank": exc.rank, "text": str(exc)}
         got["after_error"] = wg.echo(1)
+        # A call too big for a ring slot takes Ray's tasks, through agents as on one node (one size rule).
+        wg.history()
+        got["big"] = wg.call_ranks("count_args", [tuple(range(300_000))] * 6)
+        got["big_threads"] = [sorted({t for _, _, t in log}) for log in wg.history()]
+        if path != "ray":
+            # Two threads calling the group through the agents: each gets its own answers.
+            answers: dict[int, list] = {0: [], 1: []}
+
+            def caller(tid: int) -> None:
+                for i in range(15):
+                    answers[tid].append(wg.echo(f"{tid}-{i}"))
+
+            callers = [threading.Thread(target=caller, args=(t,)) for t in (0, 1)]
+            for t in callers:
+                t.start()
+            for t in callers:
+                t.join(120)
+            got["threads_ok"] = all(answers[t] == [[f"{t}-{i}"] * 6 for i in range(15)] for t in (0, 1))
+            # The top agent dies during a call while every rank lives: its ranks are not declared dead.
+            session = wg.executor.session
+            top = session.tops[0]
+            served = sorted(r for n in subtree(top, session.children) for r in session.by_node[n])
+            agent = session.agents[top]
+            threading.Timer(0.5, lambda: ray.kill(agent, no_restart=True)).start()
+            try:
+                wg.sleep(2.0)
+                got["agent_lost"] = {"type": None}
+            except (AgentLostError, WorkerDiedError) as exc:
+                got["agent_lost"] = {"type": type(exc).__name__, "ranks": exc.ranks, "served": served, "text": str(exc)}
+            got["usable"] = wg.failed is None
+            got["after_agent_lost"] = wg.echo("again")
         killed = kill_after(wg._hosts.info[5]["pid"], 0.5)
         try:
             wg.sleep(20.0)
@@ -86,6 +121,31 @@ def test_a_rank_killed_on_another_node_is_named_within_two_seconds(report, path)
     died = report[path]["died"]
     assert died["ranks"] == [5]
     assert died["after_s"] < (10.0 if path == "ray" else 2.0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_call_too_big_for_a_ring_slot_takes_rays_tasks_on_every_path(report, path):
+    """T1: the same size rule on one node and through agents: 1.5 MB of arguments take Ray's tasks."""
+    got = report[path]
+    assert got["big"] == [300_000] * 6
+    assert all("rankmesh-session" not in threads for threads in got["big_threads"])
+
+
+@pytest.mark.parametrize("path", ("agent", "tree"))
+def test_two_threads_calling_one_group_across_nodes_get_their_own_answers(report, path):
+    """T6, through the agents."""
+    assert report[path]["threads_ok"]
+
+
+@pytest.mark.parametrize("path", ("agent", "tree"))
+def test_a_dead_top_agent_is_blamed_on_the_ranks_it_served_which_live(report, path):
+    """A top agent killed mid-call: its subtree's ranks (node_a's flat; all six in the tree) are alive,
+    so the error is AgentLostError naming them, no rank is declared dead, and the next call starts new agents."""
+    got = report[path]
+    lost = got["agent_lost"]
+    assert lost["type"] == "AgentLostError", lost
+    assert lost["ranks"] == lost["served"] == {"agent": [0, 1, 2, 3], "tree": [0, 1, 2, 3, 4, 5]}[path], lost
+    assert got["usable"] and got["after_agent_lost"] == ["again"] * 6
 
 
 def test_the_agent_tree_is_breadth_first_with_fanout_children_each():

@@ -111,33 +111,69 @@ def test_outputs_bigger_than_an_answer_slot_arrive_whole(groups, path):
     size = REPLY_BYTES + 4096
     out = wg.big(size)
     assert [len(b) for b in out] == [size] * 4 and [b[:1] for b in out] == [bytes([r]) for r in range(4)]
+    parked = ray.get([actor.__ray_call__.remote(lambda host: host._session_state.parked) for actor in wg.workers])
+    assert parked == [0] * 4  # each output taken once, nothing kept in the workers
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_call_past_its_timeout_says_where_each_rank_is(groups, path):
+def test_a_call_past_its_timeout_says_where_each_rank_is(groups, path, caplog):
     wg = groups[path]
+    wg.history()
     with pytest.raises(HangError) as info:
         wg.with_timeout(0.5).sleep(2.0)
     err = info.value
     assert err.ranks == [0, 1, 2, 3]
     assert {h.place.function for h in err.hangs} == {"sleep"}
-    time.sleep(1.6)
-    assert wg.echo("after") == ["after"] * 4  # the slow call ended; the next one runs after it
+    assert "keep running" in str(err) and "kill_ranks" in str(err)
+    # Right after the timeout, the next call waits for the ranks to end the abandoned one (saying so at
+    # once), then runs after it on every rank.
+    with caplog.at_level("WARNING", logger="rankmesh"):
+        assert wg.with_timeout(10).echo("after") == ["after"] * 4
+    assert any("still run sleep" in r.getMessage() for r in caplog.records)
+    assert [[m for m, _, _ in log] for log in wg.history()] == [["echo"]] * 4
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_futures_chain_across_paths(groups, path):
-    """A blocking call's output fed to another group's non-blocking call, and that future to a blocking one."""
+    """A non-blocking call's future handed to the other group's call, whose ranks fetch it themselves.
+
+    Expected values by hand: rows_later gives x * 10 + rank for each row (dp=4: one row per rank),
+    and every rank of the consumer sees the whole column.  A future is an object-store argument,
+    so the consumer's call takes Ray's tasks on either group, and its ranks run it after the
+    producer's call."""
+    import torch
+
+    from rankmesh import DataProto
+
     wg, other = groups[path], groups["ray" if path == "session" else "session"]
-    assert wg.per_rank([1, 2, 3, 4]) == [10, 21, 32, 43]
-    future = other.slow_append("f", 0.0)
-    assert future.get() == [None] * 4
+    wg.history()
     other.history()
+    batch = DataProto.from_dict({"x": torch.tensor([1, 2, 3, 4])})
+    future = wg.rows_later(batch)  # non-blocking: Ray's tasks on both groups
+    assert other.total(future) == [[10, 21, 32, 43]] * 4
+    # ... and the other way round, from a blocking call's output, through the store again.
+    out = other.rows_now(batch)
+    assert wg.total(out) == [[10, 21, 32, 43]] * 4
+    assert [[m for m, _, _ in log] for log in wg.history()] == [["rows_later", "total"]] * 4
+    assert [[m for m, _, _ in log] for log in other.history()] == [["total", "rows_now"]] * 4
+
+
+def ring_fds() -> list[str]:
+    """This process's fds of rings (anonymous memfds named ``rankmesh-ring``, and eventfds)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "rankmesh-ring" in target or "eventfd" in target:
+            found.append(target)
+    return sorted(found)
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_rank_killed_mid_call_is_named_within_two_seconds(ray_session, path):
-    before = set(os.listdir("/dev/shm"))
+    before = ring_fds()
     wg = make_group(path)
     try:
         wg.echo(0)
@@ -150,7 +186,7 @@ def test_a_rank_killed_mid_call_is_named_within_two_seconds(ray_session, path):
             wg.echo(1)
     finally:
         wg.shutdown()
-    assert set(os.listdir("/dev/shm")) - before == set()
+    assert ring_fds() == before  # the session's rings were closed with it: no memfd or eventfd left
 
 
 @pytest.mark.parametrize("path", PATHS)

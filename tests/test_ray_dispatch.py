@@ -81,7 +81,10 @@ def group_factory(group_cache):
         mesh = mesh if mesh is not None else RankMesh(dp=1)
         if mesh.world_size > MAX_RAY_RANKS:
             pytest.skip(f"{mesh.world_size}-rank meshes run on the in-process backend only (actors cost a process each)")
-        return group_cache.get(worker_cls, mesh, meshes, init_args, init_kwargs)
+        group = group_cache.get(worker_cls, mesh, meshes, init_args, init_kwargs)
+        # The matrix runs on the default carrier: the group's call session must be open and take its calls.
+        assert [info["control"] for info in group.transport_info()] == ["session"] * mesh.world_size
+        return group
 
     return make
 
@@ -222,8 +225,8 @@ def test_a_slot_never_installed_is_refused(holder_group):
 
 
 def test_a_group_rebuilt_in_used_processes_keeps_each_ranks_call_order(host_bank):
-    """Each group counts its Ray calls from zero on both sides, so a session call still waits for the
-    Ray calls sent before it where an earlier group's processes ran calls its controller never sent."""
+    """A group in processes an earlier group used keeps each rank's order: a session call waits for
+    the Ray calls sent before it (fenced by the controller), whatever those processes ran before."""
     from tests.replica_workers import ReplicaWorker
 
     init = RayClassWithInitArgs(ReplicaWorker, delays={})

@@ -67,12 +67,23 @@ def message(k: int, size: int) -> bytes:
     return struct.pack("<Q", k) + bytes(size - 8)
 
 
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def ring_fds() -> list[str]:
+    """This process's fds of rings: anonymous memfds (``memfd:rankmesh-ring``) and eventfds.
+
+    A ring is never named in ``/dev/shm``, so a leak shows only here, as open fds."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "rankmesh-ring" in target or "eventfd" in target:
+            found.append(target)
+    return sorted(found)
 
 
 def test_every_reader_reads_every_message_in_order_through_a_full_ring():
-    before = shm_entries()
+    before = ring_fds()
     count = 60
     # 4 slots for 60 messages: the ring wraps 15 times; reader 2 reads slowly, so the writer waits for it.
     w = Writer(RingSpec(readers=3, slots=4, slot_bytes=1024), ring_workers.read_messages,
@@ -83,13 +94,14 @@ def test_every_reader_reads_every_message_in_order_through_a_full_ring():
             w.ring.write(message(k, 8 + (k % 5) * 100), timeout=30)
         answers = w.answers()
         took = time.monotonic() - start
-        # Every reader got all 60, in order: the sum of 0..59 and every size, by hand.
-        assert [a["sum"] for a in answers] == [count * (count - 1) // 2] * 3
+        # Every reader got all 60, each once and in the order written (the number each carried), every size by hand.
+        assert [a["numbers"] for a in answers] == [list(range(count))] * 3
         assert all(a["sizes"] == [8 + (k % 5) * 100 for k in range(count)] for a in answers)
+        assert all("cannot write" in (a["write_refused"] or "") for a in answers)  # a reader is not the writer
         assert took >= 0.01 * (count - 4)  # the writer was held back by the slow reader, not ahead of it
     finally:
         w.close()
-    assert shm_entries() == before  # nothing named in /dev/shm
+    assert ring_fds() == before  # the writer's memfd and doorbells are closed with it
 
 
 def test_a_writer_waiting_on_a_killed_reader_raises_naming_it_within_2_s():
@@ -110,7 +122,7 @@ def test_a_writer_waiting_on_a_killed_reader_raises_naming_it_within_2_s():
 
 
 def test_a_reader_waiting_on_a_killed_writer_raises_within_2_s_and_nothing_is_left():
-    before = shm_entries()
+    before = ring_fds()
     parent, child = SPAWN.Pipe()
     address = f"\0rankmesh-ring-test-{uuid.uuid4().hex}"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -139,7 +151,7 @@ def test_a_reader_waiting_on_a_killed_writer_raises_within_2_s_and_nothing_is_le
                 p.kill()
             p.join(10)
         server.close()
-    assert shm_entries() == before
+    assert ring_fds() == before  # the fds relayed through this process were closed here
 
 
 def _writer_that_waits(address: str) -> None:
@@ -205,5 +217,19 @@ def test_a_ring_refuses_the_wrong_party():
             ring.write(bytes(8))
             ring.write(bytes(8))
             ring.write(bytes(8), timeout=0.1)  # 2 slots, no reader reading: full
+    finally:
+        ring.close()
+
+
+def test_a_ring_refused_on_receipt_leaves_no_fd_open():
+    """``attach`` owns the fds it is given: refusing them (too few for the ring's readers), it closes them."""
+    ring = Ring.create(RingSpec(readers=2, slots=2, slot_bytes=64))
+    try:
+        before = ring_fds()
+        fds = [os.dup(fd) for fd in ring.fds()[:3]]  # the memfd and two doorbells: one short
+        assert len(ring_fds()) == len(before) + 3
+        with pytest.raises(RingError, match="cannot attach as reader 0"):
+            Ring.attach(fds, 0)
+        assert ring_fds() == before
     finally:
         ring.close()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from rankmesh.deadline import Deadline
-from rankmesh.errors import WorkerDiedError, WorkerError
+from rankmesh.errors import AgentLostError, WorkerDiedError, WorkerError
 
 #: How a rank may receive its inputs, per call (``@register(receive=...)``, ``wg.set_receive``,
 #: :attr:`RankCall.receive`).  ``"cow"``: copy-on-write views of the object store (the default);
@@ -97,7 +97,8 @@ def merge_failures(failures: Sequence[tuple[int, str | None, Any, BaseException]
     The one rule every backend and carrier reports by: dead processes first (the root cause: one
     :class:`WorkerDiedError` naming every dead rank, its coordinates and nodes), else the lowest
     rank's :class:`WorkerError` with the others attached (flattened: an error that already carries
-    others, from a node agent's subtree, gives them up to the merge), else the lowest rank's error.
+    others, from a node agent's subtree, gives them up to the merge), else the ranks whose node
+    agent was lost (one :class:`AgentLostError` naming them all), else the lowest rank's error.
     """
     ordered = sorted(failures, key=lambda f: f[0])
     died = [(rank, node, coords, e) for rank, node, coords, e in ordered if isinstance(e, WorkerDiedError)]
@@ -118,6 +119,12 @@ def merge_failures(failures: Sequence[tuple[int, str | None, Any, BaseException]
     if workers:
         flat = sorted(workers.values(), key=lambda e: e.rank)
         return flat[0].attach([w.attach([]) if w.others else w for w in flat[1:]])
+    lost = [e for _, _, _, e in ordered if isinstance(e, AgentLostError)]
+    if lost:
+        ranks = sorted({r for e in lost for r in e.ranks})
+        detail = str(lost[0]).split(": ", 1)[-1]
+        return AgentLostError(f"ranks {ranks} are alive, but the node agent serving them died ({detail}); what the call "
+                              "did there is unknown; the group's next call starts new agents", ranks)
     return ordered[0][3]
 
 

@@ -39,19 +39,20 @@ from rankmesh.deadline import Deadline
 from rankmesh.errors import AgentLostError, WorkerDiedError
 from rankmesh.mesh import RankCoords
 
-from .session import CallSession
-from .calls import Outcome, Pending
+from .calls import CallRecord, Outcome, Pending
+from .session import COMMAND_MARGIN, CallSession
 from .waiting import PROCESS_DIED, gather
-from .wire import Command, command_plan, encode_command
+from .wire import COMMAND_BYTES, Command, command_plan, encode_command
 
 CONTROL_GROUP = "control"
 #: Children per agent, and agents the controller sends to: up to 8 nodes take one level, 72 two,
 #: 584 three (``AgentSession(fanout=...)``, ``RayWorkerGroup.set_control(agent_fanout=...)``).
 AGENT_FANOUT = 8
-#: How often an agent waiting for a call looks whether the controller gave it up (seconds).
-GIVE_UP_SLICE_S = 0.5
 #: How long the controller waits for the processes of a dead agent's ranks to say they live (seconds).
 PROBE_S = 2.0
+#: The longest an agent waits for a free slot in its node's ring when the call has no deadline
+#: (seconds): a full ring means a rank there still runs an earlier call, and the controller is told.
+WRITE_WAIT_S = 30.0
 
 #: One node's share of a call: the distinct headers and, per reader, (header index, sequence number).
 NodeWork = tuple[tuple[bytes, ...], tuple]
@@ -156,10 +157,12 @@ class NodeAgent:
                 return NodeAnswer({r: Outcome(error=AgentLostError(f"{method}: the node agent's call session is closed", [r]))
                                    for r in _called(self._node_ranks(), mine)})
             headers, plan = mine
+            called = _called(session.ranks, mine)
             try:
-                pending += session.send(Command(call_id, 0, headers, plan), method, deadline, generation)
+                session.write(Command(call_id, 0, headers, plan), method, deadline.bounded(WRITE_WAIT_S), called)
             except Exception as exc:  # noqa: BLE001 - a full or aborted ring: every rank of this node fails with it
-                return NodeAnswer({r: Outcome(error=exc) for r in _called(session.ranks, mine)})
+                return NodeAnswer({r: Outcome(error=exc) for r in called})
+            pending += [Pending(call_id, r, method, None, None, session.name, call_id, generation) for r in called]
         return self._wait(call_id, pending, deadline, {"session": session, "agent": AgentAnswers()})
 
     def drain(self, ranks: Sequence[int], timeout_s: float | None) -> NodeAnswer:
@@ -174,28 +177,23 @@ class NodeAgent:
 
     def _wait(self, call_id: int, pending: Sequence[Pending], deadline: Deadline, carriers: Mapping[str, Any],
               stop_on_failure: bool = True) -> NodeAnswer:
-        """The one wait loop, in slices, until done, failed (after its grace), past the deadline or given up."""
-        outcomes: dict[int, Outcome] = {}
-        left = list(pending)
-        while left:
-            got = gather(left, deadline.bounded(GIVE_UP_SLICE_S), carriers, stop_on_failure=stop_on_failure)
-            for i, outcome in got.outcomes.items():
-                outcomes[left[i].rank] = outcome
-            left = [left[i] for i in got.unfinished]
+        """The one wait loop: until done, failed (its grace over), past the deadline, or given up."""
+        def given_up() -> bool:
             with self._lock:
-                given_up = call_id in self._given_up
-            if got.stopped == "failed" or deadline.expired() or given_up:
-                break
+                return call_id in self._given_up
+
+        got = gather(pending, deadline, carriers, stop_on_failure=stop_on_failure, stop=given_up)
         with self._lock:
             self._given_up.discard(call_id)
-        return NodeAnswer(outcomes, tuple(sorted(p.rank for p in left)))
+        outcomes = {pending[i].rank: outcome for i, outcome in got.outcomes.items()}
+        return NodeAnswer(outcomes, tuple(sorted(pending[i].rank for i in got.unfinished)))
 
     def _node_ranks(self) -> tuple[int, ...]:
         return () if self._session is None else self._session.ranks
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def give_up(self, call_id: int) -> None:
-        """The controller abandoned call ``call_id``: answer it with what is in (within :data:`GIVE_UP_SLICE_S`)."""
+        """The controller abandoned call ``call_id``: answer it with what is in (at the wait loop's next look)."""
         with self._lock:
             self._given_up.add(call_id)
 
@@ -299,33 +297,31 @@ class AgentSession:
 
     # ----- sending ----------------------------------------------------------------------------
 
-    def work(self, parts: Sequence[tuple[int, bytes, int]]) -> dict[str, NodeWork] | None:
-        """Each node's share of a call (``parts``: ``(rank, header, seq)``); ``None`` if one does not fit its ring."""
+    def prepare(self, call: CallRecord) -> dict[str, NodeWork] | None:
+        """Each node's share of ``call``, or ``None``: not inline, a rank no agent serves, or a node's
+        share too big for its ring (the same size rule as the controller's own session)."""
+        if not self.agents or not call.inline or any(rank not in self.served for rank in call.ranks):
+            return None
         per_node: dict[str, list[tuple[int, bytes, int]]] = {}
-        for part in parts:
-            per_node.setdefault(self.node_of[part[0]], []).append(part)
+        for part in call.parts:
+            per_node.setdefault(self.node_of[part.rank], []).append((part.rank, part.header, part.seq))
         work = {}
         for node, node_parts in per_node.items():
             headers, plan = command_plan(self.by_node[node], node_parts)
-            from .session import COMMAND_MARGIN
-            from .wire import COMMAND_BYTES
-
-            if len(encode_command(Command(0, 0, headers, plan))) + COMMAND_MARGIN > COMMAND_BYTES:
+            if len(encode_command(Command(call.call_id, call.call_id, headers, plan))) + COMMAND_MARGIN > COMMAND_BYTES:
                 return None
             work[node] = (headers, plan)
         return work
 
-    def send(self, call_id: int, work: Mapping[str, NodeWork], ranks: Sequence[int], method: str, deadline: Deadline,
-             generation: int = 0) -> list[Pending]:
+    def send(self, call: CallRecord, work: Mapping[str, NodeWork]) -> list[Pending]:
         per_top: dict[str, dict[str, NodeWork]] = {}
         for node, share in work.items():
             per_top.setdefault(self.top_of[node], {})[node] = share
-        refs = {top: self.agents[top].call.remote(call_id, method, share, deadline.timeout(), generation)
+        refs = {top: self.agents[top].call.remote(call.call_id, call.method, share, call.deadline.timeout(), call.generation)
                 for top, share in per_top.items()}
         with self._lock:
-            self._unsettled.update(ranks)
-        return [Pending(refs[self.top_of[self.node_of[r]]], r, method, self.nodes[r], self.coords[r], self.name, call_id,
-                        generation) for r in ranks]
+            self._unsettled.update(call.ranks)
+        return call.pending(self.name, [refs[self.top_of[self.node_of[rank]]] for rank in call.ranks])
 
     def owing(self) -> set[int]:
         """The ranks whose outcome of a call sent them was not read (a failed or abandoned call's)."""

@@ -2,9 +2,10 @@
 
 A call reaches a group's ranks on one of three carriers (:mod:`.tasks`: one Ray task per rank;
 :mod:`.session`: a shared-memory ring; :mod:`.agent`: one Ray task per node), and is waited for
-in one loop (:mod:`.waiting`).  What passes between them is defined here, once: a rank's share of
-a call in flight (:class:`Pending`), how it ended (:class:`Outcome`), and what a carrier must say
-(:class:`Carrier`: which of its pending calls are done).
+in one loop (:mod:`.waiting`).  What passes between them is defined here, once: the call itself
+(:class:`CallRecord`, one per call, built once by the executor), a rank's share of it in flight
+(:class:`Pending`), how it ended (:class:`Outcome`), and what a carrier does (:class:`Carrier`:
+``prepare`` a record or decline it, ``send`` it, ``poll`` its pending calls).
 """
 
 from __future__ import annotations
@@ -12,7 +13,62 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+from rankmesh.deadline import NEVER, Deadline
 from rankmesh.mesh import RankCoords
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """One rank's share of a :class:`CallRecord`.
+
+    ``seq``: the rank's sequence number of the call (one count per rank, every carrier alike).
+    ``header``: the encoded method slot and inline arguments (:class:`.wire.CallHeader`).
+    ``refs``: the arguments by reference, the shared objects Ray resolves before the method runs
+    (only Ray's tasks carry them).  ``slot``: the header's call slot on Ray's tasks
+    (:class:`.wire.HeaderCache`).  ``trace``/``keep``: a traced call, and a non-blocking one's
+    timing key.  ``node``/``coords`` name the rank in errors.
+    """
+
+    rank: int
+    seq: int
+    header: bytes
+    refs: tuple[Any, ...] = ()
+    slot: int | None = None
+    trace: bool = False
+    keep: int = 0
+    node: str | None = None
+    coords: RankCoords | None = None
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One call, as every carrier takes it: id, generation, deadline, method and each rank's share.
+
+    ``method`` names the call in errors and answers; ``deadline`` bounds every wait on its way
+    (a free ring slot, the ranks' earlier calls, the answers); ``blocking=False``: its outputs go
+    into a future that other processes may fetch.
+    """
+
+    call_id: int
+    generation: int
+    method: str
+    parts: tuple[RankPart, ...]
+    deadline: Deadline = NEVER
+    blocking: bool = True
+
+    @property
+    def ranks(self) -> list[int]:
+        return [part.rank for part in self.parts]
+
+    @property
+    def inline(self) -> bool:
+        """Whether every argument travels inside the headers and the outputs come back at once (what a ring can carry)."""
+        return self.blocking and not any(part.refs or part.keep for part in self.parts)
+
+    def pending(self, carrier: str, handles: Sequence[Any]) -> list[Pending]:
+        """One :class:`Pending` per part, each with the carrier's handle for it."""
+        return [Pending(handle, part.rank, self.method, part.node, part.coords, carrier, self.call_id, self.generation)
+                for part, handle in zip(self.parts, handles)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,9 +102,20 @@ class Outcome:
 
 
 class Carrier(Protocol):
-    """What the wait loop needs of a carrier: which of its pending calls are done."""
+    """One way a call reaches its ranks (Ray's tasks, a session's ring, node agents), behind three verbs.
+
+    The executor offers each record to its carriers in turn (:meth:`prepare`), sends it with the
+    first that takes it (:meth:`send`), and the wait loop asks that carrier which of the pending
+    calls are done (:meth:`poll`).
+    """
 
     name: str
+
+    def prepare(self, call: CallRecord) -> Any | None:
+        """What :meth:`send` would write for ``call``, or ``None`` when this carrier cannot take it."""
+
+    def send(self, call: CallRecord, prepared: Any) -> list[Pending]:
+        """Send ``call`` (as :meth:`prepare` made it ready); one pending per part, in part order."""
 
     def poll(self, pending: Sequence[Pending], within: float, first: bool) -> dict[int, Outcome]:
         """Outcomes of the done ones among ``pending``, by index; wait at most ``within`` seconds for one.

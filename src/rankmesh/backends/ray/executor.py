@@ -44,7 +44,7 @@ import ray
 
 from rankmesh.backend import Change, RankCall, Shared
 from rankmesh.deadline import Deadline
-from rankmesh.errors import BackendError, RankMeshError, RingError, StaleViewError, WorkerDiedError
+from rankmesh.errors import AgentLostError, BackendError, RankMeshError, RingError, StaleViewError, WorkerDiedError
 from rankmesh.mesh import RankCoords
 from rankmesh.serialization import receiving
 from rankmesh.sharedmem import register_store_processes
@@ -56,10 +56,10 @@ from .hosts import HostSet
 from .order import Abandoned, Ledger, Waits
 from .runtime import raylet_pids
 from .session import CallSession
-from .tasks import RayTasks, ready_refs, start_step
-from .calls import Carrier, Pending
+from .tasks import RayTasks, ready_refs, step_part
+from .calls import CallRecord, Carrier, Pending, RankPart
 from .waiting import Gathered, combine_errors, fetch_outputs, gather, timed_out
-from .wire import Command, command_plan, encode_rank_call
+from .wire import encode_rank_call
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class RayExecutor:
         self._failed_outputs: list[Pending] = []  # Ray outputs of failed calls that no caller will read (settle)
         self.generation = 0
         self._changes: list[Change] = []
-        self._tasks = RayTasks()
+        self._tasks = RayTasks(hosts, hosts.headers)
         #: Whether this group may open a call session (``RANKMESH_CONTROL``; detached groups never do:
         #: other drivers may call their processes), the session once open, and why there is none.
         self.control = "ray" if hosts.detached else control_mode()
@@ -431,77 +431,43 @@ class RayExecutor:
             self._check_usable(method)
             for call in calls:
                 if not 0 <= call.rank < self.world_size:
-                    raise BackendError(f"{method}: rank {call.rank} is out of range for world size {self.world_size}")
+                    raise BackendError(f"{method}: rank {call.rank} is outside the group's ranks (0..{self.world_size - 1})")
             if self._failed_outputs:
                 self.settle()
-            call_id = next(self._ids)
-            ranks = [c.rank for c in calls]
-            seqs = self._next_seqs(ranks)  # a call that is never sent leaves a gap, which the hosts accept
-            encoded = self._encode(role, method, calls)
+            record = self._record(role, method, calls, deadline)
             session = self._open_session()
-            work = self._session_work(session, calls, encoded, call_id, seqs)
-            if isinstance(session, CallSession) and work is not None and session.full():
-                work = None  # a reader still runs an earlier call: the ring would hold this one up behind it
-            carrier = session.name if work is not None else "ray"
-            self._order(carrier, ranks, method, deadline)
-            if isinstance(session, CallSession) and work is not None:
-                pending = session.send(work, method, deadline, self.generation)
-            elif work is not None:
-                pending = session.send(call_id, work, ranks, method, deadline, self.generation)
-            else:
-                pending = self._send_tasks(method, calls, encoded, call_id)
-            self._ledger.sent(carrier, call_id, ranks)
-        self.stats.add(calls=len(pending), carrier=carrier)
+            prepared = None if session is None else session.prepare(record)
+            carrier = self._tasks if prepared is None else session
+            self._order(carrier.name, record.ranks, method, deadline)
+            pending = carrier.send(record, prepared)
+            self._ledger.sent(carrier.name, record.call_id, record.ranks)
+        self.stats.add(calls=len(pending), carrier=carrier.name)
         return pending
 
-    def _next_seqs(self, ranks: Sequence[int]) -> dict[int, int]:
-        seqs = {}
-        for rank in ranks:
-            self._seq[rank] += 1
-            seqs[rank] = self._seq[rank]
-        return seqs
+    def _record(self, role: str | None, method: str, calls: Sequence[RankCall], deadline: Deadline) -> CallRecord:
+        """The call's one record: its id, the generation, each rank's sequence number and share, encoded once.
 
-    def _encode(self, role: str | None, method: str, calls: Sequence[RankCall]) -> list[tuple[bytes, list[Any], int | None]]:
-        """Each call's ``(header, shared refs, call slot)``; calls with the same arguments are encoded once."""
+        Calls with the same arguments share one encoding (a broadcast is pickled once); a header
+        of shared values only is encoded once per host set (:class:`.wire.HeaderCache`).  A call
+        that is never sent leaves a gap in its ranks' sequence numbers, which the hosts accept.
+        """
         memo: dict[tuple[Any, ...], tuple[bytes, list[Any], int | None]] = {}
-        out = []
+        parts = []
         marked = False  # a traced blocking call's first rank sends the fetch mark (rankmesh.tracing.marks)
         for call in calls:
             fetch_mark = call.trace and not call.keep and not marked
             marked = marked or fetch_mark
             key = (tuple(map(id, call.args)), tuple((k, id(v)) for k, v in call.kwargs.items()), call.return_output,
                    call.trace, call.receive, fetch_mark)
-            got = memo.get(key)
-            if got is None:
-                got = memo[key] = encode_rank_call(role, method, call, self.headers, fetch_mark)
-            out.append(got)
-        return out
-
-    def _session_work(self, session: Any, calls: Sequence[RankCall], encoded: Sequence[tuple[bytes, list[Any], int | None]],
-                      call_id: int, seqs: Mapping[int, int]) -> Any:
-        """What ``session`` would write for this call (a command, or the agents' per-node work), or
-        ``None`` when the call must take Ray's tasks: no session, a non-blocking or kept-timing call,
-        an argument in the object store, or a message that does not fit a slot (on every path alike)."""
-        if session is None:
-            return None
-        for call, (_, refs, _) in zip(calls, encoded):
-            if not call.blocking or call.keep or refs or call.rank not in session.served:
-                return None
-        parts = [(c.rank, header, seqs[c.rank]) for c, (header, _, _) in zip(calls, encoded)]
-        if isinstance(session, CallSession):
-            headers, plan = command_plan(session.ranks, parts)
-            command = Command(call_id, call_id, headers, plan)
-            return command if session.fits(command) else None
-        return session.work(parts)
-
-    def _send_tasks(self, method: str, calls: Sequence[RankCall], encoded: Sequence[tuple[bytes, list[Any], int | None]],
-                    call_id: int) -> list[Pending]:
-        actors, nodes, coords, cache = self.hosts.actors, self.nodes, self.coords, self.headers
-        pending = []
-        for call, (header, refs, slot) in zip(calls, encoded):
-            ref = self._tasks.start(actors[call.rank], call.rank, header, refs, slot, cache, call.trace, call.keep)
-            pending.append(Pending(ref, call.rank, method, nodes[call.rank], coords[call.rank], "ray", call_id, self.generation))
-        return pending
+            encoded = memo.get(key)
+            if encoded is None:
+                encoded = memo[key] = encode_rank_call(role, method, call, self.headers, fetch_mark)
+            header, refs, slot = encoded
+            self._seq[call.rank] += 1
+            parts.append(RankPart(call.rank, self._seq[call.rank], header, tuple(refs), slot, call.trace, call.keep,
+                                  self.nodes[call.rank], self.coords[call.rank]))
+        blocking = all(call.blocking for call in calls)
+        return CallRecord(next(self._ids), self.generation, method, tuple(parts), deadline, blocking)
 
     # ----- order (.order) -------------------------------------------------------------------------
 
@@ -603,7 +569,7 @@ class RayExecutor:
             err = combine_errors(failures)
             if isinstance(err, WorkerDiedError):
                 self.fail(err)
-            elif isinstance(err, RingError):  # a host's session thread ended: the next call opens a new session
+            elif isinstance(err, (RingError, AgentLostError)):  # a session thread or an agent ended: the next call opens new ones
                 self._end_session()
             raise err
         slow = [pending[i] for i in got.unfinished]
@@ -689,10 +655,10 @@ class RayExecutor:
                    what: str | None = None) -> list[Pending]:
         """:meth:`step` without waiting: the pending calls (for a caller that watches their progress)."""
         with self._send_lock:  # steps are awaited before the group takes calls again: the ledger need not know them
-            call_id = next(self._ids)
-            return [start_step(self.hosts.actors[rank], rank, step, () if args is None else args[i], what,
-                               self.nodes[rank], self.coords[rank], call_id, self.generation)
-                    for i, rank in enumerate(ranks)]
+            parts = tuple(step_part(rank, step, () if args is None else args[i], self.nodes[rank], self.coords[rank])
+                          for i, rank in enumerate(ranks))
+            record = CallRecord(next(self._ids), self.generation, what or step, parts)
+            return self._tasks.send(record)
 
 
 def _by_call(pending: Sequence[Pending], outcomes: Mapping[int, Any]) -> list[tuple[int, list[int]]]:

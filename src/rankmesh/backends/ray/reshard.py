@@ -29,8 +29,8 @@ from .runtime import worker_raylet_pid
 
 
 def _ref(handle: Any) -> Any:
-    """The ObjectRef of a put object (itself) or of a pending group call (``.waiting.Pending.ref``)."""
-    return handle if isinstance(handle, ray.ObjectRef) else handle.ref
+    """The ObjectRef of a put object (itself) or of a pending group call (``.calls.Pending.handle``)."""
+    return handle if isinstance(handle, ray.ObjectRef) else handle.handle
 
 
 class RayObjects:

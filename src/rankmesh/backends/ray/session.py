@@ -8,8 +8,10 @@ answers on its own reply ring (the host's end is :mod:`.serve`).  Ray still plac
 watches and stops the processes, and still carries data: a session call has only inline
 arguments (:mod:`.wire`, "a header holds no ObjectRef").
 
-This module is the writer's end, one carrier of the transport (:class:`.waiting.Carrier`):
-:meth:`CallSession.send` writes a call, :meth:`CallSession.poll` says which ranks answered.
+This module is the writer's end, one carrier of the transport (:class:`.calls.Carrier`):
+:meth:`CallSession.prepare` takes a call record that has only inline arguments, is blocking,
+names only this session's ranks and fits a slot, and declines the others (they take Ray's
+tasks); :meth:`CallSession.send` writes it; :meth:`CallSession.poll` says which ranks answered.
 Every wait is bounded: a write waits for a free slot no longer than the call's deadline
 (:class:`~rankmesh.errors.RingTimeout` names the readers that did not read), opening no longer
 than ``timeout_s``, and a parked output's fetch no longer than :data:`TAKE_PARKED_S`.  The
@@ -39,9 +41,9 @@ from rankmesh.errors import RingError, RingPeerDied, RingTimeout, WorkerDiedErro
 from rankmesh.mesh import RankCoords
 from rankmesh.ring import Ring, RingSpec, check_platform, receive_ring, send_ring
 
-from .calls import Outcome, Pending
+from .calls import CallRecord, Outcome, Pending
 from .waiting import task_error
-from .wire import COMMAND_BYTES, COMMAND_SLOTS, ERROR, PARKED, STOP, Command, decode_answer, encode_command
+from .wire import COMMAND_BYTES, COMMAND_SLOTS, ERROR, PARKED, STOP, Command, command_plan, decode_answer, encode_command
 
 logger = logging.getLogger(__name__)
 
@@ -158,12 +160,24 @@ class CallSession:
         ring = self.ring
         return ring is not None and bool(ring.unread_readers())
 
-    def fits(self, command: Command) -> bool:
-        """Whether ``command`` (sized with any floor) fits one slot of the command ring."""
-        return len(encode_command(command)) + COMMAND_MARGIN <= COMMAND_BYTES
+    def prepare(self, call: CallRecord) -> Command | None:
+        """The command for ``call``, or ``None``: not inline, a rank this session does not serve, a
+        message that does not fit a slot, or a full ring (a reader still runs an earlier call)."""
+        if self.ring is None or not call.inline or any(rank not in self.served for rank in call.ranks):
+            return None
+        headers, plan = command_plan(self.ranks, [(p.rank, p.header, p.seq) for p in call.parts])
+        command = Command(call.call_id, call.call_id, headers, plan)
+        if len(encode_command(command)) + COMMAND_MARGIN > COMMAND_BYTES or self.full():
+            return None
+        return command
 
-    def send(self, command: Command, method: str, deadline: Deadline, generation: int = 0) -> list[Pending]:
-        """Write ``command`` for every reader at once; one pending per called rank, in plan order.
+    def send(self, call: CallRecord, command: Command) -> list[Pending]:
+        """Write ``command`` (``call`` as :meth:`prepare` made it) for every reader; one pending per part."""
+        self.write(command, call.method, call.deadline, call.ranks)
+        return call.pending(self.name, [command.call_id] * len(call.parts))
+
+    def write(self, command: Command, method: str, deadline: Deadline, ranks: Sequence[int]) -> None:
+        """Put ``command`` in the ring (``ranks``: the readers it calls), its floor set to the oldest call still wanted.
 
         Waits for a free slot until ``deadline``; past it, :class:`RingTimeout` names the ranks
         that have not read the oldest slot (they still run an earlier call).
@@ -171,7 +185,6 @@ class CallSession:
         with self._write_lock:
             if self.ring is None:
                 raise RingError(f"{method}: the call session is closed")
-            called = [rank for rank, piece in zip(self.ranks, command.plan) if piece is not None]
             with self._read_lock:
                 owed = [c for r in self.ranks for c in self._owed[r] if c not in self._unwanted]
             floor = min([*owed, command.call_id])
@@ -183,10 +196,8 @@ class CallSession:
                 raise RingTimeout(f"{method}: the command ring stayed full until the call's deadline: ranks "
                                   f"{slow} have not read their earlier calls ({exc})") from None
             with self._read_lock:
-                for rank in called:
+                for rank in ranks:
                     self._owed[rank].append(command.call_id)
-        return [Pending(command.call_id, rank, method, self.nodes[rank], self.coords[rank], self.name, command.call_id,
-                        generation) for rank in called]
 
     def owes(self, ranks: Sequence[int]) -> list[Pending]:
         """A drain: one pending per rank of ``ranks`` with answers not read yet, done once the rank

@@ -21,26 +21,45 @@ import ray
 from rankmesh.backend import RankCall
 from rankmesh.mesh import RankCoords
 
-from .calls import Outcome, Pending
+from .calls import CallRecord, Outcome, Pending, RankPart
 from .wire import HeaderCache, encode_rank_call, slot_method
 
 
 class RayTasks:
-    """The Ray-task carrier (``name = "ray"``); it keeps no state, so any number of them are one carrier."""
+    """The Ray-task carrier (``name = "ray"``): it takes every call.
+
+    ``processes`` is what holds the group's processes by rank (its ``actors``: a group's host set,
+    read at each send, so a replaced or renumbered rank's new process gets the next call) and
+    ``cache`` their call slots; without them (a process that only waits, a worker fetching a
+    future's parts) it polls and nothing else.
+    """
 
     name = "ray"
 
-    def start(self, actor: Any, rank: int, header: bytes, refs: Sequence[Any], slot: int | None, cache: HeaderCache | None,
-              trace: bool = False, keep: int = 0) -> Any:
-        """Submit one rank's call to ``actor``; its ObjectRef."""
-        if keep:  # traced non-blocking: the host keeps the timing (drain_timings)
-            return actor.execute_kept.remote(keep, header, *refs)
+    def __init__(self, processes: Any = None, cache: HeaderCache | None = None) -> None:
+        self.processes, self.cache = processes, cache
+
+    def prepare(self, call: CallRecord) -> CallRecord:
+        return call
+
+    def send(self, call: CallRecord, prepared: Any = None, actors: Any = None) -> list[Pending]:
+        """One task per part; ``actors`` (by rank) instead of the carrier's processes (a spare's step)."""
+        if actors is None:
+            if self.processes is None:
+                raise TypeError("this Ray-task carrier has no processes to send to: give it actors")
+            actors = self.processes.actors
+        return call.pending(self.name, [self._start(actors[part.rank], part) for part in call.parts])
+
+    def _start(self, actor: Any, part: RankPart) -> Any:
+        header, refs, slot, cache = part.header, part.refs, part.slot, self.cache
+        if part.keep:  # traced non-blocking: the host keeps the timing (drain_timings)
+            return actor.execute_kept.remote(part.keep, header, *refs)
         if slot is None or cache is None:
-            return (actor.execute_traced if trace else actor.execute).remote(header, *refs)
-        if cache.installed(slot, rank, actor):  # no header argument (see wire.HeaderCache)
+            return (actor.execute_traced if part.trace else actor.execute).remote(header, *refs)
+        if cache.installed(slot, part.rank, actor):  # no header argument (see wire.HeaderCache)
             return getattr(actor, slot_method(slot, len(refs))).remote(*refs)
         ref = actor.execute_install.remote(slot, header, *refs)
-        cache.mark_installed(slot, rank, actor)
+        cache.mark_installed(slot, part.rank, actor)
         return ref
 
     def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
@@ -86,10 +105,16 @@ def ready_refs(refs: Sequence[Any], timeout: float | None = 0.0) -> set[Any]:
 
 
 
+def step_part(rank: int, step: str, args: tuple[Any, ...] = (), node: str | None = None,
+              coords: RankCoords | None = None) -> RankPart:
+    """Rank ``rank``'s share of a call of host step ``step(*args)`` (:data:`.host.STEPS`)."""
+    header = encode_rank_call(None, step, RankCall(rank, tuple(args)), None, step=True)[0]
+    return RankPart(rank, 0, header, node=node, coords=coords)
+
+
 def start_step(actor: Any, rank: int, step: str, args: tuple[Any, ...] = (), what: str | None = None,
                node: str | None = None, coords: RankCoords | None = None, call_id: int = 0, generation: int = 0) -> Pending:
-    """Send host step ``step(*args)`` (:data:`.host.STEPS`) to ``actor``, rank ``rank``'s process or a
-    spare's, as a call on this carrier; its pending (named ``what``, default the step)."""
-    header = encode_rank_call(None, step, RankCall(rank, tuple(args)), None, step=True)[0]
-    return Pending(RayTasks().start(actor, rank, header, (), None, None), rank, what or step, node, coords, "ray", call_id,
-                   generation)
+    """Send host step ``step(*args)`` to ``actor`` (rank ``rank``'s process, or a spare's) as a call
+    on Ray's tasks, for a process no executor drives yet; its pending (named ``what``, default the step)."""
+    call = CallRecord(call_id, generation, what or step, (step_part(rank, step, args, node, coords),))
+    return RayTasks().send(call, actors={rank: actor})[0]

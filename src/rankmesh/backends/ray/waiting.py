@@ -125,11 +125,14 @@ def gather(
     inspect: Inspect | None = None,
     grace_s: float = FAIL_GRACE,
     stop_on_failure: bool = True,
+    stop: Callable[[], bool] | None = None,
 ) -> Gathered:
     """Wait for ``pending`` (any carriers) until all are done, a failure's grace ends, or ``deadline``.
 
     Never raises for the calls' own outcomes: they are in the result.  ``stop_on_failure=False``
-    keeps waiting for every call after failures (draining).
+    keeps waiting for every call after failures (draining).  ``stop()`` is another reason to end
+    early, asked at every look (a node agent whose controller gave the call up): ``stopped`` is
+    then ``"given up"``.
     """
     start = time.monotonic()
     warn_at = None if stall_warn_s is None or inspect is None else start + stall_warn_s
@@ -166,6 +169,9 @@ def gather(
             break
         if deadline.expired():
             result.stopped = "deadline"
+            break
+        if stop is not None and stop():
+            result.stopped = "given up"
             break
         if warn_at is not None and now >= warn_at:
             warn_at = None  # once per call
