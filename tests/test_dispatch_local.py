@@ -39,13 +39,17 @@ class CountingExecutor:
         self.shared.append(obj)
         return self.inner.share(obj)
 
-    def submit(self, role, method, calls):
+    def submit(self, role, method, calls, deadline=None):
         self.calls.append(list(calls))
-        return self.inner.submit(role, method, calls)
+        return self.inner.submit(role, method, calls, deadline)
 
     call_timeout_s = None
     closed = False
     failed = None
+    generation = 0
+
+    def changes_since(self, generation):
+        return []
 
     def close(self):
         self.inner.close()
@@ -53,8 +57,8 @@ class CountingExecutor:
     def drain_timings(self):
         return self.inner.drain_timings()
 
-    def fetch(self, pending, timeout=None, borrow=False, stall_warn_s=None):
-        return self.inner.fetch(pending, timeout, borrow, stall_warn_s)
+    def fetch(self, pending, timeout=None, borrow=False, stall_warn_s=None, deadline=None):
+        return self.inner.fetch(pending, timeout, borrow, stall_warn_s, deadline)
 
     def fetcher(self, timeout=None, stall_warn_s=None):
         fetched = self.fetched

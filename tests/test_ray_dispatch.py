@@ -138,9 +138,9 @@ def test_one_put_for_a_piece_shared_by_four_ranks(holder_group, monkeypatch):
     seen = []
     submit = ex.submit
 
-    def spy(role, method, calls):
+    def spy(role, method, calls, deadline=None):
         seen.extend(calls)
-        return submit(role, method, calls)
+        return submit(role, method, calls, deadline)
 
     monkeypatch.setattr(ex, "submit", spy)
     batch = big_batch(64)

@@ -21,6 +21,7 @@ pytest.importorskip("ray")
 
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, split_resource_pool  # noqa: E402
 from rankmesh.backends.ray.pool import Slot  # noqa: E402
+from rankmesh.backends.ray.calls import Pending  # noqa: E402
 from rankmesh.backends.ray.recovery import exit_on_next_call  # noqa: E402
 from rankmesh.backends.ray.spares import Spare, spare_order  # noqa: E402
 from tests.recovery_workers import StateWorker  # noqa: E402
@@ -212,10 +213,11 @@ def test_spares_are_refused_where_they_cannot_work(ray_session):
 
 def test_a_rank_tries_spares_on_its_own_node_first_then_warm_ones():
     def spare(node: str, started: float) -> Spare:
-        return Spare(Slot(pg=None, entry=-1, bundle_index=0, node_id=node, node_ip="127.0.0.1"), None, f"ref-{node}-{started}", started)
+        warm = Pending(f"ref-{node}-{started}", -1, "warm (a spare)")  # a stand-in handle: only its identity matters here
+        return Spare(Slot(pg=None, entry=-1, bundle_index=0, node_id=node, node_ip="127.0.0.1"), None, warm, started)
 
     far_warm, near_cold, near_warm, far_old = spare("b", 2.0), spare("a", 1.0), spare("a", 3.0), spare("b", 0.5)
-    warm = {far_warm.warm, near_warm.warm}
+    warm = {far_warm.warm.handle, near_warm.warm.handle}
     # By hand: node "a" first (warm before cold), then node "b" (warm before cold).
     assert spare_order([far_warm, near_cold, near_warm, far_old], "a", warm) == [near_warm, near_cold, far_warm, far_old]
     assert spare_order([far_warm, near_cold, near_warm, far_old], "c", set()) == [far_old, near_cold, far_warm, near_warm]

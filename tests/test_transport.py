@@ -111,13 +111,15 @@ def test_a_stuck_rank_never_holds_calls_to_the_other_ranks(wg):
         assert out.get("value") == [i] * 3, out
     assert time.monotonic() - t0 < 5.0  # none of them waited for rank 1
     with pytest.raises(HangError) as info:
-        wg.with_timeout(1).echo("all")  # names rank 1: it waits for the abandoned call first, then gives up
+        wg.with_timeout(1).echo("all")  # rank 1 takes it after the abandoned call: past 1 s it names rank 1
     assert info.value.ranks == [1] and "nap" in str(info.value)
-    time.sleep(max(0.0, 6.5 - (time.monotonic() - t0)))
+    time.sleep(max(0.0, 6.5 - (time.monotonic() - t0)))  # rank 1's nap is over
     assert wg.with_timeout(5).echo("after") == ["after"] * 4
     logs = wg.history()
-    assert [m for m, _, _ in logs[1]] == ["nap", "echo"]  # rank 1: the abandoned call, then the next one it was sent
-    assert [v for m, v, _ in logs[0] if m == "echo"] == [*range(12), "after"]
+    # Rank 1: the abandoned call first, then what it was sent after it, in order ("all" only if it ended in
+    # time for it: the HangError came at 1 s, the host gives a queued call up 5 s past the deadline).
+    assert [(m, v) for m, v, _ in logs[1]] in ([("nap", 1), ("echo", "after")], [("nap", 1), ("echo", "all"), ("echo", "after")])
+    assert [v for m, v, _ in logs[0] if m == "echo"] == [*range(12), "all", "after"]  # the free ranks ran "all" at once
 
 
 def test_parked_outputs_of_an_abandoned_call_are_dropped(wg):
@@ -201,7 +203,8 @@ def test_a_grow_that_cannot_be_placed_keeps_no_placement_group(host_bank):
 
 def test_after_a_hang_error_the_next_call_warns_at_once_and_ends_at_its_bound(ray_session, caplog):
     """T3: ranks still in an abandoned call make a later call warn at once and end at the default bound,
-    never wait silently; the HangError's advice (kill and replace them) brings them back."""
+    never wait silently (it queues behind the abandoned call there); the HangError's advice (kill and
+    replace them) brings them back."""
     wg = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(TransportWorker, distributed=True),
                         on_rank_death="keep", abandoned_wait_s=3.0)
     try:
@@ -218,7 +221,7 @@ def test_after_a_hang_error_the_next_call_warns_at_once_and_ends_at_its_bound(ra
         thread.join(15)
         assert not thread.is_alive(), "the call after the HangError still waits"
         assert isinstance(out.get("error"), HangError) and 2.5 < out["took"] < 8.0, out
-        assert out["error"].ranks == [0] and "not sent" in str(out["error"])
+        assert out["error"].ranks == [0] and "keep running" in str(out["error"])  # rank 1 answered; rank 0 still runs act
         wg.kill_ranks([0])
         report = wg.replace_dead_ranks()
         assert report.ranks == [0]

@@ -9,9 +9,11 @@ caller's ``min_version`` (wherever it sits: replicas finish out of version order
 Every row put comes out exactly once: in a take or among the dropped rows.
 
 Memory is bounded by ``capacity_rows``: a put that does not fit waits for takes (``block=True``,
-up to ``timeout``) or is refused at once (``block=False``), like :class:`queue.Queue`.  Waits
-never hang: past ``timeout`` they raise :class:`~rankmesh.errors.RowBufferError`.  The buffer is
-thread-safe (a producer thread may put while the trainer takes).
+up to ``timeout``) or is refused at once (``block=False``), like :class:`queue.Queue`.  Past its
+``timeout`` a wait raises :class:`~rankmesh.errors.RowBufferError`; with ``timeout=None`` (the
+default, as in :class:`queue.Queue`) it waits as long as it takes: give a timeout wherever the
+other side may stop (a producer thread that died, a trainer that will never take again).  The
+buffer is thread-safe (a producer thread may put while the trainer takes).
 """
 
 from __future__ import annotations
@@ -137,8 +139,8 @@ class RowBuffer:
 
         Stores the reference: nothing is fetched or copied (do not change a batch after putting
         it).  A put that does not fit waits for takes (``block=True``, at most ``timeout``
-        seconds; ``None``: no limit) or is refused (``block=False``); a batch larger than
-        ``capacity_rows`` is refused at once.
+        seconds; ``None``: without limit, as :meth:`queue.Queue.put` does) or is refused
+        (``block=False``); a batch larger than ``capacity_rows`` is refused at once.
         """
         if not is_int(version) or version < 0:
             raise RowBufferError(f"RowBuffer.put(version) must be a weight version >= 0, got {version!r}")
@@ -161,8 +163,9 @@ class RowBuffer:
     def take(self, n: int, min_version: int | None = None, block: bool = True, timeout: float | None = None) -> Taken:
         """The ``n`` oldest rows whose version is at least ``min_version``; every held row of an older version is dropped.
 
-        Waits for ``n`` rows (``block=True``, at most ``timeout`` seconds) or raises at once when
-        there are fewer (``block=False``).  Stale rows are dropped before waiting, so a take that
+        Waits for ``n`` rows (``block=True``, at most ``timeout`` seconds; ``None``: without
+        limit, as :meth:`queue.Queue.get` does) or raises at once when there are fewer
+        (``block=False``).  Stale rows are dropped before waiting, so a take that
         times out may still have dropped rows (they are counted in :attr:`dropped_rows`).
         """
         if not is_int(n) or not 1 <= n <= self.capacity_rows:

@@ -165,16 +165,6 @@ class NodeAgent:
             pending += [Pending(call_id, r, method, None, None, session.name, call_id, generation) for r in called]
         return self._wait(call_id, pending, deadline, {"session": session, "agent": AgentAnswers()})
 
-    def drain(self, ranks: Sequence[int], timeout_s: float | None) -> NodeAnswer:
-        """Wait until ``ranks`` of this node answered every call sent to them (their answers are dropped)."""
-        session = self._session
-        if session is None:
-            return NodeAnswer({r: Outcome() for r in ranks})
-        pending = session.owes(ranks)
-        answer = self._wait(-1, pending, Deadline.after(timeout_s), {"session": session}, stop_on_failure=False)
-        done = set(ranks) - set(answer.unfinished)
-        return NodeAnswer({r: Outcome() for r in done}, answer.unfinished)
-
     def _wait(self, call_id: int, pending: Sequence[Pending], deadline: Deadline, carriers: Mapping[str, Any],
               stop_on_failure: bool = True) -> NodeAnswer:
         """The one wait loop: until done, failed (its grace over), past the deadline, or given up."""
@@ -269,7 +259,7 @@ class AgentSession:
         self.agents: dict[str, Any] = {}
         self._answers = AgentAnswers()
         self._lock = threading.Lock()
-        self._unsettled: set[int] = set()  # ranks sent a call whose outcome was not read yet
+        self._unsettled: dict[int, int] = {}  # rank -> the last call sent to it whose outcome was not read yet
 
     def open(self, timeout_s: float = 60.0) -> None:
         self.agents = start_agents(list(self.by_node))
@@ -320,24 +310,13 @@ class AgentSession:
         refs = {top: self.agents[top].call.remote(call.call_id, call.method, share, call.deadline.timeout(), call.generation)
                 for top, share in per_top.items()}
         with self._lock:
-            self._unsettled.update(call.ranks)
+            self._unsettled.update((rank, call.call_id) for rank in call.ranks)
         return call.pending(self.name, [refs[self.top_of[self.node_of[rank]]] for rank in call.ranks])
 
-    def owing(self) -> set[int]:
-        """The ranks whose outcome of a call sent them was not read (a failed or abandoned call's)."""
+    def last_unanswered(self) -> dict[int, int]:
+        """Rank -> the last call sent to it whose outcome was not read (a Ray task waits for it there)."""
         with self._lock:
-            return set(self._unsettled)
-
-    def drain_pending(self, ranks: Sequence[int], deadline: Deadline) -> list[Pending]:
-        """Ask the agents of ``ranks`` to wait for what those ranks still run; one pending per rank."""
-        per_node: dict[str, list[int]] = {}
-        for r in ranks:
-            per_node.setdefault(self.node_of[r], []).append(r)
-        pending = []
-        for node, node_ranks in per_node.items():
-            ref = self.agents[node].drain.remote(node_ranks, deadline.timeout())
-            pending += [Pending(ref, r, "(earlier calls)", self.nodes[r], self.coords[r], self.name, -1) for r in node_ranks]
-        return pending
+            return dict(self._unsettled)
 
     def give_up(self, pending: Sequence[Pending]) -> None:
         """The caller abandoned these calls: every agent answers them with what it has."""
@@ -363,7 +342,9 @@ class AgentSession:
                     got[i] = Outcome(error=WorkerDiedError(p.rank, p.method, f"its process is gone (with its node agent): "
                                                            f"{dead[p.rank]}", p.node, coords={p.rank: p.coords}))
         with self._lock:
-            self._unsettled.difference_update(pending[i].rank for i in got)
+            for i in got:  # an outcome of the rank's last call sent settles it; one of an older call does not
+                if self._unsettled.get(pending[i].rank) == pending[i].call_id:
+                    del self._unsettled[pending[i].rank]
         waiting = {p.handle for i, p in enumerate(pending) if i not in got}
         self._answers.forget([p.handle for p in pending if p.handle not in waiting])  # answers read whole
         return got

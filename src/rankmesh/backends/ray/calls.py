@@ -26,7 +26,9 @@ class RankPart:
     ``refs``: the arguments by reference, the shared objects Ray resolves before the method runs
     (only Ray's tasks carry them).  ``slot``: the header's call slot on Ray's tasks
     (:class:`.wire.HeaderCache`).  ``trace``/``keep``: a traced call, and a non-blocking one's
-    timing key.  ``node``/``coords`` name the rank in errors.
+    timing key.  ``after``: on Ray's tasks, the id of the rank's last call session call it must run
+    after (0: none; :mod:`.order`), waited for at most ``after_s`` seconds on the host (``None``:
+    as long as it runs).  ``node``/``coords`` name the rank in errors.
     """
 
     rank: int
@@ -38,6 +40,8 @@ class RankPart:
     keep: int = 0
     node: str | None = None
     coords: RankCoords | None = None
+    after: int = 0
+    after_s: float | None = None
 
 
 @dataclass(frozen=True)

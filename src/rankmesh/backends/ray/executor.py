@@ -31,6 +31,7 @@ order; waiting is not, so each thread waits for and gets its own call's outputs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -53,7 +54,7 @@ from rankmesh.validate import optional_seconds, positive_int, positive_seconds
 from .agent import AGENT_FANOUT, AgentSession
 from .hangs import gather_hangs
 from .hosts import HostSet
-from .order import Abandoned, Ledger, Waits
+from .order import Abandoned, Ledger
 from .runtime import raylet_pids
 from .session import CallSession
 from .tasks import RayTasks, ready_refs, step_part
@@ -70,6 +71,11 @@ CONTROL_MODES: tuple[str, ...] = ("auto", "ray")
 #: How long a call without a deadline waits for a rank's abandoned call to end before it gives up
 #: (seconds; ``RayWorkerGroup(abandoned_wait_s=...)``).
 ABANDONED_WAIT_S = 60.0
+#: Calls sent behind abandoned ones whose bound is kept until their fetch (the oldest go first).
+BOUNDS_MAX = 1024
+#: How much longer than the controller a host waits for a rank's earlier session call before a
+#: Ray task that must follow it gives up (seconds): the controller's HangError comes first.
+AFTER_GRACE_S = 5.0
 
 
 def control_mode(environ: Mapping[str, str] | None = None) -> str:
@@ -184,6 +190,7 @@ class RayExecutor:
         self._seq = [0] * self.world_size
         self._ledger = Ledger(self.world_size)
         self._failed_outputs: list[Pending] = []  # Ray outputs of failed calls that no caller will read (settle)
+        self._bounds: dict[int, Deadline] = {}  # call id -> the deadline of a call sent behind an abandoned one
         self.generation = 0
         self._changes: list[Change] = []
         self._tasks = RayTasks(hosts, hosts.headers)
@@ -245,8 +252,7 @@ class RayExecutor:
             if agent_fanout is not None:
                 agent_fanout = positive_int(agent_fanout, "set_control(agent_fanout)", BackendError)
                 if agent_fanout != self.agent_fanout and isinstance(self.session, AgentSession):
-                    self._settle_carrier(self.session, Deadline.after(self.call_timeout_s).bounded(self.abandoned_wait_s))
-                    self._end_session()
+                    self._end_session()  # the agents go; calls they had sent on and the hosts had not read go with them
                 self.agent_fanout = agent_fanout
             self.control = mode
 
@@ -287,13 +293,12 @@ class RayExecutor:
     def _end_session(self) -> None:
         """Close the session (its processes changed or stopped); the next call may open a new one.
 
-        Calls the hosts were sent and had not started are dropped with it (a closed ring), and
-        what the ranks owed on it no longer orders anything."""
+        Calls the hosts were sent and had not started are dropped with it (a closed ring); a call
+        a rank still runs goes on, and the rank's next call queues behind it (the host's lock)."""
         with self._send_lock:
             session, self.session = self.session, None
             if session is not None:
                 session.close(stop=False) if isinstance(session, CallSession) else session.close()
-                self._ledger.drained(session.name, range(self.world_size))
             if not self.hosts.detached:
                 self.session_note = ""
 
@@ -438,7 +443,23 @@ class RayExecutor:
             session = self._open_session()
             prepared = None if session is None else session.prepare(record)
             carrier = self._tasks if prepared is None else session
-            self._order(carrier.name, record.ranks, method, deadline)
+            bound, after = self._order(carrier.name, record.ranks, method, deadline)
+            if after:  # Ray tasks to ranks with session calls unanswered: each host runs them after those
+                # A blocking call's host waits a little past the call's deadline (the controller's HangError,
+                # with its report, comes first); a future's deadline starts at get(), so its hosts wait as
+                # long as the earlier calls run, or abandoned_wait_s behind an abandoned one.
+                if record.blocking and bound.finite:
+                    after_s = bound.left() + AFTER_GRACE_S
+                else:
+                    after_s = self.abandoned_wait_s + AFTER_GRACE_S if set(after) & set(self._ledger.abandoned()) else None
+                parts = tuple(dataclasses.replace(p, after=after[p.rank], after_s=after_s) if p.rank in after else p
+                              for p in record.parts)
+                record = dataclasses.replace(record, parts=parts)
+            if bound is not deadline:  # it queues behind an abandoned call: its wait ends at the bound
+                record = dataclasses.replace(record, deadline=bound)
+                self._bounds[record.call_id] = bound
+                while len(self._bounds) > BOUNDS_MAX:
+                    self._bounds.pop(next(iter(self._bounds)))
             pending = carrier.send(record, prepared)
             self._ledger.sent(carrier.name, record.call_id, record.ranks)
         self.stats.add(calls=len(pending), carrier=carrier.name)
@@ -471,31 +492,33 @@ class RayExecutor:
 
     # ----- order (.order) -------------------------------------------------------------------------
 
-    def _owing(self) -> dict[str, set[int]]:
+    def _owing(self) -> dict[int, int]:
+        """Rank -> the last session (or agent) call sent to it that it has not answered yet."""
         session = self.session
-        if session is None:
-            return {}
-        if isinstance(session, CallSession):
-            return {session.name: {p.rank for p in session.owes(session.ranks)}}
-        return {session.name: session.owing()}
+        return {} if session is None else session.last_unanswered()
 
-    def _order(self, carrier: str, ranks: Sequence[int], method: str, deadline: Deadline) -> None:
-        """Wait (within ``deadline``) for what ``ranks`` must finish before this call is sent to them."""
+    def _order(self, carrier: str, ranks: Sequence[int], method: str, deadline: Deadline) -> tuple[Deadline, dict[int, int]]:
+        """Make ``ranks`` ready for this call (:mod:`.order`): fence their Ray tasks before a session
+        call (within ``deadline``), and say which session call a Ray task must run after, per rank.
+
+        Returns the call's deadline from now on (bounded by ``abandoned_wait_s`` when it queues behind
+        an abandoned call and has none of its own) and the ``after`` of each rank's Ray task."""
         waits = self._ledger.before(carrier, ranks, self._owing())
-        if not waits:
-            return
         bound = deadline
         if waits.abandoned:
             if not deadline.finite:
                 bound = Deadline.after(self.abandoned_wait_s)
             calls = sorted({(a.call_id, a.describe()) for a in waits.abandoned.values()})
-            logger.warning("worker group %s: ranks %s still run %s; %s waits for it first (up to %g s) and is sent after",
-                           self.hosts.name_prefix, sorted(waits.abandoned), "; ".join(d for _, d in calls), method,
-                           bound.seconds or 0.0)
-        pending = self._waits_pending(waits, bound)
+            limit = f"its timeout, {bound.seconds:g} s" if deadline.finite else f"abandoned_wait_s, {bound.seconds:g} s"
+            logger.warning("worker group %s: ranks %s still run %s; %s waits behind it on them, at most %s",
+                           self.hosts.name_prefix, sorted(waits.abandoned), "; ".join(d for _, d in calls), method, limit)
+        if not waits.fence:
+            return bound, waits.after
+        pending = [Pending(self.hosts.actors[r].fence.remote(), r, "fence", self.nodes[r], self.coords[r], "ray", -1)
+                   for r in waits.fence]
         got = gather(pending, bound, self._carriers(), stop_on_failure=False)
-        self._note_waited(pending, got)
-        failures = got.failures(pending)  # an abandoned call's own error is nobody's; a dead process is this call's
+        self._ledger.fenced([pending[i].rank for i in got.outcomes])
+        failures = got.failures(pending)
         err = combine_errors(failures) if failures else None
         if isinstance(err, WorkerDiedError):
             self.fail(err)
@@ -504,32 +527,17 @@ class RayExecutor:
             slow = [pending[i] for i in got.unfinished]
             ranks_left = sorted({p.rank for p in slow})
             running = "; ".join(sorted({waits.abandoned[r].describe() for r in ranks_left if r in waits.abandoned})) or \
-                "their calls sent earlier"
-            note = (f"{method} was not sent: ranks {ranks_left} still run {running}, which it waits for first. "
-                    + self.advice(ranks_left))
+                "the Ray tasks sent to them before"
+            note = (f"{method} was not sent: ranks {ranks_left} still run {running}, which a call session's call waits "
+                    "for first. " + self.advice(ranks_left))
             raise timed_out(slow, slow, bound.seconds or 0.0, got.waited_s, self.fail, self.inspect, note, method)
-
-    def _waits_pending(self, waits: Waits, deadline: Deadline) -> list[Pending]:
-        pending = [Pending(self.hosts.actors[r].fence.remote(), r, "fence", self.nodes[r], self.coords[r], "ray", -1)
-                   for r in waits.fence]
-        session = self.session
-        for carrier, ranks in waits.drain.items():
-            if session is None or session.name != carrier:
-                self._ledger.drained(carrier, ranks)  # the carrier is gone: nothing of it orders anything
-                continue
-            pending += session.owes(ranks) if isinstance(session, CallSession) else session.drain_pending(ranks, deadline)
-        return pending
-
-    def _note_waited(self, pending: Sequence[Pending], got: Gathered) -> None:
-        self._ledger.fenced([pending[i].rank for i in got.outcomes if pending[i].carrier == "ray"])
-        for name in {p.carrier for p in pending} - {"ray"}:
-            self._ledger.drained(name, [pending[i].rank for i in got.outcomes if pending[i].carrier == name])
+        return bound, waits.after
 
     def advice(self, ranks: Sequence[int]) -> str:
         """What happens to ``ranks`` left running a call, and how to get them back (a HangError's note)."""
         ranks = sorted(ranks)
-        later = (f"the group's next calls to them wait for it first (up to their timeout, or "
-                 f"abandoned_wait_s={self.abandoned_wait_s:g} s without one) and say so")
+        later = (f"the group's next calls to them say so at once and wait behind it, up to their timeout "
+                 f"(or abandoned_wait_s={self.abandoned_wait_s:g} s without one)")
         if self.on_rank_death == "fail":
             back = (f"to get them back, shut the group down (wg.shutdown()) and start a new one; a group created with "
                     f"on_rank_death='keep' can instead replace them: wg.kill_ranks({ranks}), then wg.replace_dead_ranks()")
@@ -550,6 +558,9 @@ class RayExecutor:
         if not pending:
             return []
         deadline = deadline if deadline is not None else Deadline.after(self.call_timeout_s if timeout is None else timeout)
+        for bound in {id(b): b for p in pending if (b := self._bounds.pop(p.call_id, None)) is not None}.values():
+            if bound.end is not None and (deadline.end is None or bound.end < deadline.end):
+                deadline = bound  # sent behind an abandoned call: bounded even without a timeout of its own
         stall = self.stall_warn_s if stall_warn_s is None else stall_warn_s
         self._check_current(pending)
         carriers = self._carriers()
@@ -625,13 +636,6 @@ class RayExecutor:
     def inspect(self, unfinished: Sequence[Pending], finished: Sequence[Pending], after_s: float) -> tuple[Any, dict]:
         """Where each unfinished rank is (:func:`.hangs.gather_hangs` over this group's hosts)."""
         return gather_hangs(self.hosts.actors, unfinished, finished, after_s)
-
-    def _settle_carrier(self, session: Any, deadline: Deadline) -> None:
-        """Wait until nothing of ``session`` is owed (before closing it for a new tree)."""
-        owing = self._owing().get(session.name, set())
-        if owing:
-            pending = self._waits_pending(Waits(drain={session.name: tuple(sorted(owing))}), deadline)
-            self._note_waited(pending, gather(pending, deadline, self._carriers(), stop_on_failure=False))
 
     # ----- host steps (recovery and lifecycle, as calls) ------------------------------------------
 

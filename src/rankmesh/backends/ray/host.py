@@ -260,6 +260,23 @@ class WorkerHost:
         """
         return self._run(decode_call(header, shared), shared, enter_ns, keep)
 
+    def execute_after(self, after: int, timeout_s: float | None, keep: int, trace: bool, header: bytes, *shared: Any) -> Any:
+        """:meth:`execute`, once the call session's call ``after`` (and every earlier one) has finished here.
+
+        A Ray task the controller sent after session calls to this rank (a data call after a
+        call the caller gave up, say) comes this way, so the rank runs its calls in the order they
+        were sent whichever carrier took each; the wait ends at ``timeout_s`` (the call's deadline)
+        with an error naming the session call still running, or when the session ends (calls it
+        had not read never run).
+        """
+        enter_ns = time.time_ns() if trace else 0
+        state = self._session_state
+        if not state.wait_done(after, timeout_s):
+            raise BackendError(
+                f"rank {self._rank} of {self._group_name}: waited {timeout_s:g} s for the call session's call {after} "
+                f"(sent before this one) to end, and it still runs (call {state.call_id} is the last this rank read)")
+        return self.execute(header, *shared, enter_ns=enter_ns, keep=keep)
+
     def fence(self) -> None:
         """Nothing: it returns once every Ray task sent before it has (the controller's order, :mod:`.order`)."""
 
@@ -351,6 +368,7 @@ class WorkerHost:
             ring.abort()  # a no-op if the session thread ended on its own and closed it
             self._session = None
         self._session_state.clear()
+        self._session_state.end()
 
     def _session_call(self, call: CallHeader, seq: int, enter_ns: int) -> Any:
         """Run a call that came through the session (on the session thread, under the host's lock)."""

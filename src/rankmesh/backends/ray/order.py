@@ -6,14 +6,18 @@ Each carrier keeps its own order; what crosses carriers is decided here, before 
 host keeps no counter that a call failing on the way (an argument that does not unpickle) could
 leave behind.  The rule (:meth:`Ledger.before`):
 
-1. a call goes to a rank only once the rank's calls on *other* carriers have finished: Ray
-   tasks not seen finished are fenced (one tiny task queued behind them, waited for), session
-   or agent calls whose answers are unread are drained;
-2. a call goes to a rank only once the rank's *abandoned* call (one whose caller gave up: past
-   its deadline, or failed on another rank) has finished, on any carrier: waiting for it then is
-   announced at once and bounded, and never silent;
-3. calls on one carrier are not waited for: the carrier keeps their order (Ray's per-caller
-   task order; the ring's FIFO; one Ray task per node for agents).
+1. a call on the session (or agents) goes to a rank only once the rank's Ray tasks have
+   finished: those not seen finished are fenced (one tiny task queued behind them, waited for,
+   within the call's deadline: such a call is blocking anyway); a Ray task to a rank whose
+   session (or agent) calls are not answered names the last of them, and the host runs it after
+   that one (``RankPart.after``, :meth:`.host.WorkerHost.execute_after`, bounded by the call's
+   deadline), so sending it never waits;
+2. calls on one carrier are not waited for: the carrier keeps their order (Ray's per-caller
+   task order; the ring's FIFO; one Ray task per node for agents), and the call queues behind
+   them on the rank (a call that unblocks a stuck peer still reaches the others at once);
+3. a rank's *abandoned* call (one whose caller gave up: past its deadline, or failed on another
+   rank) is reported to the next call that names the rank (:meth:`Ledger.before`'s
+   ``abandoned``), which says so at once and bounds its own wait (the executor): never silent.
 
 Calls a rank's host runs are serialized by the host's one lock, so "finished" means the call no
 longer holds the rank.  The ledger is shared by the group's threads (its own lock).
@@ -24,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 #: Ray tasks of one rank tracked one by one; beyond this many the rank is fenced before a call on
 #: another carrier whatever happened to them (a program that never fetches its futures here).
@@ -59,11 +63,8 @@ class Waits:
     """What a call must wait for before it is sent (:meth:`Ledger.before`)."""
 
     fence: tuple[int, ...] = ()  # ranks whose Ray tasks must be fenced
-    drain: dict[str, tuple[int, ...]] = field(default_factory=dict)  # carrier -> ranks whose answers must be read
-    abandoned: dict[int, Abandoned] = field(default_factory=dict)  # rank -> the abandoned call it still runs
-
-    def __bool__(self) -> bool:
-        return bool(self.fence or self.drain)
+    after: dict[int, int] = field(default_factory=dict)  # rank -> the session or agent call a Ray task runs after
+    abandoned: dict[int, Abandoned] = field(default_factory=dict)  # rank -> the abandoned call it may still run
 
 
 class Ledger:
@@ -89,23 +90,21 @@ class Ledger:
 
     # ----- what a call must wait for ------------------------------------------------------------
 
-    def before(self, carrier: str, ranks: Sequence[int], owing: Mapping[str, Collection[int]]) -> Waits:
-        """What must finish before a call on ``carrier`` is sent to ``ranks`` (rules 1 and 2).
-
-        ``owing``: per other carrier, the ranks whose answers on it are unread."""
-        fence, drain, abandoned = [], {}, {}
+    def before(self, carrier: str, ranks: Sequence[int], owing: Mapping[int, int]) -> Waits:
+        """What a call on ``carrier`` to ``ranks`` must wait for (rule 1), and the abandoned calls it
+        queues behind (rule 3).  ``owing``: rank -> the last session (or agent) call sent to it and
+        not answered yet."""
+        fence, after, abandoned = [], {}, {}
         with self._lock:
             for rank in ranks:
                 calls = self._ranks[rank]
-                gave_up = calls.abandoned
-                if gave_up is not None:
-                    abandoned[rank] = gave_up
-                if (calls.ray_open or calls.ray_overflow) and (carrier != "ray" or (gave_up and gave_up.carrier == "ray")):
+                if calls.abandoned is not None:
+                    abandoned[rank] = calls.abandoned
+                if carrier != "ray" and (calls.ray_open or calls.ray_overflow):
                     fence.append(rank)
-                for other, owed in owing.items():
-                    if rank in owed and (other != carrier or (gave_up is not None and gave_up.carrier == other)):
-                        drain.setdefault(other, []).append(rank)
-        return Waits(tuple(fence), {c: tuple(r) for c, r in drain.items()}, abandoned)
+                if carrier == "ray" and rank in owing:
+                    after[rank] = owing[rank]
+        return Waits(tuple(fence), after, abandoned)
 
     # ----- what happened --------------------------------------------------------------------------
 
@@ -121,12 +120,13 @@ class Ledger:
                     calls.ray_overflow = True
 
     def finished(self, carrier: str, call_id: int, ranks: Iterable[int]) -> None:
-        """``ranks`` answered call ``call_id`` (whoever read the answers)."""
+        """``ranks`` answered call ``call_id`` (whoever read the answers): every call sent to them
+        before it has ended too (a rank runs its calls in order), the abandoned one included."""
         with self._lock:
             for rank in ranks:
                 calls = self._ranks[rank]
                 calls.ray_open.discard(call_id)
-                if calls.abandoned is not None and calls.abandoned.call_id == call_id:
+                if calls.abandoned is not None and calls.abandoned.call_id <= call_id:
                     calls.abandoned = None
 
     def fenced(self, ranks: Iterable[int]) -> None:
@@ -139,13 +139,6 @@ class Ledger:
                 if calls.abandoned is not None and calls.abandoned.carrier == "ray":
                     calls.abandoned = None
 
-    def drained(self, carrier: str, ranks: Iterable[int]) -> None:
-        """Every answer ``ranks`` owed on ``carrier`` was read (or the carrier is gone with them)."""
-        with self._lock:
-            for rank in ranks:
-                calls = self._ranks[rank]
-                if calls.abandoned is not None and calls.abandoned.carrier == carrier:
-                    calls.abandoned = None
 
     def abandon(self, call_id: int, method: str, carrier: str, ranks: Iterable[int], why: str) -> None:
         """The caller gave up call ``call_id`` while ``ranks`` still ran it."""

@@ -38,16 +38,37 @@ Run = Callable[[CallHeader, int, int], Any]
 
 
 class SessionState:
-    """What a host's session thread knows: outputs parked for ``take_parked``, the last call it read.
+    """What a host's session thread knows: outputs parked for ``take_parked``, the last call it read,
+    and the last call it finished (what a Ray task sent after session calls waits for: :meth:`wait_done`).
 
-    Shared by the session thread and the host's control thread (``take_parked``), hence the lock.
+    Shared by the session thread, the host's control thread (``take_parked``) and Ray's thread
+    (``execute_after``), hence the lock.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._parked: dict[int, Any] = {}
         self.seq = 0  # the sequence number of the last call read
         self.call_id = 0
+        self._done = 0  # the id of the last call this session finished (answered); every earlier one too
+        self._ended = False
+
+    def finished(self, call_id: int) -> None:
+        with self._changed:
+            self._done = max(self._done, call_id)
+            self._changed.notify_all()
+
+    def end(self) -> None:
+        """The session is over: calls it had not read will never run, so nobody waits for them."""
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def wait_done(self, call_id: int, timeout: float | None) -> bool:
+        """Wait until call ``call_id`` (and every earlier one) finished or the session ended; False past ``timeout``."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._ended or self._done >= call_id, timeout)
 
     def park(self, call_id: int, output: Any) -> None:
         with self._lock:
@@ -87,6 +108,7 @@ def serve(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable
             state.drop_below(command.floor)
             piece = command.plan[ring.reader]
             if piece is None:
+                state.finished(command.call_id)  # not this rank's: it is done with it as soon as it read it
                 continue
             enter_ns = time.time_ns()
             at, seq = piece
@@ -103,6 +125,7 @@ def serve(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable
                 answer = encode_answer(command.call_id, OK, run(call, seq, enter_ns), REPLY_BYTES, state.park)
             except Exception as exc:  # noqa: BLE001 - the writer raises it, naming the rank
                 answer = encode_answer(command.call_id, ERROR, error_parts(exc, rank()), REPLY_BYTES, state.park)
+            state.finished(command.call_id)
             reply.write(answer, timeout=REPLY_WAIT_S)
     except RingError as exc:  # the writer is gone, gave the session up, or stopped reading
         logger.debug("call session ends: %s", exc)
@@ -110,6 +133,7 @@ def serve(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable
         logger.exception("rank %s: the call session thread failed; its session ends", rank())
         reply.abort()
     finally:
+        state.end()
         ring.close()
         reply.close()
 

@@ -199,12 +199,10 @@ class CallSession:
                 for rank in ranks:
                     self._owed[rank].append(command.call_id)
 
-    def owes(self, ranks: Sequence[int]) -> list[Pending]:
-        """A drain: one pending per rank of ``ranks`` with answers not read yet, done once the rank
-        answered its newest call (``call_id`` -1: its answers are dropped, not returned)."""
+    def last_unanswered(self) -> dict[int, int]:
+        """Rank -> the newest call sent to it whose answer is not read yet (what a Ray task waits for there)."""
         with self._read_lock:
-            return [Pending(owed[-1], rank, "(earlier session calls)", self.nodes[rank], self.coords[rank], self.name, -1)
-                    for rank in ranks if (owed := self._owed.get(rank))]
+            return {rank: owed[-1] for rank, owed in self._owed.items() if owed}
 
     def give_up(self, pending: Sequence[Pending]) -> None:
         """Nobody will take these calls' answers: drop them as they come (and let their parked outputs go)."""
@@ -237,8 +235,8 @@ class CallSession:
             elif p.rank in self._exited:
                 got[i] = Outcome(error=self._died(p))
             elif not any(c <= p.handle for c in self._owed.get(p.rank, ())):
-                if p.call_id == -1 or p.handle in self._unwanted:
-                    got[i] = Outcome()  # a drain, or a given-up call: answered, nothing to return
+                if p.handle in self._unwanted:
+                    got[i] = Outcome()  # a given-up call: answered, nothing to return
                 else:
                     got[i] = Outcome(error=RingError(f"rank {p.rank}: the answer to session call {p.handle} is not on "
                                                      "this session (it was closed and opened again since)"))

@@ -52,6 +52,8 @@ class RayTasks:
 
     def _start(self, actor: Any, part: RankPart) -> Any:
         header, refs, slot, cache = part.header, part.refs, part.slot, self.cache
+        if part.after:  # after session calls the rank has not finished: the host waits for them first
+            return actor.execute_after.remote(part.after, part.after_s, part.keep, part.trace, header, *refs)
         if part.keep:  # traced non-blocking: the host keeps the timing (drain_timings)
             return actor.execute_kept.remote(part.keep, header, *refs)
         if slot is None or cache is None:
