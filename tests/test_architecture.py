@@ -59,7 +59,7 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     # Imports nothing from the package; rank 2 so that dispatch's @register checks its receive vocabulary.
     "backend contract": (2, ("rankmesh.backend",)),
     "worker": (5, ("rankmesh.worker", "rankmesh.devices", "rankmesh.rendezvous")),
-    "groups": (6, ("rankmesh.group", "rankmesh.replicas", "rankmesh.futures")),
+    "groups": (6, ("rankmesh.group", "rankmesh.binding", "rankmesh.replicas", "rankmesh.futures")),
     # Reshard's worker methods (on Worker) and its controller side (through the groups' call_ranks,
     # which it calls but never imports): backend-neutral, below every backend.
     "reshard": (6, ("rankmesh.reshard.worker", "rankmesh.reshard.run")),

@@ -13,7 +13,7 @@ import pytest
 
 from rankmesh.backends.local import LocalWorkerGroup
 from rankmesh.errors import DispatchError, HangError
-from rankmesh.group import GroupFuture
+from rankmesh.futures import GroupFuture
 from tests.call_workers import RankEcho
 
 

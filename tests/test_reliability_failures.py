@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
 from rankmesh.data import DataProto, DataProtoFuture  # noqa: E402
 from rankmesh.errors import BackendError, DispatchError, FetchTimeoutError, WorkerDiedError, WorkerError  # noqa: E402
-from rankmesh.group import GroupFuture  # noqa: E402
+from rankmesh.futures import GroupFuture  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
 from tests.reliability_workers import FaultWorker  # noqa: E402
 

@@ -97,6 +97,44 @@ def test_two_threads_calling_one_group_get_their_own_answers(wg):
             assert [v for v in values if v[0] == tid] == [(tid, i) for i in range(calls)]
 
 
+def test_a_producer_thread_feeds_a_row_buffer_while_the_trainer_takes(host_bank):
+    """T6, the pattern of docs/async.md: a rollout group's non-blocking calls on one thread, put into a
+    RowBuffer as futures; the trainer group's blocking calls on the main thread, on what it takes.
+
+    By hand: step s puts prompts 4s..4s+3; the rollout (dp=2) makes prompt * 10 + its rank (rows 0, 1 on
+    rank 0, rows 2, 3 on rank 1); the trainer (dp=2) adds 1000 times its rank, in the same split."""
+    import torch
+
+    from rankmesh import RowBuffer
+
+    rollout = host_bank.build(RayClassWithInitArgs(TransportWorker), RankMesh(dp=2))
+    trainer = host_bank.build(RayClassWithInitArgs(TransportWorker), RankMesh(dp=2))
+    try:
+        buffer = RowBuffer(capacity_rows=8)
+        steps = 6
+        errors: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                for step in range(steps):
+                    prompts = DataProto.from_dict({"prompt": torch.arange(4) + 4 * step})
+                    buffer.put(rollout.generate(prompts), version=step, timeout=60)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test
+                errors.append(exc)
+
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        got = [trainer.train(buffer.take(4, timeout=60).data).batch["tokens"].tolist() for _ in range(steps)]
+        producer.join(60)
+        assert not errors and not producer.is_alive()
+        want = [[40 * s + 0, 40 * s + 10, 40 * s + 20 + 1 + 1000, 40 * s + 30 + 1 + 1000] for s in range(steps)]
+        assert got == want
+        assert (buffer.put_rows, buffer.taken_rows, buffer.dropped_rows) == (4 * steps, 4 * steps, 0)
+    finally:
+        host_bank.give_back(trainer)
+        host_bank.give_back(rollout)
+
+
 def test_a_stuck_rank_never_holds_calls_to_the_other_ranks(wg):
     """T3: a rank that stopped reading (it runs an abandoned call) holds no call that does not name it,
     and a call that names it ends at its deadline, saying why."""

@@ -82,6 +82,17 @@ class TransportWorker(Worker):
         """8 MiB per rank (the rows of ``seed``), into a future."""
         return DataProto.from_dict({"x": torch.zeros(len(seed), (8 << 20) // 4 // len(seed))})
 
+    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def generate(self, prompts: DataProto) -> DataProto:
+        """A rollout: each row's ``prompt`` times 10 plus this rank, into a future."""
+        return DataProto.from_dict({"tokens": prompts.batch["prompt"] * 10 + self.rank})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def train(self, rows: DataProto) -> DataProto:
+        """A trainer: each row's ``tokens`` plus 1000 times this rank."""
+        self._note("train", len(rows))
+        return DataProto.from_dict({"tokens": rows.batch["tokens"] + 1000 * self.rank})
+
     @register(Dispatch.ONE_TO_ALL)
     def noop(self) -> None:
         return None

@@ -1,4 +1,4 @@
-"""rankmesh.wait: the futures of non-blocking group calls, taken as they finish (``ray.wait``'s shape).
+"""The futures of non-blocking group calls: :class:`GroupFuture`, and ``rankmesh.wait`` to take them as they finish (``ray.wait``'s shape).
 
 Why: an asynchronous pipeline submits generation to every rollout replica and trains on the
 first rows back; waiting on the whole call would hold everyone to the slowest replica.  With
@@ -16,14 +16,57 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rankmesh.backend import ReadyCheck
 from rankmesh.data import DataProtoFuture
 from rankmesh.data.future import fetch_futures, identity_fetch
 from rankmesh.errors import DispatchError
-from rankmesh.group import GroupFuture
 from rankmesh.validate import is_int
+
+class GroupFuture:
+    """The result of a non-blocking call whose output is not one DataProto; ``get()`` waits."""
+
+    def __init__(
+        self,
+        fetch: Callable[..., list[Any]],
+        pending: Sequence[Any],
+        finish: Callable[[list[Any]], Any],
+        timeout: float | None = None,
+        stall_warn_s: float | None = None,
+        ready_check: ReadyCheck | None = None,
+    ) -> None:
+        self._fetch, self._pending, self._finish = fetch, list(pending), finish
+        self._done, self._value = False, None
+        self._timeout, self._stall_warn_s = timeout, stall_warn_s
+        self._ready_check = ready_check
+
+    @property
+    def ready_check(self) -> ReadyCheck | None:
+        """The backend's :class:`~rankmesh.backend.ReadyCheck` for :attr:`handles` (what ``rankmesh.wait`` asks)."""
+        return self._ready_check
+
+    @property
+    def handles(self) -> tuple[Any, ...]:
+        """The backend's pending handles of the call, one per rank (empty once :meth:`get` returned).
+
+        Another group's call may take them as an argument: its workers wait for and read them
+        through their context's :class:`~rankmesh.backend.ObjectTransport`, with no round trip
+        through the controller (reshard's receives wait for its sends this way).
+        """
+        return tuple(self._pending)
+
+    def get(self, timeout: float | None = None) -> Any:
+        """Wait for the outputs; ``timeout=None`` means the call's (or the group's) timeout."""
+        if not self._done:
+            limit = self._timeout if timeout is None else timeout
+            self._value = self._finish(self._fetch(self._pending, timeout=limit, stall_warn_s=self._stall_warn_s))
+            self._done, self._pending = True, []
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"GroupFuture({'done' if self._done else f'{len(self._pending)} pending'})"
+
 
 #: How long one round of asking lasts when the futures come from backends of different kinds
 #: (which cannot be asked together): each kind in turn, this many seconds each.
@@ -78,7 +121,7 @@ def _ask(waits: list[list[Wait]], timeout: float | None, mixed_slice: float) -> 
 def wait(futures: Sequence[Any], num_returns: int = 1, timeout: float | None = None) -> tuple[list[Any], list[Any]]:
     """``(done, pending)``: the first ``num_returns`` futures found done, and the others (both in input order).
 
-    ``futures``: :class:`~rankmesh.group.GroupFuture` and :class:`~rankmesh.DataProtoFuture`
+    ``futures``: :class:`GroupFuture` and :class:`~rankmesh.DataProtoFuture`
     objects (for instance ``fut.part_futures()`` of a generation call, one per replica).
     Returns once ``num_returns`` are done, or when ``timeout`` seconds passed (``None``: no
     limit), with fewer.  Nothing is fetched; ``get()`` on a done future does not block.
@@ -105,4 +148,4 @@ def wait(futures: Sequence[Any], num_returns: int = 1, timeout: float | None = N
     return [items[i] for i in done_idx], [f for i, f in enumerate(items) if i not in chosen]
 
 
-__all__ = ["wait"]
+__all__ = ["GroupFuture", "wait"]

@@ -1,9 +1,9 @@
 """WorkerGroup: the controller-side object whose methods fan out to every rank of a group.
 
-Binding happens once, at construction, the same way for every backend: each ``@register``
-method of the worker class becomes a method of the group with the worker method's name, doc
-and signature (minus ``self``), and its dispatch mode is resolved into a plan for the group's
-mesh right then, so bad modes fail early and calls do no planning.
+Binding happens once, at construction, the same way for every backend (:mod:`rankmesh.binding`):
+each ``@register`` method of the worker class becomes a method of the group with the worker
+method's name, doc and signature (minus ``self``), and its dispatch mode is resolved into a plan
+for the group's mesh right then, so bad modes fail early and calls do no planning.
 
 A call flows one way: split the arguments into pieces (:mod:`rankmesh.dispatch.split`), ship
 each distinct object once (``executor.share``), submit one :class:`RankCall` per running rank
@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import enum
 import os
-import inspect
 import logging
-from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from rankmesh.backend import Backend, RankCall, ReadyCheck, Shared, check_receive
+from rankmesh.backend import Backend, RankCall, Shared, check_receive
+from rankmesh.binding import EXECUTE_ALL, Binding, BoundMethod, MethodTable, PerRank
 from rankmesh.deadline import Deadline
-from rankmesh.dispatch.modes import DEFAULT_REGISTRY, DispatchMode, DispatchRegistry, Execute, UserMode
-from rankmesh.dispatch.register import MethodSpec, registered_methods
-from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan, MeshSpec
+from rankmesh.dispatch.modes import DispatchRegistry, Execute, UserMode
+from rankmesh.dispatch.register import MethodSpec
+from rankmesh.dispatch.spec import DispatchPlan, MeshSpec
 from rankmesh.dispatch.split import CallSite, join_outputs, output_future, split_call
 from rankmesh.errors import DispatchError
+from rankmesh.futures import GroupFuture
 from rankmesh.mesh import RankMesh
 from rankmesh.replicas import RankSubset, ReplicaSelection, restrict_plan, select_replicas
 from rankmesh.tracing import TRACING, write_trace
@@ -45,90 +45,6 @@ Kwargs = dict[str, Any]
 #: serialization (on Ray, a reference pickled any other way stays pinned in the object store).
 _INLINE_TYPES = (type(None), bool, int, float, complex, str, enum.Enum, Shared)
 _INLINE_BYTES = 1 << 16
-
-#: verl's execute_all rule (ALL_TO_ALL), fixed here so that updating ALL_TO_ALL leaves it alone.
-_EXECUTE_ALL = MeshSpec(split=("rank",), broadcast_fallback=True, name="execute_all")
-
-
-#: Class attributes of a colocated method table (see ``rankmesh.backends.ray.classes``): the role
-#: classes by name, and each group method's route ``name -> (role, worker method)``.
-ROLES_ATTR = "rankmesh_roles"
-ROUTES_ATTR = "rankmesh_routes"
-
-
-@dataclass(frozen=True)
-class PerRank:
-    """The entry of a :meth:`WorkerGroup.call_ranks` binding: each call names its ranks and their arguments."""
-
-    label: str = "per rank"
-
-    @staticmethod
-    def collect_fn(group: "WorkerGroup", outputs: list[Any]) -> list[Any]:
-        return outputs
-
-
-@dataclass(frozen=True)
-class Binding:
-    """One group method, resolved: what to run, how to split, where outputs come from.
-
-    ``role``/``target`` name the worker object and its method that a call of ``name`` runs
-    (``target == name`` except on a colocated method table, where ``actor_x`` runs ``x`` of role
-    ``actor``).  ``plan`` is ``None`` only for verl-style meshes the workers register themselves
-    (the group asks them on the first call) and for :class:`PerRank` entries (the call names its ranks).
-    """
-
-    name: str
-    method: MethodSpec
-    entry: MeshSpec | UserMode | PerRank
-    plan: DispatchPlan | None
-    site: CallSite
-    role: str | None
-    target: str
-
-
-class GroupFuture:
-    """The result of a non-blocking call whose output is not one DataProto; ``get()`` waits."""
-
-    def __init__(
-        self,
-        fetch: Callable[..., list[Any]],
-        pending: Sequence[Any],
-        finish: Callable[[list[Any]], Any],
-        timeout: float | None = None,
-        stall_warn_s: float | None = None,
-        ready_check: ReadyCheck | None = None,
-    ) -> None:
-        self._fetch, self._pending, self._finish = fetch, list(pending), finish
-        self._done, self._value = False, None
-        self._timeout, self._stall_warn_s = timeout, stall_warn_s
-        self._ready_check = ready_check
-
-    @property
-    def ready_check(self) -> ReadyCheck | None:
-        """The backend's :class:`~rankmesh.backend.ReadyCheck` for :attr:`handles` (what ``rankmesh.wait`` asks)."""
-        return self._ready_check
-
-    @property
-    def handles(self) -> tuple[Any, ...]:
-        """The backend's pending handles of the call, one per rank (empty once :meth:`get` returned).
-
-        Another group's call may take them as an argument: its workers wait for and read them
-        through their context's :class:`~rankmesh.backend.ObjectTransport`, with no round trip
-        through the controller (reshard's receives wait for its sends this way).
-        """
-        return tuple(self._pending)
-
-    def get(self, timeout: float | None = None) -> Any:
-        """Wait for the outputs; ``timeout=None`` means the call's (or the group's) timeout."""
-        if not self._done:
-            limit = self._timeout if timeout is None else timeout
-            self._value = self._finish(self._fetch(self._pending, timeout=limit, stall_warn_s=self._stall_warn_s))
-            self._done, self._pending = True, []
-        return self._value
-
-    def __repr__(self) -> str:
-        return f"GroupFuture({'done' if self._done else f'{len(self._pending)} pending'})"
-
 
 class GroupMethod:
     """One bound group method (``wg.compute``): calling it runs one group call.
@@ -184,140 +100,6 @@ class TimedGroup:
         limits = [] if self._timeout_s is None else [f"{self._timeout_s:g}"]
         limits += [] if self._stall_warn_s is None else [f"stall_warn_s={self._stall_warn_s:g}"]
         return f"{self._group!r}.with_timeout({', '.join(limits)})"
-
-
-def _mode_label(mode: DispatchMode | MeshSpec | UserMode) -> str:
-    return mode.name if isinstance(mode, DispatchMode) else mode.label
-
-
-def _public_signature(func: Callable[..., Any], static: bool) -> inspect.Signature:
-    sig = inspect.signature(func)
-    params = list(sig.parameters.values())
-    return sig.replace(parameters=params if static else params[1:])
-
-
-def check_meshes(world: int, mesh: RankMesh, extra: Mapping[str, RankMesh]) -> dict[str, RankMesh]:
-    """``{"default": mesh, **extra}`` after checking that every mesh covers ``world`` ranks."""
-    if not isinstance(mesh, RankMesh):
-        raise DispatchError(f"mesh must be a RankMesh, got {type(mesh).__name__}")
-    if DEFAULT_MESH in extra and extra[DEFAULT_MESH] != mesh:
-        raise DispatchError(f"meshes[{DEFAULT_MESH!r}] differs from mesh; pass the training mesh as mesh=")
-    meshes = {DEFAULT_MESH: mesh, **extra}
-    for name, m in meshes.items():
-        if not isinstance(m, RankMesh):
-            raise DispatchError(f"mesh {name!r} must be a RankMesh, got {type(m).__name__}")
-        if m.world_size != world:
-            raise DispatchError(f"mesh {name!r} ({m}) covers {m.world_size} ranks but the group has {world}")
-    return meshes
-
-
-@dataclass(frozen=True)
-class BoundMethod:
-    """A group method to install: its binding plus what it shows of the worker method."""
-
-    binding: Binding
-    signature: inspect.Signature
-    doc: str | None
-    module: str
-
-
-@dataclass(frozen=True)
-class MethodTable:
-    """A worker class's group methods resolved for a mesh: everything binding decides, no backend.
-
-    Built by :meth:`build` before any process starts, so a bad mesh or mode fails before a
-    backend spends anything; :class:`WorkerGroup` then installs it over a backend.
-    """
-
-    worker_cls: type
-    mesh: RankMesh
-    meshes: dict[str, RankMesh]
-    role: str | None
-    registry: DispatchRegistry
-    methods: dict[str, BoundMethod]
-    late_meshes: bool = False
-
-    @classmethod
-    def build(
-        cls,
-        worker_cls: type,
-        world_size: int,
-        mesh: RankMesh | None = None,
-        meshes: Mapping[str, RankMesh] | None = None,
-        role: str | None = None,
-        registry: DispatchRegistry | None = None,
-        group_type: type = object,
-        late_meshes: bool = False,
-    ) -> "MethodTable":
-        """Resolve every ``@register`` method of ``worker_cls`` for ``mesh`` (default ``RankMesh(dp=world_size)``).
-
-        ``group_type`` is the group class the methods will be set on: a registered method may
-        not shadow one of its attributes.  ``late_meshes``: a method on a mesh the table does not
-        hold gets its plan at call time (``WorkerGroup._late_plan``) instead of failing now (a
-        replica view plans its group's named meshes that way).
-        """
-        mesh = mesh if mesh is not None else RankMesh(dp=world_size)
-        meshes = check_meshes(world_size, mesh, meshes or {})
-        table = cls(worker_cls, mesh, meshes, role, registry or DEFAULT_REGISTRY, {}, late_meshes)
-        taken = set(dir(group_type))
-        for name, (func, spec, static) in registered_methods(worker_cls).items():
-            if name in taken:
-                raise DispatchError(f"{worker_cls.__name__}.{name} is registered but clashes with {group_type.__name__}.{name}")
-            signature = _public_signature(func, static)
-            params = tuple(
-                p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            )
-            table.methods[name] = BoundMethod(
-                table.resolve(name, spec, params), signature, func.__doc__, getattr(func, "__module__", __name__)
-            )
-        return table
-
-    @property
-    def extra_meshes(self) -> dict[str, RankMesh]:
-        """The named meshes besides the default one (what a group was given as ``meshes``)."""
-        return {k: v for k, v in self.meshes.items() if k != DEFAULT_MESH}
-
-    @property
-    def roles(self) -> dict[str, type]:
-        """Role name -> class, for a colocated worker class (:data:`ROLES_ATTR`); empty otherwise."""
-        return dict(getattr(self.worker_cls, ROLES_ATTR, {}))
-
-    def route(self, name: str) -> tuple[str | None, str]:
-        """The (role, worker method) a call of group method ``name`` runs."""
-        routes: Mapping[str, tuple[str, str]] = getattr(self.worker_cls, ROUTES_ATTR, {})
-        return routes.get(name, (self.role, name))
-
-    def resolve(self, name: str, spec: MethodSpec, params: tuple[str, ...]) -> Binding:
-        """The binding of method ``name`` registered with ``spec`` (``params``: its positional names)."""
-        label = _mode_label(spec.dispatch_mode)
-        site = CallSite(f"{self.worker_cls.__name__}.{name}", params, label)
-        role, target = self.route(name)
-        try:
-            entry = self.registry.resolve(spec.dispatch_mode)
-        except DispatchError as exc:
-            raise site.error(str(exc)) from exc
-        if isinstance(entry, UserMode):
-            return Binding(name, spec, entry, None, site, role, target)
-        if spec.execute_mode is Execute.RANK_ZERO:
-            if entry.split and not entry.broadcast_fallback:
-                raise site.error(
-                    f"Execute.RANK_ZERO runs rank 0 alone and cannot serve a mode that splits arguments over {entry.split}"
-                )
-            entry = entry.replace(
-                split=(), broadcast_fallback=False, padding=False, collect={"rank": 0}, run="collect", output="single"
-            )
-        return Binding(name, spec, entry, self._plan(entry, site), site, role, target)
-
-    def _plan(self, spec: MeshSpec, site: CallSite) -> DispatchPlan | None:
-        mesh = self.meshes.get(spec.mesh)
-        if mesh is None:
-            if self.late_meshes or (spec.split == ("dp",) and spec.collect_map == dict(MEGATRON_COLLECT) and spec.run == "all"):
-                return None  # verl style: the workers register this mesh; asked on first call
-            raise site.error(f"uses mesh {spec.mesh!r}, but the group has meshes {sorted(self.meshes)}")
-        try:
-            return spec.plan(mesh)
-        except DispatchError as exc:
-            raise site.error(str(exc)) from exc
 
 
 class WorkerGroup:
@@ -740,7 +522,7 @@ class WorkerGroup:
         if binding is None:
             if not isinstance(method, str) or not callable(getattr(self.worker_cls, method, None)):
                 raise DispatchError(f"{self.worker_cls.__name__} has no method {method!r}")
-            spec = MethodSpec(_EXECUTE_ALL, execute, blocking)
+            spec = MethodSpec(EXECUTE_ALL, execute, blocking)
             binding = self._adhoc[key] = self._table.resolve(method, spec, ())
         return binding
 
@@ -797,7 +579,7 @@ class WorkerGroup:
                 raise DispatchError(f"{self.worker_cls.__name__} has no method {method!r}")
             role, target = (bound.binding.role, bound.binding.target) if bound else self._table.route(method)
             receive = bound.binding.method.receive if bound else MethodSpec.receive  # @register's default
-            spec = MethodSpec(_EXECUTE_ALL, Execute.ALL, blocking, receive=receive)
+            spec = MethodSpec(EXECUTE_ALL, Execute.ALL, blocking, receive=receive)
             site = CallSite(f"{self.worker_cls.__name__}.{method}", (), "per rank")
             binding = self._adhoc[key] = Binding(method, spec, PerRank(), None, site, role, target)
         return binding

@@ -21,7 +21,7 @@ import inspect
 from typing import Any, Mapping
 
 from rankmesh.errors import BackendError
-from rankmesh.group import ROLES_ATTR, ROUTES_ATTR
+from rankmesh.binding import ROLES_ATTR, ROUTES_ATTR
 
 from .host import RoleInit
 

@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 
 from rankmesh.dispatch.modes import DispatchRegistry
 from rankmesh.errors import BackendError, PaddingError, RecoveryError, WorkerDiedError, WorkerError
-from rankmesh.group import MethodTable, PerRank, WorkerGroup
+from rankmesh.binding import MethodTable, PerRank
+from rankmesh.group import WorkerGroup
 from rankmesh.mesh import RankMesh
 from rankmesh.placement import Placement, RankPlace
 from rankmesh.validate import optional_seconds, positive_seconds

@@ -27,7 +27,7 @@ from rankmesh.backends.ray import RayWorkerGroup as CoreRayWorkerGroup
 from rankmesh.backends.ray.classes import unwrap_actor_class
 from rankmesh.dispatch import Dispatch, Execute, register
 from rankmesh.errors import BackendError, DispatchAssertionError
-from rankmesh.group import ROLES_ATTR
+from rankmesh.binding import ROLES_ATTR
 from rankmesh.worker import FUSED_ROLES_ATTR
 from rankmesh.worker import Worker as CoreWorker
 
