@@ -457,11 +457,18 @@ class WorkerGroup:
         keep = 0 if seen is None else seen.timed(len(ranks))
         receive = self._receive or binding.method.receive
         blocking = binding.method.blocking
+        pieces: dict[int, tuple[Args, Kwargs]] = {}  # a piece every rank gets (a broadcast) is shipped once, as one object
+
+        def shipped(piece: tuple[Args, Kwargs]) -> tuple[Args, Kwargs]:
+            out = pieces.get(id(piece))
+            if out is None:
+                args, kwargs = piece
+                out = pieces[id(piece)] = (tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()})
+            return out
+
         calls = [
-            RankCall(
-                rank, tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()}, rank in collect, timed, receive, keep, blocking
-            )
-            for rank, (args, kwargs) in zip(ranks, per_rank)
+            RankCall(rank, *shipped(piece), rank in collect, timed, receive, keep, blocking)
+            for rank, piece in zip(ranks, per_rank)
         ]
         if seen is None:
             return self._executor.submit(binding.role, binding.target, calls, deadline)

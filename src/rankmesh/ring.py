@@ -176,6 +176,10 @@ class Ring:
             except ProcessLookupError:
                 raise RingPeerDied(f"ring peer pid {pid} is gone already", pid) from None
 
+    def writable(self) -> bool:
+        """Whether a write would not wait: every reader has read what the next slot holds (a writer's check)."""
+        return self._mm[self._flags(self._next % self.spec.slots)] == self._all_read
+
     def unread_readers(self) -> list[int]:
         """The writer's view of a full ring: the readers that have not read the slot it would write next."""
         flags = self._mm[self._flags(self._next % self.spec.slots)]

@@ -159,7 +159,8 @@ class NodeAgent:
             headers, plan = mine
             called = _called(session.ranks, mine)
             try:
-                session.write(Command(call_id, 0, headers, plan), method, deadline.bounded(WRITE_WAIT_S), called)
+                message = session.encode(Command(call_id, call_id, headers, plan))
+                session.write(message, call_id, method, deadline.bounded(WRITE_WAIT_S), called)
             except Exception as exc:  # noqa: BLE001 - a full or aborted ring: every rank of this node fails with it
                 return NodeAnswer({r: Outcome(error=exc) for r in called})
             pending += [Pending(call_id, r, method, None, None, session.name, call_id, generation) for r in called]

@@ -71,7 +71,8 @@ class CallRecord:
 
     def pending(self, carrier: str, handles: Sequence[Any]) -> list[Pending]:
         """One :class:`Pending` per part, each with the carrier's handle for it."""
-        return [Pending(handle, part.rank, self.method, part.node, part.coords, carrier, self.call_id, self.generation)
+        method, call_id, generation = self.method, self.call_id, self.generation
+        return [Pending(handle, part.rank, method, part.node, part.coords, carrier, call_id, generation)
                 for part, handle in zip(self.parts, handles)]
 
 

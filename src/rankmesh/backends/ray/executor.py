@@ -434,9 +434,10 @@ class RayExecutor:
         deadline = deadline if deadline is not None else Deadline.after(self.call_timeout_s)
         with self._send_lock:
             self._check_usable(method)
-            for call in calls:
-                if not 0 <= call.rank < self.world_size:
-                    raise BackendError(f"{method}: rank {call.rank} is outside the group's ranks (0..{self.world_size - 1})")
+            world = self.world_size
+            bad = [call.rank for call in calls if not 0 <= call.rank < world]
+            if bad:
+                raise BackendError(f"{method}: ranks {bad} are outside the group's ranks (0..{world - 1})")
             if self._failed_outputs:
                 self.settle()
             record = self._record(role, method, calls, deadline)
@@ -474,19 +475,20 @@ class RayExecutor:
         """
         memo: dict[tuple[Any, ...], tuple[bytes, list[Any], int | None]] = {}
         parts = []
+        seq, nodes, coords, cache = self._seq, self.nodes, self.coords, self.headers
         marked = False  # a traced blocking call's first rank sends the fetch mark (rankmesh.tracing.marks)
         for call in calls:
             fetch_mark = call.trace and not call.keep and not marked
             marked = marked or fetch_mark
-            key = (tuple(map(id, call.args)), tuple((k, id(v)) for k, v in call.kwargs.items()), call.return_output,
-                   call.trace, call.receive, fetch_mark)
+            # The group hands every rank of a broadcast the same argument objects: one encoding for all.
+            key = (id(call.args), id(call.kwargs), call.return_output, call.trace, call.receive, fetch_mark)
             encoded = memo.get(key)
             if encoded is None:
-                encoded = memo[key] = encode_rank_call(role, method, call, self.headers, fetch_mark)
+                encoded = memo[key] = encode_rank_call(role, method, call, cache, fetch_mark)
             header, refs, slot = encoded
-            self._seq[call.rank] += 1
-            parts.append(RankPart(call.rank, self._seq[call.rank], header, tuple(refs), slot, call.trace, call.keep,
-                                  self.nodes[call.rank], self.coords[call.rank]))
+            rank = call.rank
+            seq[rank] += 1
+            parts.append(RankPart(rank, seq[rank], header, tuple(refs), slot, call.trace, call.keep, nodes[rank], coords[rank]))
         blocking = all(call.blocking for call in calls)
         return CallRecord(next(self._ids), self.generation, method, tuple(parts), deadline, blocking)
 
@@ -503,7 +505,10 @@ class RayExecutor:
 
         Returns the call's deadline from now on (bounded by ``abandoned_wait_s`` when it queues behind
         an abandoned call and has none of its own) and the ``after`` of each rank's Ray task."""
-        waits = self._ledger.before(carrier, ranks, self._owing())
+        owing = self._owing() if carrier == "ray" else {}
+        if not owing and not self._ledger.tracking:
+            return deadline, {}  # the common case: nothing in flight to order against
+        waits = self._ledger.before(carrier, ranks, owing)
         bound = deadline
         if waits.abandoned:
             if not deadline.finite:
@@ -558,20 +563,21 @@ class RayExecutor:
         if not pending:
             return []
         deadline = deadline if deadline is not None else Deadline.after(self.call_timeout_s if timeout is None else timeout)
-        for bound in {id(b): b for p in pending if (b := self._bounds.pop(p.call_id, None)) is not None}.values():
-            if bound.end is not None and (deadline.end is None or bound.end < deadline.end):
-                deadline = bound  # sent behind an abandoned call: bounded even without a timeout of its own
+        if self._bounds:
+            for bound in {id(b): b for p in pending if (b := self._bounds.pop(p.call_id, None)) is not None}.values():
+                if bound.end is not None and (deadline.end is None or bound.end < deadline.end):
+                    deadline = bound  # sent behind an abandoned call: bounded even without a timeout of its own
         stall = self.stall_warn_s if stall_warn_s is None else stall_warn_s
         self._check_current(pending)
         carriers = self._carriers()
-        missing = {p.carrier for p in pending} - set(carriers)
-        if missing:  # the session closed since: the group failed or was shut down
+        if any(p.carrier not in carriers for p in pending):  # the session closed since: the group failed or was shut down
             self._check_usable(pending[0].method)
             raise BackendError(f"{pending[0].method}: the call session closed before its answers were read")
         with receiving("borrow") if borrow else contextlib.nullcontext():
             got = gather(pending, deadline, carriers, stall, self.inspect)
-        for call_id, ranks in _by_call(pending, got.outcomes):
-            self._ledger.finished("ray", call_id, ranks)
+        if self._ledger.tracking:
+            for call_id, ranks in _by_call(pending, got.outcomes):
+                self._ledger.finished("ray", call_id, ranks)
         if got.stopped == "done":
             return [got.outcomes[i].value for i in range(len(pending))]
         self._given_up(pending, got)
@@ -602,6 +608,8 @@ class RayExecutor:
 
     def _check_current(self, pending: Sequence[Pending]) -> None:
         """Refuse unfinished calls made before the ranks were renumbered: their ranks are others' now."""
+        if not self.generation:
+            return
         older = [p for p in pending if p.generation < self.generation]
         if not older:
             return

@@ -76,17 +76,28 @@ class Ledger:
     def __init__(self, world_size: int) -> None:
         self._lock = threading.Lock()
         self._ranks = [RankCalls() for _ in range(world_size)]
+        self._tracked = 0  # ranks with Ray tasks open or an abandoned call (none: nothing to note on a fetch)
+
+    @property
+    def tracking(self) -> bool:
+        """Whether any rank has Ray tasks not seen finished or an abandoned call (else a fetch has nothing to note)."""
+        return self._tracked > 0
+
+    def _recount(self) -> None:
+        self._tracked = sum(1 for c in self._ranks if c.ray_open or c.ray_overflow or c.abandoned is not None)
 
     def resize(self, world_size: int) -> None:
         """The group's ranks changed (a shrink, a grow): every process starts with nothing in flight."""
         with self._lock:
             self._ranks = [RankCalls() for _ in range(world_size)]
+            self._recount()
 
     def reset(self, ranks: Iterable[int]) -> None:
         """``ranks`` got new processes (a replacement): nothing of theirs is in flight."""
         with self._lock:
             for rank in ranks:
                 self._ranks[rank] = RankCalls()
+            self._recount()
 
     # ----- what a call must wait for ------------------------------------------------------------
 
@@ -118,6 +129,7 @@ class Ledger:
                     calls.ray_open.add(call_id)
                 else:
                     calls.ray_overflow = True
+            self._recount()
 
     def finished(self, carrier: str, call_id: int, ranks: Iterable[int]) -> None:
         """``ranks`` answered call ``call_id`` (whoever read the answers): every call sent to them
@@ -128,6 +140,7 @@ class Ledger:
                 calls.ray_open.discard(call_id)
                 if calls.abandoned is not None and calls.abandoned.call_id <= call_id:
                     calls.abandoned = None
+            self._recount()
 
     def fenced(self, ranks: Iterable[int]) -> None:
         """Every Ray task sent to ``ranks`` before the fence has finished."""
@@ -138,6 +151,7 @@ class Ledger:
                 calls.ray_overflow = False
                 if calls.abandoned is not None and calls.abandoned.carrier == "ray":
                     calls.abandoned = None
+            self._recount()
 
 
     def abandon(self, call_id: int, method: str, carrier: str, ranks: Iterable[int], why: str) -> None:
@@ -146,6 +160,7 @@ class Ledger:
         with self._lock:
             for rank in ranks:
                 self._ranks[rank].abandoned = Abandoned(call_id, method, carrier, now, why)
+            self._recount()
 
     def abandoned(self) -> dict[int, Abandoned]:
         """Rank -> the abandoned call it may still run."""

@@ -34,7 +34,7 @@ import struct
 import threading
 import time
 import uuid
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from rankmesh.deadline import Deadline
 from rankmesh.errors import RingError, RingPeerDied, RingTimeout, WorkerDiedError
@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 
 #: The longest a parked output's fetch (one ``take_parked`` Ray call) may take (seconds).
 TAKE_PARKED_S = 120.0
-#: Bytes a command's encoding may grow by between sizing it and writing it (its floor and id).
+#: Bytes a node's command may grow by between the controller sizing it and its agent writing it
+#: (the agent sets the command's floor from what its ranks still owe).
 COMMAND_MARGIN = 64
 
 
@@ -158,26 +159,35 @@ class CallSession:
         """Whether the next write would wait: a reader has not read the oldest call in the ring (it runs
         an earlier call), so a call to the other ranks is better sent another way."""
         ring = self.ring
-        return ring is not None and bool(ring.unread_readers())
+        return ring is not None and not ring.writable()
 
     def prepare(self, call: CallRecord) -> Command | None:
         """The command for ``call``, or ``None``: not inline, a rank this session does not serve, a
         message that does not fit a slot, or a full ring (a reader still runs an earlier call)."""
-        if self.ring is None or not call.inline or any(rank not in self.served for rank in call.ranks):
+        if self.ring is None or not call.inline or not self.served.issuperset(call.ranks):
             return None
         headers, plan = command_plan(self.ranks, [(p.rank, p.header, p.seq) for p in call.parts])
-        command = Command(call.call_id, call.call_id, headers, plan)
-        if len(encode_command(command)) + COMMAND_MARGIN > COMMAND_BYTES or self.full():
+        message = self.encode(Command(call.call_id, call.call_id, headers, plan))
+        if len(message) > COMMAND_BYTES or self.full():
             return None
-        return command
+        return message
 
-    def send(self, call: CallRecord, command: Command) -> list[Pending]:
-        """Write ``command`` (``call`` as :meth:`prepare` made it) for every reader; one pending per part."""
-        self.write(command, call.method, call.deadline, call.ranks)
-        return call.pending(self.name, [command.call_id] * len(call.parts))
+    def send(self, call: CallRecord, message: bytes) -> list[Pending]:
+        """Write ``message`` (``call`` as :meth:`prepare` encoded it) for every reader; one pending per part."""
+        self.write(message, call.call_id, call.method, call.deadline, call.ranks)
+        return call.pending(self.name, [call.call_id] * len(call.parts))
 
-    def write(self, command: Command, method: str, deadline: Deadline, ranks: Sequence[int]) -> None:
-        """Put ``command`` in the ring (``ranks``: the readers it calls), its floor set to the oldest call still wanted.
+    def encode(self, command: Command) -> bytes:
+        """``command`` as the ring carries it, its floor the oldest call whose answer is still wanted."""
+        with self._read_lock:
+            wanted = [owed[0] for owed in self._owed.values() if owed and owed[0] not in self._unwanted]
+            if self._unwanted:
+                wanted = [c for owed in self._owed.values() for c in owed if c not in self._unwanted]
+        floor = min([*wanted, command.call_id])
+        return encode_command(Command(command.call_id, floor, command.headers, command.plan))
+
+    def write(self, message: bytes, call_id: int, method: str, deadline: Deadline, ranks: Sequence[int]) -> None:
+        """Put ``message`` (an encoded command, :meth:`encode`) in the ring; ``ranks``: the readers it calls.
 
         Waits for a free slot until ``deadline``; past it, :class:`RingTimeout` names the ranks
         that have not read the oldest slot (they still run an earlier call).
@@ -185,10 +195,6 @@ class CallSession:
         with self._write_lock:
             if self.ring is None:
                 raise RingError(f"{method}: the call session is closed")
-            with self._read_lock:
-                owed = [c for r in self.ranks for c in self._owed[r] if c not in self._unwanted]
-            floor = min([*owed, command.call_id])
-            message = encode_command(Command(command.call_id, floor, command.headers, command.plan))
             try:
                 self.ring.write(message, timeout=deadline.timeout())
             except RingTimeout as exc:
@@ -197,7 +203,7 @@ class CallSession:
                                   f"{slow} have not read their earlier calls ({exc})") from None
             with self._read_lock:
                 for rank in ranks:
-                    self._owed[rank].append(command.call_id)
+                    self._owed[rank].append(call_id)
 
     def last_unanswered(self) -> dict[int, int]:
         """Rank -> the newest call sent to it whose answer is not read yet (what a Ray task waits for there)."""
@@ -212,35 +218,56 @@ class CallSession:
     # ----- answers (the carrier's poll) -------------------------------------------------------
 
     def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
-        """Outcomes of the answered ones among ``pending`` (by index), waiting up to ``within`` for one."""
+        """Outcomes of the answered ones among ``pending`` (by index): it waits up to ``within`` for all
+        of them, and returns early once one failed (the wait loop's fail-fast needs it at once).
+
+        It reads only the ranks whose doorbell rang (or whose host exited): an answer that is in has
+        rung its rank's doorbell.  A slice in which none rang looks at every rank once (another
+        thread may have drained a doorbell meant for this call)."""
         end = time.monotonic() + within
+        got: dict[int, Outcome] = {}
+        waiting: dict[int, list[int]] = {}  # rank -> its pending calls here, oldest first
+        for i, p in enumerate(pending):
+            waiting.setdefault(p.rank, []).append(i)
+        look: Iterable[int] = () if within > 0 else list(waiting)  # the ranks to read
         while True:
             with self._read_lock:
-                got = self._take(pending)
-                if got or time.monotonic() >= end:
+                failed = False
+                for rank in look:
+                    for i in waiting.get(rank, ()):
+                        outcome = self._take(pending[i])
+                        if outcome is None:
+                            break  # a rank answers in order: the later ones are not in either
+                        got[i] = outcome
+                        failed = failed or outcome.error is not None
+                    if rank in waiting:
+                        left_here = [i for i in waiting[rank] if i not in got]
+                        if left_here:
+                            waiting[rank] = left_here
+                        else:
+                            del waiting[rank]
+                left = end - time.monotonic()
+                if not waiting or left <= 0 or failed:
                     return got
-                self._wait([p.rank for p in pending], end - time.monotonic())
+                look = self._wait(left) or list(waiting)
 
-    def _take(self, pending: Sequence[Pending]) -> dict[int, Outcome]:
-        """Read every answer that is in for ``pending``'s ranks; the outcomes of ``pending`` among them."""
-        got: dict[int, Outcome] = {}
-        for i, p in enumerate(pending):
-            if p.rank not in self._broken:
-                self._read_ahead(p.rank, p.handle)
-            answer = self._answers.pop((p.rank, p.handle), None)
-            if answer is not None:
-                got[i] = self._outcome(p, answer)
-            elif p.rank in self._broken:
-                got[i] = Outcome(error=self._broken[p.rank])
-            elif p.rank in self._exited:
-                got[i] = Outcome(error=self._died(p))
-            elif not any(c <= p.handle for c in self._owed.get(p.rank, ())):
-                if p.handle in self._unwanted:
-                    got[i] = Outcome()  # a given-up call: answered, nothing to return
-                else:
-                    got[i] = Outcome(error=RingError(f"rank {p.rank}: the answer to session call {p.handle} is not on "
-                                                     "this session (it was closed and opened again since)"))
-        return got
+    def _take(self, p: Pending) -> Outcome | None:
+        """``p``'s outcome if its answer is in (reading what its rank answered before it), else ``None``."""
+        if p.rank not in self._broken:
+            self._read_ahead(p.rank, p.handle)
+        answer = self._answers.pop((p.rank, p.handle), None)
+        if answer is not None:
+            return self._outcome(p, answer)
+        if p.rank in self._broken:
+            return Outcome(error=self._broken[p.rank])
+        if p.rank in self._exited:
+            return Outcome(error=self._died(p))
+        if any(c <= p.handle for c in self._owed.get(p.rank, ())):
+            return None  # not answered yet
+        if p.handle in self._unwanted:
+            return Outcome()  # a given-up call: answered, nothing to return
+        return Outcome(error=RingError(f"rank {p.rank}: the answer to session call {p.handle} is not on this session "
+                                       "(it was closed and opened again since)"))
 
     def _read_ahead(self, rank: int, upto: int) -> None:
         """Read ``rank``'s answers up to call ``upto``, keeping each for whoever takes it (dropped if unwanted)."""
@@ -278,21 +305,24 @@ class CallSession:
                 return Outcome(error=exc)
         return Outcome(value)
 
-    def _wait(self, ranks: Sequence[int], within: float) -> None:
-        """Sleep until an answer may be in or a host exits (at most ``within``)."""
+    def _wait(self, within: float) -> set[int]:
+        """Sleep until an answer may be in or a host exits (at most ``within``); the ranks whose doorbell rang or host exited."""
         if self._epoll is None:
             time.sleep(max(0.0, min(within, 0.05)))
-            return
+            return set()
+        rang = set()
         for fd, _ in self._epoll.poll(max(0.0, within)):
             rank = self._rank_of_fd[fd]
             reply = self.replies.get(rank)
             if reply is None:
                 continue
+            rang.add(rank)
             try:
                 reply.check_peers([fd])
             except RingPeerDied:
                 self._epoll.unregister(fd)  # a pidfd stays readable: it would wake every wait from now on
                 self._exited.add(rank)
+        return rang
 
     def _died(self, p: Pending) -> WorkerDiedError:
         return WorkerDiedError(p.rank, p.method, f"its process (pid {self.pids[p.rank]}) exited", p.node,
