@@ -22,6 +22,21 @@ from rankmesh.ring import Ring, RingSpec, receive_ring, send_ring
 from rankmesh.worker import Worker, WorkerContext, construct, invoke
 
 
+def ring_fds() -> list[str]:
+    """This process's fds of rings: anonymous memfds (``memfd:rankmesh-ring``) and eventfds.
+
+    A ring is never named in ``/dev/shm``, so a leak shows only here, as open fds."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "rankmesh-ring" in target or "eventfd" in target:
+            found.append(target)
+    return sorted(found)
+
+
 def connect(address: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(address)

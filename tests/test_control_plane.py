@@ -26,6 +26,7 @@ from rankmesh.backends.ray.wire import REPLY_BYTES  # noqa: E402
 from rankmesh.errors import BackendError, HangError, WorkerDiedError, WorkerError  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
 from tests.control_workers import ControlWorker, kill_after  # noqa: E402
+from tests.ring_workers import ring_fds  # noqa: E402
 
 PATHS = ("session", "ray")
 SESSION_THREAD = "rankmesh-session"
@@ -156,19 +157,6 @@ def test_futures_chain_across_paths(groups, path):
     assert wg.total(out) == [[10, 21, 32, 43]] * 4
     assert [[m for m, _, _ in log] for log in wg.history()] == [["rows_later", "total"]] * 4
     assert [[m for m, _, _ in log] for log in other.history()] == [["total", "rows_now"]] * 4
-
-
-def ring_fds() -> list[str]:
-    """This process's fds of rings (anonymous memfds named ``rankmesh-ring``, and eventfds)."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if "rankmesh-ring" in target or "eventfd" in target:
-            found.append(target)
-    return sorted(found)
 
 
 @pytest.mark.parametrize("path", PATHS)

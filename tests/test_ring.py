@@ -67,23 +67,8 @@ def message(k: int, size: int) -> bytes:
     return struct.pack("<Q", k) + bytes(size - 8)
 
 
-def ring_fds() -> list[str]:
-    """This process's fds of rings: anonymous memfds (``memfd:rankmesh-ring``) and eventfds.
-
-    A ring is never named in ``/dev/shm``, so a leak shows only here, as open fds."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if "rankmesh-ring" in target or "eventfd" in target:
-            found.append(target)
-    return sorted(found)
-
-
 def test_every_reader_reads_every_message_in_order_through_a_full_ring():
-    before = ring_fds()
+    before = ring_workers.ring_fds()
     count = 60
     # 4 slots for 60 messages: the ring wraps 15 times; reader 2 reads slowly, so the writer waits for it.
     w = Writer(RingSpec(readers=3, slots=4, slot_bytes=1024), ring_workers.read_messages,
@@ -101,7 +86,7 @@ def test_every_reader_reads_every_message_in_order_through_a_full_ring():
         assert took >= 0.01 * (count - 4)  # the writer was held back by the slow reader, not ahead of it
     finally:
         w.close()
-    assert ring_fds() == before  # the writer's memfd and doorbells are closed with it
+    assert ring_workers.ring_fds() == before  # the writer's memfd and doorbells are closed with it
 
 
 def test_a_writer_waiting_on_a_killed_reader_raises_naming_it_within_2_s():
@@ -122,7 +107,7 @@ def test_a_writer_waiting_on_a_killed_reader_raises_naming_it_within_2_s():
 
 
 def test_a_reader_waiting_on_a_killed_writer_raises_within_2_s_and_nothing_is_left():
-    before = ring_fds()
+    before = ring_workers.ring_fds()
     parent, child = SPAWN.Pipe()
     address = f"\0rankmesh-ring-test-{uuid.uuid4().hex}"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -151,7 +136,7 @@ def test_a_reader_waiting_on_a_killed_writer_raises_within_2_s_and_nothing_is_le
                 p.kill()
             p.join(10)
         server.close()
-    assert ring_fds() == before  # the fds relayed through this process were closed here
+    assert ring_workers.ring_fds() == before  # the fds relayed through this process were closed here
 
 
 def _writer_that_waits(address: str) -> None:
@@ -225,11 +210,11 @@ def test_a_ring_refused_on_receipt_leaves_no_fd_open():
     """``attach`` owns the fds it is given: refusing them (too few for the ring's readers), it closes them."""
     ring = Ring.create(RingSpec(readers=2, slots=2, slot_bytes=64))
     try:
-        before = ring_fds()
+        before = ring_workers.ring_fds()
         fds = [os.dup(fd) for fd in ring.fds()[:3]]  # the memfd and two doorbells: one short
-        assert len(ring_fds()) == len(before) + 3
+        assert len(ring_workers.ring_fds()) == len(before) + 3
         with pytest.raises(RingError, match="cannot attach as reader 0"):
             Ring.attach(fds, 0)
-        assert ring_fds() == before
+        assert ring_workers.ring_fds() == before
     finally:
         ring.close()

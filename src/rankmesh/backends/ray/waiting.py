@@ -136,13 +136,42 @@ def gather(
     """
     start = time.monotonic()
     warn_at = None if stall_warn_s is None or inspect is None else start + stall_warn_s
-    result = Gathered()
-    waiting = list(range(len(pending)))
+    name = pending[0].carrier if pending else ""
+    if pending and all(p.carrier == name for p in pending):  # the common case: one carrier, all done at the first look
+        first_look = POLL_INTERVAL if warn_at is None else min(POLL_INTERVAL, stall_warn_s or 0.0)
+        got = carriers[name].poll(pending, deadline.within(first_look), True)
+        if len(got) == len(pending) and all(o.error is None for o in got.values()):
+            FETCH.ready_ns = time.time_ns()
+            return Gathered(got, [], "done", time.monotonic() - start)
+        return _gather_more(pending, got, deadline, carriers, start, warn_at, stall_warn_s, inspect, grace_s,
+                            stop_on_failure, stop)
+    return _gather_more(pending, {}, deadline, carriers, start, warn_at, stall_warn_s, inspect, grace_s,
+                        stop_on_failure, stop, first=True)
+
+
+def _gather_more(
+    pending: Sequence[Pending],
+    outcomes: dict[int, Outcome],
+    deadline: Deadline,
+    carriers: Mapping[str, Carrier],
+    start: float,
+    warn_at: float | None,
+    stall_warn_s: float | None,
+    inspect: Inspect | None,
+    grace_s: float,
+    stop_on_failure: bool,
+    stop: Callable[[], bool] | None,
+    first: bool = False,
+) -> Gathered:
+    """:func:`gather` past its first look (``outcomes``: what that look found)."""
+    result = Gathered(dict(outcomes))
+    waiting = [i for i in range(len(pending)) if i not in result.outcomes]
     by_carrier: dict[str, list[int]] = {}
     for i in waiting:
         by_carrier.setdefault(pending[i].carrier, []).append(i)
     grace_end = None
-    first = True
+    if stop_on_failure and any(o.error is not None for o in result.outcomes.values()):
+        grace_end = time.monotonic() + grace_s
     while waiting:
         slice_s = POLL_INTERVAL if len(by_carrier) == 1 else POLL_INTERVAL / len(by_carrier)
         for limit in (warn_at, grace_end):
