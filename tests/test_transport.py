@@ -178,25 +178,40 @@ def object_refs(future) -> list:
     return refs
 
 
+def spilled_bytes() -> int:
+    """Bytes the object store has spilled to disk and still keeps there (Ray deletes an object's spill
+    file once the object is freed): the spill folders in the session's folder, where this Ray spills."""
+    session = ray._private.worker._global_node.get_session_dir_path()
+    return sum(entry.stat().st_size for folder in os.scandir(session) if folder.name.startswith("ray_spilled_objects")
+               for entry in os.scandir(folder.path) if entry.is_file())
+
+
 def test_futures_passed_along_free_their_references(host_bank):
-    """T4: a future handed to another group's call is not pinned once caller and callee dropped it."""
+    """T4: a future handed to another group's call is not pinned once caller and callee dropped it:
+    neither its reference nor its bytes.  The 40 outputs are sized so that together they are 4/3 of the
+    store: were they pinned, Ray would have to spill a quarter of them to disk and keep them there."""
     import torch
 
     producer = host_bank.build(RayClassWithInitArgs(TransportWorker), RankMesh(dp=1))
     consumer = host_bank.build(RayClassWithInitArgs(TransportWorker), RankMesh(dp=1))
     core = ray._private.worker.global_worker.core_worker
-    seed = DataProto.from_dict({"i": torch.arange(1)})
+    mib = int(ray.cluster_resources()["object_store_memory"]) // 30 >> 20
+    seed = DataProto.from_dict({"i": torch.arange(1), "mib": torch.tensor([mib])})
+    before = spilled_bytes()  # what earlier tests left, if anything
     try:
         ids = set()
         for _ in range(40):
-            future = producer.make(seed)  # 8 MiB into the store, a future on the controller
+            future = producer.make(seed)  # mib MiB into the store, a future on the controller
             ids |= {ref.hex().encode() for ref in object_refs(future)}
             assert consumer.take(future) == ["DataProto"]  # the consumer's rank fetches it itself
             del future
         assert len(ids) == 40
         gc.collect()
         deadline = time.monotonic() + 10
-        while True:
+        while (on_disk := spilled_bytes()) > before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert on_disk <= before, f"{(on_disk - before) >> 20} MiB of the 40 outputs ({40 * mib} MiB) stay spilled on disk"
+        while True:  # and the controller holds no reference to any of them
             left = ids & set(core.get_all_reference_counts())  # keys: hex ids, as bytes
             if not left or time.monotonic() > deadline:
                 break

@@ -79,8 +79,9 @@ class TransportWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def make(self, seed: DataProto) -> DataProto:
-        """8 MiB per rank (the rows of ``seed``), into a future."""
-        return DataProto.from_dict({"x": torch.zeros(len(seed), (8 << 20) // 4 // len(seed))})
+        """``seed``'s ``mib`` MiB per rank (8 without that column), into a future."""
+        mib = int(seed.batch["mib"][0]) if "mib" in seed.batch.keys() else 8
+        return DataProto.from_dict({"x": torch.zeros(len(seed), (mib << 20) // 4 // len(seed))})
 
     @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def generate(self, prompts: DataProto) -> DataProto:
