@@ -4,8 +4,10 @@
 Why a script and not a test: CI has no GPU.  The CPU tests (``tests/test_reshard_ray.py``) cover
 the plan and both transports between CPU tensors; what only a GPU can show is the device edges of
 :func:`rankmesh.reshard.reshard`: a source whose tensors are on CUDA has no address
-another process can read, so its regions go through the object store even under
-``transport="auto"``; a CUDA destination reads into host memory and copies that to its device.
+another process can read with ``process_vm_readv``, so a CUDA source with a CPU destination goes
+through the object store even under ``transport="auto"``; a CUDA destination of a CPU source reads
+into host memory and copies that to its device.  Two CUDA ranks on one GPU now go through CUDA IPC
+under ``"auto"`` (its own check, with figures: ``scripts/check_gpu_refit.py``).
 
 What it does (one local Ray on 127.0.0.1): a tp2 "trainer" and a dp2 "generator" (tp1), each once
 with its tensors on the CPU and once on ``cuda``; every (source device, destination device) pair

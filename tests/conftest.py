@@ -132,7 +132,7 @@ def _later_items(item, nextitem):
 #: megatron its questions in two forked processes).  Forking a process whose Ray driver is
 #: connected corrupts the driver's gRPC channels (later Ray calls hang), so these run first,
 #: before any test starts the session's Ray.
-FORKING_MODULES = ("test_megatron_check.py", "test_megatron_model.py", "test_mesh.py")
+FORKING_MODULES = ("test_megatron_check.py", "test_megatron_model.py", "test_mesh.py", "test_one_rank_per_gpu.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,4 @@
-"""Device visibility of a worker process: ROCm's variables unified with CUDA's, Ray's local-rank rule.
+"""Devices of worker processes: ROCm's variables unified with CUDA's, Ray's local-rank rule, one rank per GPU under nccl.
 
 Why in the core: AMD clusters run Megatron too, and PyTorch's ROCm build reads
 ``CUDA_VISIBLE_DEVICES`` like the CUDA build does, while ROCm tools set ``HIP_VISIBLE_DEVICES``
@@ -15,10 +15,19 @@ reads them gives every worker one variable to trust (verl's ``Worker`` does the 
 
 :func:`unify_visible_devices` is pure (an environment in, the changes out) so it is tested on
 CPU by passing variables; the worker host applies the changes to ``os.environ``.
+
+NCCL cannot put two ranks of one communicator on one GPU: depending on its version it fails in
+the first collective with ``invalid usage`` ("Duplicate GPU detected"), deep inside whatever ran
+it, or the other ranks wait in that collective until their timeout.  A pool that asks Ray for no
+GPUs on a one-GPU machine is enough to get there.  :func:`check_one_rank_per_gpu` is the rule,
+pure for the same reason: every rank's :class:`RankDevice` in, an error naming the ranks, the GPU
+and the fix out; ``MegatronWorker`` gathers the records (over gloo) and applies it before any
+nccl collective runs.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -94,4 +103,50 @@ def unify_visible_devices(
     return DeviceEnv(set=to_set, unset=tuple(unset), device_index=device_index)
 
 
-__all__ = ["DeviceEnv", "RAY_NOSET_FLAGS", "ray_noset_resource", "unify_visible_devices"]
+@dataclass(frozen=True)
+class RankDevice:
+    """The GPU one rank computes on: ``gpu`` names the physical device uniquely (its UUID where the
+    driver gives one), ``index`` is the rank's own ``cuda:<index>``, ``node`` its host, for the message."""
+
+    rank: int
+    node: str
+    gpu: str
+    index: int
+
+
+def ranks_sharing_gpus(devices: Sequence[RankDevice]) -> list[list[RankDevice]]:
+    """Every set of two or more ranks on one physical GPU, each in rank order, ordered by their first rank."""
+    by_gpu: dict[str, list[RankDevice]] = defaultdict(list)
+    for device in sorted(devices, key=lambda d: d.rank):
+        by_gpu[device.gpu].append(device)
+    return sorted((ranks for ranks in by_gpu.values() if len(ranks) > 1), key=lambda ranks: ranks[0].rank)
+
+
+def check_one_rank_per_gpu(backend: str, devices: Sequence[RankDevice]) -> None:
+    """Raise :class:`RendezvousError` when ``backend`` is nccl and two ranks share a GPU.
+
+    The message names every such set of ranks, the GPU (cuda index, node, identity) and the two
+    fixes: one GPU per rank, or gloo (other backends accept shared devices; the rule is nccl's).
+    """
+    if backend != "nccl":
+        return
+    shared = ranks_sharing_gpus(devices)
+    if not shared:
+        return
+    sets = "; ".join(
+        f"ranks {[d.rank for d in ranks]} all use GPU {ranks[0].gpu} "
+        f"({', '.join(sorted({f'cuda:{d.index}' for d in ranks}))}) on node {ranks[0].node}"
+        for ranks in shared
+    )
+    raise RendezvousError(
+        f"nccl needs every rank on its own GPU, but {sets}: NCCL would refuse the group in its first "
+        f"collective or leave the other ranks waiting there. Give each rank its own GPU (a "
+        f"RayResourcePool(..., use_gpu=True) gives every rank one), or use gloo (backend=\"gloo\": the "
+        f"ranks then compute on the CPU)"
+    )
+
+
+__all__ = [
+    "DeviceEnv", "RAY_NOSET_FLAGS", "RankDevice", "check_one_rank_per_gpu", "ranks_sharing_gpus",
+    "ray_noset_resource", "unify_visible_devices",
+]

@@ -20,6 +20,14 @@ refuses (another user, Yama, seccomp, another pid namespace) is sent again throu
 with one warning per :class:`ReshardSession`, and later calls send it by the store directly.
 ``transport="store"`` sends everything through the store.
 
+Same GPU, no host copy (``transport="auto"`` or ``"cuda_ipc"``): when a source and a
+destination rank hold their tensors on the same physical GPU (colocated roles sharing it through
+fractional bundles, as verl's hybrid engine runs trainer and rollout), the source shares its
+tensors as CUDA IPC handles and the destination copies each region device-to-device into its
+parameter.  The controller asks every rank where its tensors are (``reshard_place``, one small
+call per group, made only when some pair could use IPC) and picks each pair's route with
+:func:`pair_route`, a pure rule: the GPU's UUID, not its visible-device number, says "same GPU".
+
 Colocated plans (both roles in the same processes) keep local regions out of the store: the
 source role leaves views of its tensors in its process's outbox, and the destination role of
 that process copies from them.
@@ -38,17 +46,49 @@ from rankmesh.errors import ReshardError, WorkerDiedError
 from rankmesh.mesh import RankMesh
 from rankmesh.reshard.plan import ReshardPlan, Transfer, merge_layouts, plan_reshard
 from rankmesh.validate import is_int
-from rankmesh.reshard.worker import DirectRead, ObjectRead, RecvJob, RecvResult, Region, SendJob, SendResult
+from rankmesh.reshard.worker import (DirectRead, ObjectRead, RecvJob, RecvResult, Region, SendJob, SendResult,
+                                     TensorPlace)
 
 logger = logging.getLogger(__name__)
 
-#: ``reshard(transport=...)``: ``auto`` reads same-node regions straight from the source process
-#: (``process_vm_readv``, :mod:`rankmesh.peermem`) and sends the rest through the object store;
-#: ``store`` sends everything through the object store.
-TRANSPORTS = ("auto", "store")
+#: ``reshard(transport=...)``: ``auto`` copies regions between tensors on one GPU through CUDA IPC,
+#: reads other same-node regions straight from the source process (``process_vm_readv``,
+#: :mod:`rankmesh.peermem`) and sends the rest through the object store; ``store`` sends
+#: everything through the object store; ``cuda_ipc`` sends everything through CUDA IPC, and is an
+#: error for any pair whose two tensors are not on one GPU.
+TRANSPORTS = ("auto", "store", "cuda_ipc")
 
 #: A (source rank, destination rank) pair.
 Pair = tuple[int, int]
+
+#: How one pair's regions travel (:func:`pair_route`).
+ROUTES = ("ipc", "direct", "store")
+
+
+def pair_route(transport: str, pair: Pair, same_node: bool, src: TensorPlace | None, dst: TensorPlace | None,
+               refused: bool = False) -> str:
+    """How the regions of ``pair`` (source rank, destination rank) travel: ``"ipc"``, ``"direct"`` or ``"store"``.
+
+    ``same_node``: both processes on one node; ``src``/``dst``: where their tensors are (None:
+    not asked); ``refused``: an earlier direct read or IPC open of this pair failed.  IPC needs
+    both tensors on one CUDA device by UUID and two processes (a process cannot open its own
+    handle).  ``transport="cuda_ipc"`` raises :class:`ReshardError` naming the pair when it cannot.
+    """
+    on_one_gpu = (same_node and src is not None and dst is not None and src.gpu_uuid is not None
+                  and src.gpu_uuid == dst.gpu_uuid and src.pid != dst.pid)
+    if transport == "cuda_ipc":
+        if not on_one_gpu:
+            where = (f"source on {src.device if src else 'an unknown device'} (GPU {src.gpu_uuid if src else None}, "
+                     f"pid {src.pid if src else None}), destination on {dst.device if dst else 'an unknown device'} "
+                     f"(GPU {dst.gpu_uuid if dst else None}, pid {dst.pid if dst else None})"
+                     + ("" if same_node else ", on different nodes"))
+            raise ReshardError(f"reshard(transport='cuda_ipc'): source rank {pair[0]} -> destination rank {pair[1]} "
+                               f"cannot use CUDA IPC: {where}; both tensors must be on one GPU in two processes "
+                               "of one node. Pass transport='auto' to route such pairs by memory read or the store")
+        return "ipc"
+    if transport == "store" or not same_node or refused:
+        return "store"
+    return "ipc" if on_one_gpu else "direct"
 
 
 @dataclass
@@ -70,19 +110,28 @@ class ReshardSession:
             group.reshard_session = cls()
         return group.reshard_session
 
-    def direct_pairs(self, src_group: Any, dst_group: Any, plan: ReshardPlan, transport: str) -> frozenset[Pair]:
-        """(source rank, destination rank) pairs read directly: same node, not refused before."""
+    def routes(self, src_group: Any, dst_group: Any, plan: ReshardPlan, transport: str) -> dict[str, frozenset[Pair]]:
+        """The pairs of ``plan`` that go ``"ipc"`` and ``"direct"`` (:func:`pair_route`; the rest use the store).
+
+        Asks both groups where their tensors are (``reshard_place``) only when a pair could use IPC."""
         src_info, dst_info = src_group.node_info, dst_group.node_info
-        if transport == "store" or src_info is None or dst_info is None:
-            return frozenset()
-        pairs = set()
-        for t in plan.transfers:
-            if t.local:
-                continue
-            s, d = src_info[t.src_rank], dst_info[t.dst_rank]
-            if s["node_id"] == d["node_id"] and (s["node_id"], s["pid"], d["pid"]) not in self.refused:
-                pairs.add((t.src_rank, t.dst_rank))
-        return frozenset(pairs)
+        pairs = sorted({(t.src_rank, t.dst_rank) for t in plan.transfers if not t.local})
+        if src_info is None or dst_info is None:
+            if transport == "cuda_ipc" and pairs:
+                raise ReshardError("reshard(transport='cuda_ipc'): the groups run in this process (no node_info), and "
+                                   "CUDA IPC needs the source and destination in two processes: use Ray worker groups")
+            return {"ipc": frozenset(), "direct": frozenset()}
+        same = {p: src_info[p[0]]["node_id"] == dst_info[p[1]]["node_id"] for p in pairs}
+        src_places = dst_places = None
+        if transport == "cuda_ipc" or (transport == "auto" and any(same.values())):
+            src_places, dst_places = ask_places(src_group, dst_group, plan)
+        out: dict[str, set[Pair]] = {"ipc": set(), "direct": set(), "store": set()}
+        for r, d in pairs:
+            s, t = src_info[r], dst_info[d]
+            refused = (s["node_id"], s["pid"], t["pid"]) in self.refused
+            out[pair_route(transport, (r, d), same[r, d], src_places[r] if src_places else None,
+                           dst_places[d] if dst_places else None, refused)].add((r, d))
+        return {"ipc": frozenset(out["ipc"]), "direct": frozenset(out["direct"])}
 
     def note_refused(self, src_group: Any, dst_group: Any, refused: dict[Pair, str]) -> None:
         """Remember pairs whose direct read was refused; warn once per session."""
@@ -99,6 +148,14 @@ class ReshardSession:
                        "rank %d from source rank %d: %s); they go through the object store instead. "
                        "Pass transport='store' to skip the attempt; see rankmesh.peermem for when the kernel refuses.",
                        len(refused), d, r, why)
+
+
+def ask_places(src_group: Any, dst_group: Any, plan: ReshardPlan) -> tuple[list[TensorPlace], list[TensorPlace]]:
+    """Every source and destination rank's :class:`TensorPlace` (both groups asked at once)."""
+    pending = [g.call_ranks("reshard_place", [()] * mesh.world_size, blocking=False)
+               for g, mesh in ((src_group, plan.src), (dst_group, plan.dst))]
+    src, dst = (list(future.get()) for future in pending)
+    return src, dst
 
 
 @dataclass(frozen=True)
@@ -132,6 +189,8 @@ class ReshardStats:
     #: CPU seconds all destinations spent copying into place, summed (unlike ``copy_s``, not
     #: stretched by other processes competing for the cores).
     copy_cpu_s: float = 0.0
+    #: Bytes destinations copied device-to-device from a source's CUDA IPC handle (same GPU).
+    bytes_ipc: int = 0
 
     @property
     def seconds(self) -> float:
@@ -148,6 +207,7 @@ def _check_group(group: Any, mesh: RankMesh, side: str) -> None:
 
 def _objects_of(plan: ReshardPlan, src_rank: int, direct: frozenset[Pair]
                 ) -> list[tuple[tuple[Region, ...], dict[int, tuple[Region, ...]]]]:
+    # ``direct``: every pair that does not use the store (direct reads and IPC).
     """``src_rank``'s objects: (regions to put, destination -> where each region goes), in put order.
 
     A region several destinations read (dp replicas of the destination) is put once, and the
@@ -197,17 +257,21 @@ class Jobs:
     bytes_put: int
 
 
-def build_jobs(plan: ReshardPlan, direct: frozenset[Pair], version: int | None = None) -> Jobs:
+def build_jobs(plan: ReshardPlan, direct: frozenset[Pair], version: int | None = None, ipc: frozenset[Pair] = frozenset(),
+               ipc_required: bool = False) -> Jobs:
     """The send job of every source rank and the receive job of every destination rank (pure).
 
-    ``version``: the weight version each destination rank holds once its job is done."""
+    ``direct`` / ``ipc``: the pairs read straight from the source process / through CUDA IPC
+    handles (the rest use the store).  ``version``: the weight version each destination rank holds
+    once its job is done; ``ipc_required``: an IPC handle that will not open is an error."""
     token = uuid.uuid4().hex
     sends = []
     objects: list[list[ObjectRead]] = [[] for _ in range(plan.dst.world_size)]
     reads: list[list[DirectRead]] = [[] for _ in range(plan.dst.world_size)]
+    ipc_reads: list[list[DirectRead]] = [[] for _ in range(plan.dst.world_size)]
     bytes_put = n_objects = 0
     for r in range(plan.src.world_size):
-        put = _objects_of(plan, r, direct)
+        put = _objects_of(plan, r, direct | ipc)
         n_objects += len(put)
         bytes_put += sum(math.prod(s.stop - s.start for s in sl) * plan.params[name].itemsize
                          for regions, _ in put for name, sl in regions)
@@ -217,11 +281,14 @@ def build_jobs(plan: ReshardPlan, direct: frozenset[Pair], version: int | None =
         regions, by_dst = _direct_regions(plan, r, direct)
         for d, items in by_dst.items():
             reads[d] += items
+        shared, by_dst = _direct_regions(plan, r, ipc)
+        for d, items in by_dst.items():
+            ipc_reads[d] += items
         local = tuple((t.name, t.src_slices) for t in plan.sends(r) if t.local)
-        sends.append(SendJob(token, tuple(regions for regions, _ in put), regions, local))
+        sends.append(SendJob(token, tuple(regions for regions, _ in put), regions, local, shared))
     recvs = tuple(
         RecvJob(token, tuple(objects[d]), tuple(reads[d]), tuple((t.name, t.dst_slices) for t in plan.receives(d) if t.local),
-                version)
+                version, tuple(ipc_reads[d]), ipc_required)
         for d in range(plan.dst.world_size)
     )
     return Jobs(tuple(sends), recvs, n_objects, bytes_put)
@@ -237,9 +304,11 @@ class _Run:
     bytes_put: int
 
 
-def _run(src_group: Any, dst_group: Any, plan: ReshardPlan, direct: frozenset[Pair], version: int | None) -> _Run:
-    """Submit every send and receive of ``plan`` at once and wait for them (``direct`` pairs read by pid)."""
-    jobs = build_jobs(plan, direct, version)
+def _run(src_group: Any, dst_group: Any, plan: ReshardPlan, direct: frozenset[Pair], version: int | None,
+         ipc: frozenset[Pair] = frozenset(), ipc_required: bool = False) -> _Run:
+    """Submit every send and receive of ``plan`` at once and wait for them (``direct`` pairs read by
+    pid, ``ipc`` pairs through CUDA IPC handles)."""
+    jobs = build_jobs(plan, direct, version, ipc, ipc_required)
     start = time.time()
     sends = src_group.call_ranks("reshard_send", [(job,) for job in jobs.sends], blocking=False)
     try:
@@ -286,10 +355,15 @@ def reshard(
     source has put its objects (or published its tensors), without a round trip through the
     controller between the phases.
 
-    ``transport``: ``"auto"`` (default) reads each region whose source and destination ranks run
-    on the same node straight out of the source process into the destination's parameter
-    (``process_vm_readv``: one copy, no object store; CPU source tensors), and sends the others
-    through the object store; ``"store"`` sends everything through the object store.  A direct
+    ``transport``: ``"auto"`` (default) copies each region whose source and destination tensors
+    are on the same physical GPU (two processes, e.g. colocated on fractional GPU bundles)
+    device-to-device through a CUDA IPC handle of the source's tensor (no host copy); reads each
+    other region whose ranks run on the same node straight out of the source process into the
+    destination's parameter (``process_vm_readv``: one copy, no object store; CPU source
+    tensors), and sends the others through the object store; ``"store"`` sends everything
+    through the object store; ``"cuda_ipc"`` sends everything through CUDA IPC and raises
+    :class:`ReshardError` naming the first pair that is not on one GPU.  A CUDA IPC handle that
+    will not open under ``"auto"`` is treated like a refused read (below).  A direct
     read the kernel refuses (another user, Yama, seccomp, another pid namespace) is not an error:
     that pair's regions go through the store in a second round, a warning is logged once per
     ``session``, and later calls send that pair by the store at once.  ``session`` (default: the
@@ -336,7 +410,8 @@ def reshard(
 def _reshard(
     src_group: Any, dst_group: Any, plan: ReshardPlan, transport: str, session: ReshardSession, version: int
 ) -> ReshardStats:
-    run = _run(src_group, dst_group, plan, session.direct_pairs(src_group, dst_group, plan, transport), version)
+    routes = session.routes(src_group, dst_group, plan, transport)
+    run = _run(src_group, dst_group, plan, routes["direct"], version, routes["ipc"], transport == "cuda_ipc")
     runs = [run]
     refused = {(r, d): why for d, g in enumerate(run.got) for r, why in g.refused.items()}
     if refused:
@@ -348,6 +423,11 @@ def _reshard(
     received = sum(g.received for r in runs for g in r.got)
     if received != plan.bytes_moved:
         raise ReshardError(f"destinations received {received} bytes, the plan moves {plan.bytes_moved}")
+    ipc_planned = sum(t.nbytes for t in plan.transfers if (t.src_rank, t.dst_rank) in routes["ipc"]
+                      and (t.src_rank, t.dst_rank) not in refused)
+    ipc_got = sum(g.bytes_ipc for g in run.got)
+    if ipc_got != ipc_planned:
+        raise ReshardError(f"destinations copied {ipc_got} bytes through CUDA IPC, the plan routes {ipc_planned} that way")
     sent_at = max((s.end for s in run.sent), default=start)
     copy_s = max((sum(r.got[d].copy_s for r in runs) for d in range(plan.dst.world_size)), default=0.0)
     timeline = tuple(("send", r, s.start - start, s.end - start, s.put_s) for r, s in enumerate(run.sent)) + tuple(
@@ -355,7 +435,8 @@ def _reshard(
     return ReshardStats(plan.bytes_moved, plan.bytes_local, sum(r.n_objects for r in runs), sent_at - start, end - sent_at,
                         sum(r.bytes_put for r in runs), copy_s, timeline,
                         bytes_direct=sum(g.bytes_direct for r in runs for g in r.got), refused=len(refused),
-                        copy_cpu_s=sum(g.copy_cpu_s for r in runs for g in r.got))
+                        copy_cpu_s=sum(g.copy_cpu_s for r in runs for g in r.got),
+                        bytes_ipc=ipc_got)
 
 
 def plan_between(

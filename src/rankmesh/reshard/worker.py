@@ -6,7 +6,10 @@ them back, and that is all it asks of where it runs.  The backend hands each wor
 ``ray.get`` / ``ray.wait`` on Ray, plain references in-process), one per process, so colocated
 roles of one process share it and its outbox.  Regions whose source and destination run on one
 node are read straight from the source process with ``process_vm_readv``
-(:mod:`rankmesh.peermem`), which needs no transport at all.
+(:mod:`rankmesh.peermem`), which needs no transport at all; regions whose source and destination
+tensors lie on the same physical GPU (colocated roles sharing it through fractional bundles) are
+copied device-to-device through a CUDA IPC handle of the source's storage (:func:`share_cuda`,
+:func:`open_cuda`), with no host copy.
 
 What travels between the controller and the ranks are the typed records below:
 :class:`SendJob` / :class:`SendResult` for a source rank, :class:`RecvJob` / :class:`RecvResult`
@@ -25,11 +28,12 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from rankmesh.backend import ObjectTransport
 from rankmesh.dispatch import Dispatch, register
@@ -68,6 +72,32 @@ class SendJob:
     objects: tuple[tuple[Region, ...], ...] = ()
     direct: tuple[Region, ...] = ()
     local: tuple[Region, ...] = ()
+    #: Regions destinations on the same GPU copy through a CUDA IPC handle of their tensor.
+    ipc: tuple[Region, ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorPlace:
+    """Where one rank's reshard tensors live: what the controller needs to choose a pair's transport.
+
+    ``device``: ``"cpu"``, ``"cuda:<i>"`` (this process's numbering) or ``"mixed"``.
+    ``gpu_uuid``: the physical GPU holding every tensor (None unless all are on one CUDA device).
+    Visible-device numbers differ between processes under ``CUDA_VISIBLE_DEVICES``; the UUID does not.
+    """
+
+    pid: int
+    device: str
+    gpu_uuid: str | None = None
+
+
+@dataclass(frozen=True)
+class IpcTensor:
+    """A CUDA tensor of a source process, as the arguments of torch's ``rebuild_cuda_tensor``
+    (``torch.multiprocessing.reductions.reduce_tensor``: the storage's IPC handle, the offset of
+    the tensor's storage inside its CUDA allocation, shape, strides and the producer's ref counter)."""
+
+    gpu_uuid: str
+    args: tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -103,11 +133,14 @@ class SendResult:
     put_s: float
     put_bytes: int = 0
     direct_bytes: int = 0
+    #: Tensor name -> its CUDA IPC handle, for :attr:`SendJob.ipc` regions (``ipc_bytes`` of them).
+    ipc: Mapping[str, IpcTensor] = field(default_factory=dict)
+    ipc_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes this send made readable (put, or published for direct reads): what a trace shows for it."""
-        return self.put_bytes + self.direct_bytes
+        """Bytes this send made readable (put, or published for direct or IPC reads): what a trace shows for it."""
+        return self.put_bytes + self.direct_bytes + self.ipc_bytes
 
 
 @dataclass(frozen=True)
@@ -141,15 +174,21 @@ class RecvJob:
     direct: tuple[DirectRead, ...] = ()
     local: tuple[Region, ...] = ()
     version: int | None = None  # the weight version the rank holds once written (None: unchanged)
+    #: Regions copied device-to-device from a source's CUDA IPC handle (``index`` unused: by name).
+    ipc: tuple[DirectRead, ...] = ()
+    #: Whether a CUDA IPC handle that will not open is an error (``transport="cuda_ipc"``) or a
+    #: refusal the controller answers by sending that pair through the store (``"auto"``).
+    ipc_required: bool = False
 
 
 @dataclass(frozen=True)
 class RecvResult:
     """A destination rank's answer.
 
-    ``received``: bytes written into place (objects and direct reads; ``bytes_direct`` of them
-    read directly).  ``refused``: source rank -> why the kernel refused its direct reads (those
-    regions are left unwritten, for the controller to send by the store).  Wall-clock
+    ``received``: bytes written into place (objects, direct reads and IPC copies; ``bytes_direct`` of them
+    read directly, ``bytes_ipc`` through CUDA IPC).  ``refused``: source rank -> why the kernel
+    refused its direct reads, or its IPC handle would not open (those regions are left unwritten,
+    for the controller to send by the store).  Wall-clock
     ``start``/``end``; ``copy_s``/``copy_cpu_s``: seconds spent copying into place (wall-clock
     and this thread's CPU).
     """
@@ -161,6 +200,8 @@ class RecvResult:
     end: float
     copy_s: float
     copy_cpu_s: float
+    #: Bytes of ``received`` copied device-to-device through CUDA IPC handles.
+    bytes_ipc: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -267,6 +308,76 @@ def read_direct(tensors: Mapping[str, torch.Tensor], peer: SendResult, reads: Se
     return wanted
 
 
+def gpu_uuid(device: torch.device) -> str:
+    """The physical GPU behind this process's ``device`` (the same string in every process that sees it)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def tensor_place(tensors: Mapping[str, torch.Tensor]) -> TensorPlace:
+    """Where ``tensors`` live (:class:`TensorPlace`); no tensors count as the CPU."""
+    devices = {t.device for t in tensors.values()}
+    if not devices:
+        return TensorPlace(os.getpid(), "cpu")
+    if len(devices) > 1:
+        return TensorPlace(os.getpid(), "mixed")
+    (device,) = devices
+    if device.type != "cuda":
+        return TensorPlace(os.getpid(), str(device))
+    return TensorPlace(os.getpid(), str(device), gpu_uuid(device))
+
+
+def share_cuda(tensor: torch.Tensor) -> IpcTensor:
+    """``tensor`` (on a CUDA device) as an IPC handle another process on the same GPU can open.
+
+    The handle names the tensor's whole CUDA allocation; the offset of its storage inside it, its
+    own offset, shape and strides travel with it, so a view (a parameter inside megatron's
+    contiguous buffer) opens as the same view.  The caller keeps ``tensor`` alive until every
+    reader has copied.
+    """
+    _, args = reduce_tensor(tensor.detach())
+    return IpcTensor(gpu_uuid(tensor.device), tuple(args))
+
+
+def open_cuda(shared: IpcTensor, device: torch.device) -> torch.Tensor:
+    """The source tensor of ``shared``, opened on this process's ``device`` (the same physical GPU).
+
+    The device number inside the handle is the source process's; it is replaced by ``device``'s,
+    since ``CUDA_VISIBLE_DEVICES`` may number the same GPU differently here.
+    """
+    if gpu_uuid(device) != shared.gpu_uuid:
+        raise ReshardError(f"a CUDA IPC handle of GPU {shared.gpu_uuid} cannot be opened on {device} "
+                           f"(GPU {gpu_uuid(device)}): the controller routes only pairs on one GPU through IPC")
+    args = list(shared.args)
+    args[6] = device.index  # rebuild_cuda_tensor's storage_device
+    return rebuild_cuda_tensor(*args)
+
+
+def copy_ipc(tensors: Mapping[str, torch.Tensor], peer: SendResult, reads: Sequence[DirectRead]) -> int:
+    """Copy ``reads`` device-to-device from the source tensors ``peer`` shared into ``tensors``; returns the bytes.
+
+    Synchronizes the device before returning: the source may change its tensors once the reshard
+    has returned, and the opened handles are dropped here (the source's ref counters fall with them).
+    """
+    opened: dict[str, torch.Tensor] = {}
+    moved = 0
+    for read in reads:
+        view = tensors[read.name][read.dst_slices]
+        if view.device.type != "cuda":
+            raise ReshardError(f"parameter {read.name!r} of this rank is on {view.device}, not on a GPU: "
+                               "it cannot be copied from a CUDA IPC handle")
+        if read.name not in opened:
+            opened[read.name] = open_cuda(peer.ipc[read.name], view.device)
+        src = opened[read.name][read.src_slices]
+        if src.dtype != view.dtype:
+            raise ReshardError(f"parameter {read.name!r}: source elements are {src.dtype}, destination {view.dtype}")
+        view.copy_(src)
+        moved += view.numel() * view.element_size()
+    if opened:
+        torch.cuda.synchronize(next(iter(opened.values())).device)
+    opened.clear()
+    return moved
+
+
 # ----- the worker ----------------------------------------------------------------------------------
 
 
@@ -322,6 +433,11 @@ class ReshardWorker(Worker):
         return objects
 
     @register(Dispatch.ONE_TO_ALL)
+    def reshard_place(self) -> TensorPlace:
+        """Where this rank's reshard tensors live (asked before each reshard that may use CUDA IPC)."""
+        return tensor_place(self.reshard_tensors())
+
+    @register(Dispatch.ONE_TO_ALL)
     def param_layouts(self) -> list[ParamLayout]:
         """This rank's parameters (one list per rank; merge them with :func:`~rankmesh.reshard.merge_layouts`)."""
         return self.reshard_layouts()
@@ -361,14 +477,25 @@ class ReshardWorker(Worker):
                 fallback[i] = objects.put(region_pieces(tensors, [(name, sl)]))
                 put_s += time.perf_counter() - t
                 fallback_bytes += region_bytes(tensors, [(name, sl)])
+        shared: dict[str, IpcTensor] = {}
+        ipc_bytes = 0
+        for name, sl in job.ipc:
+            tensor = tensors[name]
+            if tensor.device.type != "cuda":
+                raise ReshardError(f"source rank {self.rank}: parameter {name!r} is on {tensor.device}, but this reshard "
+                                   "routes it through CUDA IPC, which needs it on a GPU: keep the weights where they are "
+                                   "during a reshard, or pass transport='auto'")
+            if name not in shared:
+                shared[name] = share_cuda(tensor)
+            ipc_bytes += region_bytes(tensors, [(name, sl)])
         # Keep what was published alive until this worker's next send (reshard_tensors() may build
         # new tensors on every call): destinations read them after this call has returned.
-        self._reshard_published = {name: tensors[name] for name in published}
+        self._reshard_published = {name: tensors[name] for name in (*published, *shared)}
         if job.local:
             objects.outbox[(job.token, self.rank)] = [tensors[name][sl] for name, sl in job.local]
         put_bytes = sum(region_bytes(tensors, regions) for regions in job.objects) + fallback_bytes
         return SendResult(tuple(handles), os.getpid(), namespace_id(), published, fallback, fallback_bytes,
-                          start, time.time(), put_s, put_bytes, direct_bytes)
+                          start, time.time(), put_s, put_bytes, direct_bytes, shared, ipc_bytes)
 
     @register(Dispatch.ALL_TO_ALL)
     def reshard_recv(self, job: RecvJob, sends: Sequence[Any]) -> RecvResult:
@@ -390,7 +517,11 @@ class ReshardWorker(Worker):
         direct_by_source: dict[int, list[DirectRead]] = {}
         for d in job.direct:
             direct_by_source.setdefault(d.src_rank, []).append(d)
-        waiting = sorted(set(by_source) | set(direct_by_source))
+        ipc_by_source: dict[int, list[DirectRead]] = {}
+        for d in job.ipc:
+            ipc_by_source.setdefault(d.src_rank, []).append(d)
+        ipc_bytes = 0
+        waiting = sorted(set(by_source) | set(direct_by_source) | set(ipc_by_source))
         while waiting:
             # Whichever sources have put their objects: copy theirs while the others still put.
             done = objects.wait_any([sends[r] for r in waiting])
@@ -401,6 +532,16 @@ class ReshardWorker(Worker):
             wanted: list[tuple[Any, tuple[Region, ...]]] = []
             for r, out in zip(sources, outputs):
                 wanted += [(out.objects[i], regions) for i, regions in by_source.get(r, ())]
+                if r in ipc_by_source:
+                    try:
+                        ipc_bytes += copy_ipc(tensors, out, ipc_by_source[r])
+                    except RuntimeError as exc:  # the handle would not open (another IPC namespace, a driver refusal)
+                        if job.ipc_required:
+                            raise ReshardError(f"destination rank {self.rank}: opening the CUDA IPC handles of source "
+                                               f"rank {r} (pid {out.pid}) failed: {exc}; pass transport='auto' to "
+                                               "fall back to the object store") from exc
+                        refused[r] = f"CUDA IPC: {exc}"
+                    continue
                 reads = direct_by_source.get(r)
                 if not reads:
                     continue
@@ -434,7 +575,8 @@ class ReshardWorker(Worker):
                 tensors[name][sl].copy_(view)
         if job.version is not None and not refused:  # with refused regions the second round says it
             self.weight_version = job.version
-        return RecvResult(received + direct_bytes, direct_bytes, refused, start, time.time(), copy_s, copy_cpu)
+        return RecvResult(received + direct_bytes + ipc_bytes, direct_bytes, refused, start, time.time(), copy_s, copy_cpu,
+                          ipc_bytes)
 
     @register(Dispatch.ONE_TO_ALL)
     def reshard_drop(self, token: str) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 import threading
 import time
 from collections import deque
@@ -174,6 +175,7 @@ class WorkerHost:
         self._unify_devices()
         for role, spec in setup.roles.items():
             self._workers[role] = construct(spec.cls, self._context(setup, role), tuple(spec.args), dict(spec.kwargs))
+        self._record_device()
         self._setup = setup
         return imported_ns, time.time_ns()
 
@@ -205,6 +207,18 @@ class WorkerHost:
 
             torch.cuda.set_device(change.device_index)
             self._device_index = change.device_index
+
+    def _record_device(self) -> None:
+        """The CUDA device the roles selected while being built, for the session thread to select too.
+
+        CUDA's current device is per thread: a worker that calls ``torch.cuda.set_device`` in its
+        ``__init__`` (``MegatronWorker`` does, by LOCAL_RANK, when a process sees several GPUs)
+        selects it for Ray's thread only, and calls on the session thread would run on device 0.
+        A process that never started CUDA records nothing (reading the device would start it).
+        """
+        torch = sys.modules.get("torch")
+        if self._device_index is None and torch is not None and torch.cuda.is_initialized():
+            self._device_index = torch.cuda.current_device()
 
     def warm(self, roles: Mapping[str | None, RoleInit]) -> dict[str, Any]:
         """A spare's start: import what a rank of its group would, then wait to become one.
