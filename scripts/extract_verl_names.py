@@ -5,9 +5,10 @@ Run against an unpacked verl wheel (``pip download verl==0.9.1 --no-deps`` then 
     python scripts/extract_verl_names.py /tmp/verl/src/verl > tests/compat/verl_0_9_1_names.json
 
 Reads the source with ``ast`` (verl is never imported): the public module-level functions and
-classes of ``protocol.py``, and the public methods, properties and class attributes of the
-classes a ported program touches, inherited ones included.  The few ``_underscore`` methods
-verl's own workers call from user code (dispatch info) are listed too.
+classes of ``protocol.py`` and of the ``verl.utils`` modules in :data:`MODULES`, and the public
+methods, properties and class attributes of the classes a ported program touches, inherited
+ones included.  The few ``_underscore`` methods verl's own workers call from user code (dispatch
+info) are listed too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ CLASSES = {
     "RayResourcePool": ("single_controller/ray/base.py", ["ResourcePool"]),
     "RayWorkerGroup": ("single_controller/ray/base.py", ["WorkerGroup"]),
 }
+#: verl module (dotted, under verl.) -> its file: modules besides protocol whose public functions a port may import.
+MODULES = {"utils.ray_utils": "utils/ray_utils.py"}
 #: verl-private methods that verl worker code calls itself (so a port needs them).
 USED_PRIVATE = {"_register_dispatch_collect_info", "_query_dispatch_info", "_query_collect_info"}
 
@@ -44,6 +47,13 @@ def _members(node: ast.ClassDef) -> set[str]:
     return {n for n in names if not n.startswith("_") or n in USED_PRIVATE}
 
 
+def _public_names(tree: ast.Module) -> list[str]:
+    """The public module-level functions and classes of a parsed module, sorted."""
+    return sorted(
+        n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")
+    )
+
+
 def main(root: str) -> None:
     root_path = Path(root)
     trees = {f: ast.parse((root_path / f).read_text()) for f, _ in CLASSES.values()}
@@ -54,16 +64,11 @@ def main(root: str) -> None:
     for name, (_, bases) in CLASSES.items():
         for base in bases:
             classes[name] |= classes[base]
-    protocol = trees["protocol.py"]
-    module = sorted(
-        n.name
-        for n in protocol.body
-        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")
-    )
     out = {
         "source": "verl 0.9.1 wheel (pip download verl==0.9.1 --no-deps), read with scripts/extract_verl_names.py",
-        "protocol": module,
+        "protocol": _public_names(trees["protocol.py"]),
         "classes": {k: sorted(v) for k, v in classes.items() if k not in ("WorkerHelper", "ResourcePool")},
+        "modules": {name: _public_names(ast.parse((root_path / f).read_text())) for name, f in MODULES.items()},
     }
     json.dump(out, sys.stdout, indent=1, sort_keys=True)
     sys.stdout.write("\n")

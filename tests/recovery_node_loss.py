@@ -73,14 +73,15 @@ def shrink_then_grow(cluster, nodes) -> dict:
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from rankmesh.backends.ray.recovery import exit_on_next_call
     from rankmesh.backends.ray.simulated import LOOPBACK
+    from rankmesh.backends.ray.spares import SpareStatus
     from rankmesh.mesh import RankMesh
     from tests.recovery_workers import StateWorker
 
-    def wait_warm_spare(exclude: set) -> dict:
+    def wait_warm_spare(exclude: set) -> SpareStatus:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             spares = wg.spares
-            if spares and spares[0]["warm"] and spares[0]["pid"] not in exclude:
+            if spares and spares[0].warm and spares[0].pid not in exclude:
                 return spares[0]
             time.sleep(0.1)
         raise TimeoutError(f"no warm spare: {wg.spares}")
@@ -96,7 +97,7 @@ def shrink_then_grow(cluster, nodes) -> dict:
         wg.set_state([[10.0 * (r % 2) + k for k in (1, 2, 3)] for r in range(4)])  # tp rank r % 2
         before = wg.whoami()
         spare = wait_warm_spare(set())
-        out["spare_on_small_node"] = by_node[spare["node_id"]] == len(nodes) - 1
+        out["spare_on_small_node"] = by_node[spare.node_id] == len(nodes) - 1
         # (1) A warm spare takes rank 3's place.
         exit_on_next_call(wg, 3, "world_sum")
         out["result_spare"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])
@@ -104,9 +105,9 @@ def shrink_then_grow(cluster, nodes) -> dict:
         out["spare_taken"] = {"ranks": rep.ranks, "from_spares": rep.from_spares, "format": rep.format(),
                               "seconds": (rep.detected_s or 0.0) + rep.total_s}
         # (2) The refilled spare sits in rank 3's old bundle, on rank 2's node: remove that node.
-        refill = wait_warm_spare({spare["pid"]})
+        refill = wait_warm_spare({spare.pid})
         victim = by_node[wg.node_of(2)]
-        out["refill_on_victim"] = by_node[refill["node_id"]] == victim
+        out["refill_on_victim"] = by_node[refill.node_id] == victim
         out["ranks_on_victim"] = [r for r in range(4) if by_node[wg.node_of(r)] == victim]
         cluster.remove_node(nodes[victim], allow_graceful=False)
         removed = time.monotonic()

@@ -895,7 +895,9 @@ def test_front_door_is_small_and_holds_rankmesh_own_api() -> None:
     import rankmesh
 
     public = set(rankmesh.__all__)
-    assert len(public) == len(rankmesh.__all__) <= 27
+    # 19 names to write code with and the errors the README names (10 since issue 45 item 9 added HangError,
+    # PaddingError and ResourcePoolError: test_every_error_the_readme_names_is_at_the_front_door), one to spare.
+    assert len(public) == len(rankmesh.__all__) <= 30
     for name in public:
         assert getattr(rankmesh, name) is not None, name
     # verl mechanics and internals live in their modules (and rankmesh.compat.verl), not here.
@@ -905,6 +907,24 @@ def test_front_door_is_small_and_holds_rankmesh_own_api() -> None:
     # The Ray names show in dir() but stay out of __all__ (a star import would load Ray).
     for lazy in ("RayResourcePool", "RayClassWithInitArgs", "RayWorkerGroup", "create_colocated_worker_cls"):
         assert lazy in dir(rankmesh) and lazy not in public
+
+
+def test_every_error_the_readme_names_is_at_the_front_door() -> None:
+    """``from rankmesh import HangError`` works because the README names it beside ``WorkerError``
+    (issue 45, item 9): a reader imports what the first page shows from where it shows it."""
+    import rankmesh
+    import rankmesh.errors
+
+    readme = (SRC.parent / "README.md").read_text(encoding="utf-8")
+    named = {word for word in re.findall(r"\b[A-Z]\w*(?:Error|Timeout|Died)\b", readme)
+             if isinstance(getattr(rankmesh.errors, word, None), type)}
+    assert {"WorkerError", "HangError", "PaddingError"} <= named  # the scan finds what it should
+    missing = sorted(named - set(rankmesh.__all__))
+    assert not missing, f"the README names {missing}; add them to rankmesh.NAMES (they live in rankmesh.errors)"
+    for word in named:
+        namespace: dict = {}
+        exec(f"from rankmesh import {word}", namespace)
+        assert namespace[word] is getattr(rankmesh.errors, word)
 
 
 def test_verl_mechanics_are_reachable_from_their_modules() -> None:

@@ -14,6 +14,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("ray")
 
 from rankmesh.errors import WorkerError  # noqa: E402
+from rankmesh.megatron.checkpoint import agreed  # noqa: E402
 from rankmesh.megatron.reference import TinyConfig  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
 from tests.checkpoint_drill import MeshHosts, deviation, full_weights, run_chain, train  # noqa: E402
@@ -49,11 +50,27 @@ def test_a_round_trip_on_the_same_mesh_is_bit_exact(mesh_hosts, tmp_path):
     assert deviation(full_weights(wg), trained).max_abs == 0.0
 
 
+def test_each_rank_raises_its_own_problem_or_names_the_rank_that_found_one():
+    # Pure: what ``agree`` raises on each rank once every rank's problem is known.  tp2·dp2 by hand:
+    # rank = tp + 2*dp, so rank 2 is tp0 dp1.  A rank's own problem does not name the rank: the
+    # controller's WorkerError names it, and the other failing ranks, once.
+    mesh = RankMesh(tp=2, dp=2)
+    problems = [None, None, "tensor 'w' is (4,) there, (2,) here", "tensor 'w' is (4,) there, (3,) here"]
+    assert agreed(problems, 3, mesh) == "tensor 'w' is (4,) there, (3,) here"
+    assert agreed(problems, 2, mesh) == "tensor 'w' is (4,) there, (2,) here"
+    assert agreed(problems, 0, mesh) == "rank 2 (tp0 dp1) found: tensor 'w' is (4,) there, (2,) here"
+    assert agreed([None] * 4, 1, mesh) is None
+
+
 def test_checkpoint_errors_name_the_path_and_the_tensor(mesh_hosts, tmp_path):
     wg = mesh_hosts.group or mesh_hosts.build(RankMesh(tp=2, dp=2))
     missing = tmp_path / "nowhere"
-    with pytest.raises(WorkerError, match="no checkpoint at .*nowhere.*does not exist"):
+    with pytest.raises(WorkerError, match="no checkpoint at .*nowhere.*does not exist") as nowhere:
         wg.load_checkpoint(str(missing))
+    # Every rank found it: the ranks are said once (tp2·dp2 by hand: rank 0 is tp0 dp0).
+    text = str(nowhere.value)
+    assert text.count("rank 0 (tp0 dp0)") == 1 and text.count("other rank") == 1, text
+    assert " and 3 other ranks [1, 2, 3] failed in " in text and "more rank" not in text, text
 
     saved = tmp_path / "saved"
     wg.save_checkpoint(str(saved))

@@ -147,13 +147,10 @@ BAD_FILE = "name: bad\ncluster: {nodes: 1, devices_per_node: 8\n"
         (["cpu_demo", "--role", "judge"], "unknown role 'judge' (roles: actor, ref, critic, rollout)"),
         (["cpu_demo", "--tp", "2"], "either a layout or explicit sizes"),
         ([], "give a layout name or file, or explicit sizes"),
-        (["BAD_FILE"], "malformed YAML"),
+        # A bad layout *file* exits 1, as `layout validate` does: test_show_draw_and_validate_exit_alike_for_one_bad_file.
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, fragment):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(BAD_FILE)
-    argv = [str(bad) if a == "BAD_FILE" else a for a in argv]
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, fragment):
     code, out, err = run(capsys, "layout", "show", *argv)
     assert code == 2
     assert out == ""
@@ -161,7 +158,9 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, fragment):
 
 
 def test_usage_errors_of_the_parser_are_one_line(capsys):
-    for argv in (["frobnicate"], ["layout"], ["layout", "show", "--bogus"], []):
+    # A missing subcommand (`rankmesh`, `rankmesh layout`) prints the usage and the subcommands first:
+    # test_a_command_without_its_subcommand_prints_usage_and_the_subcommands.
+    for argv in (["frobnicate"], ["layout", "frobnicate"], ["layout", "show", "--bogus"], ["-v", "layout", "show", "-x"]):
         code, out, err = run(capsys, *argv)
         assert code == 2 and out == "", argv
         one_error_line(err)
@@ -227,7 +226,7 @@ def test_validate_lists_every_problem_and_exits_1(capsys, tmp_path):
     assert "role 'critic', field 'mesh'" in errors[1]
     assert "role 'ref', field 'mesh'" in errors[2]
     code, out, err = run(capsys, "layout", "show", str(path))
-    assert code == 2 and "(and 2 more problem(s)" in one_error_line(err)
+    assert code == 1 and "(and 2 more problem(s)" in one_error_line(err)  # an invalid file: 1, as validate
 
 
 def test_validate_malformed_yaml_exits_1_with_one_line(capsys, tmp_path):
@@ -390,3 +389,85 @@ def test_show_says_where_a_pool_runs_in_words(capsys):
         code, out, _ = run(capsys, "layout", "show", name, "--role", "actor")
         assert code == 0 and fragment in out.splitlines()[0], out.splitlines()[0]
         assert "node(s)" not in out
+
+
+# ----- issue 45, item 12: the first hour at the command line ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, prog, subcommands",
+    [
+        ([], "rankmesh", ("layout", "trace", "demo")),
+        (["layout"], "rankmesh layout", ("list", "show", "validate", "draw")),
+        (["trace"], "rankmesh trace", ("summarize", "plot")),
+    ],
+)
+def test_a_command_without_its_subcommand_prints_usage_and_the_subcommands(capsys, argv, prog, subcommands):
+    """argparse's convention for a usage error: usage on stderr, exit 2, nothing on stdout."""
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "", (argv, out)
+    assert err.startswith(f"usage: {prog} "), err
+    listed = {line.split()[0] for line in err.splitlines() if line.startswith("    ")}
+    assert set(subcommands) <= listed, err
+    last = err.splitlines()[-1]
+    assert last.startswith(f"{prog}: error: ") and "Traceback" not in err
+    assert all(name in last for name in subcommands), last
+
+
+def test_verbose_works_before_and_after_the_subcommand(capsys, tmp_path):
+    path = tmp_path / "one.yaml"
+    path.write_text("name: one\ncluster: {nodes: 1, devices_per_node: 2}\nroles:\n  actor: {mesh: {tp: 2}}\n")
+    quiet, _, err = run(capsys, "layout", "show", str(path))
+    assert quiet == 0 and "loaded layout" not in err
+    for argv in (["-vv", "layout", "show", str(path)], ["layout", "show", str(path), "-vv"],
+                 ["-v", "layout", "show", str(path), "-v"], ["layout", "-v", "show", "-v", str(path)]):
+        code, out, err = run(capsys, *argv)
+        assert code == 0 and out.startswith("layout one"), (argv, err)
+        assert f"rankmesh: DEBUG: loaded layout one from {path}" in err, (argv, err)  # -vv: debug
+    code, _, err = run(capsys, "layout", "show", str(path), "-v")
+    assert code == 0 and "DEBUG" not in err  # one -v is info, not debug
+
+
+def test_layout_list_json_has_the_fields_the_text_shows(capsys):
+    code, text, _ = run(capsys, "layout", "list")
+    code_json, out, err = run(capsys, "layout", "list", "--json")
+    assert code == code_json == 0 and err == ""
+    listed = json.loads(out)
+    assert [entry["name"] for entry in listed] == [line.split()[0] for line in text.splitlines()]
+    by_name = {entry["name"]: entry for entry in listed}
+    assert set(SHIPPED) <= set(by_name)
+    assert by_name["llama70b_4x8"]["description"].startswith("Llama-3-70B on 4x8 GPUs")
+    assert by_name["cpu_demo"]["source"].endswith("cpu_demo.yaml")
+
+
+BROKEN = """\
+name: broken
+cluster: {nodes: 1, devices_per_node: 8}
+roles:
+  actor: {mesh: {tp: 0}}
+  critic: {mesh: {tp: 3}}
+"""
+
+
+def test_show_names_a_bad_file_in_one_clean_line(capsys, tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text(BROKEN)
+    code, out, err = run(capsys, "layout", "show", str(path))
+    line = one_error_line(err)
+    assert out == "" and line.count("error") == 1, line
+    assert line == (f"rankmesh: error: {path}: role 'actor', field 'mesh.tp': tp must be a positive integer, got 0"
+                    " (and 1 more problem(s); run `rankmesh layout validate`)")
+
+
+@pytest.mark.parametrize("content", [BAD_FILE, BROKEN], ids=["malformed", "invalid"])
+def test_show_draw_and_validate_exit_alike_for_one_bad_file(capsys, tmp_path, content):
+    """A file that is found but is not a valid layout exits 1 in every command; 2 is the command line's fault."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    codes = {}
+    for argv in (["show", str(path)], ["show", str(path), "--json"], ["draw", str(path), "-o", str(tmp_path / "x.png")],
+                 ["validate", str(path)]):
+        codes[argv[0] + " ".join(argv[2:3])] = run(capsys, "layout", *argv)[0]
+    assert set(codes.values()) == {1}, codes
+    code, _, err = run(capsys, "layout", "show", str(tmp_path / "missing.yaml"))  # no such file: usage, as before
+    assert code == 2 and "no such layout file" in one_error_line(err)

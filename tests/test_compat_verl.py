@@ -154,3 +154,40 @@ def test_split_and_merged_verl_pools_keep_verls_per_process_lists():
     assert merged.local_rank_list() == [0, 1, 0] and merged.local_world_size_list() == [2, 2, 1]
     head, tail = verl.split_resource_pool(merged, [1, 2])
     assert head.local_rank_list() == [0] and tail.local_world_size_list() == [1, 1]
+
+
+# --- verl's RayResourcePool.get_placement_groups(strategy, name, device_name) ----------------------
+
+
+def test_get_placement_groups_has_verls_signature():
+    params = inspect.signature(verl.RayResourcePool.get_placement_groups).parameters
+    assert [(p.name, p.default) for p in list(params.values())[1:]] == [
+        ("strategy", "STRICT_PACK"), ("name", None), ("device_name", "cuda")
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        ({"device_name": "npu"}, ["device_name='npu'", "'cuda'", "'cpu'"]),
+        ({"device_name": "tpu"}, ["device_name='tpu'", "'cuda'", "'cpu'"]),
+        ({"strategy": "PACK"}, ["strategy='PACK'", "STRICT_PACK", "RayResourcePool([4, 4])"]),
+        ({"name": "my_pg"}, ["name='my_pg'", "name_prefix"]),
+    ],
+)
+def test_get_placement_groups_refuses_what_rankmesh_cannot_honour_before_placing(kwargs, names):
+    # refused before anything is placed: no Ray is needed here
+    pool = verl.RayResourcePool([1], use_gpu=True)
+    with pytest.raises(rankmesh.errors.BackendError) as info:
+        pool.get_placement_groups(**kwargs)
+    for name in names:
+        assert name in str(info.value)
+    assert "not placed" in repr(pool)
+
+
+# --- verl.utils.ray_utils.parallel_put ---------------------------------------------------------------
+
+
+def test_parallel_put_of_nothing_fails_verls_assert():
+    with pytest.raises(AssertionError, match="data_list"):
+        verl.parallel_put([])

@@ -212,7 +212,13 @@ def test_set_control_switches_paths_and_keeps_order(groups):
         wg.set_control("auto")
 
 
-def test_control_setting_is_checked(ray_session, monkeypatch):
-    monkeypatch.setenv(CONTROL_ENV, "fast")
-    with pytest.raises(ValueError, match="RANKMESH_CONTROL='fast'"):
+def test_control_setting_is_checked_before_ray_starts(monkeypatch):
+    """A typo in RANKMESH_CONTROL fails at construction, before Ray or any process starts (no Ray needed here)."""
+    monkeypatch.setenv(CONTROL_ENV, "sesion")
+    ray_was_up = ray.is_initialized()
+    started = time.perf_counter()
+    with pytest.raises(BackendError) as info:
         RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ControlWorker))
+    assert time.perf_counter() - started < 2 and ray.is_initialized() == ray_was_up
+    text = str(info.value)
+    assert "RANKMESH_CONTROL='sesion' is not a control mode" in text and "'auto'" in text and "'ray'" in text, text

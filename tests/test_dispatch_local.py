@@ -303,3 +303,88 @@ def test_register_wrapper_materializes_futures_on_direct_calls():
     w = RecordingWorker()
     assert rows_of(w.dp_compute_proto(fut)) == [0, 1, 2]
     assert w.peek_future(fut)["parts"] == 1  # materialize_futures=False keeps the future
+
+
+class HalfRegistered(Worker):
+    """One registered method and one plain one (the first hour's mistake: a method without @register)."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def compute(self, x):
+        return x
+
+    def plain(self, x):
+        return x + 1
+
+
+def test_an_unregistered_method_says_to_register_it_and_lists_the_registered_ones():
+    import copy
+    import pickle
+
+    from rankmesh.errors import GroupAttributeError, RankMeshError
+
+    wg = LocalWorkerGroup(HalfRegistered, world_size=2)
+    with pytest.raises(AttributeError) as info:
+        wg.plain  # noqa: B018
+    text = str(info.value)
+    assert isinstance(info.value, (GroupAttributeError, RankMeshError)), type(info.value)
+    assert "HalfRegistered defines plain but it is not registered" in text, text
+    assert "@register(...)" in text and "wg.call_ranks('plain'" in text, text
+    assert "registered methods: compute" in text, text
+    assert wg.call_ranks("plain", [(1,), (2,)]) == [2, 3]  # the way the message offers works
+
+    with pytest.raises(AttributeError) as info:
+        wg.compte  # noqa: B018  (a typo of a registered method)
+    text = str(info.value)
+    assert "'LocalWorkerGroup' object has no attribute 'compte'" in text and "registered methods: compute" in text, text
+    assert "did you mean 'compute'" in text, text
+    # The timeout view reaches the same error; hasattr and getattr's default still work.
+    with pytest.raises(AttributeError, match="not registered"):
+        wg.with_timeout(5).plain  # noqa: B018
+    assert not hasattr(wg, "plain") and getattr(wg, "nope", 7) == 7
+
+    # Copying and pickling look dunder names up before any state exists: no recursion, no message building.
+    bare = object.__new__(LocalWorkerGroup)
+    with pytest.raises(AttributeError):
+        bare.plain  # noqa: B018
+    with pytest.raises(AttributeError):
+        bare.__setstate__x  # noqa: B018
+    assert copy.copy(wg).compute(3) == [3, 3]
+    assert pickle.loads(pickle.dumps(wg)).compute(4) == [4, 4]
+
+
+def test_every_backend_group_takes_the_one_attribute_error():
+    """RayWorkerGroup gets the message by the shared code path, not by a Ray test: it defines no lookup of its own."""
+    pytest.importorskip("ray")
+    from rankmesh.backends.ray.group import RayWorkerGroup
+    from rankmesh.group import ReplicaGroup
+
+    for cls in (LocalWorkerGroup, RayWorkerGroup, ReplicaGroup):
+        assert issubclass(cls, WorkerGroup) and cls.__getattr__ is WorkerGroup.__getattr__, cls
+
+
+def test_a_mode_string_that_can_never_name_a_mode_is_refused_at_decoration():
+    for bad in ("DP-COMPUTE-PROTO", "dp compute proto", ""):
+        with pytest.raises(DispatchError) as info:
+            register(dispatch_mode=bad)
+        text = str(info.value)
+        assert f"dispatch_mode={bad!r}" in text and "DP_COMPUTE_PROTO" in text and "ONE_TO_ALL" in text, text
+
+
+def test_a_mistyped_mode_name_fails_once_at_group_construction():
+    class Typo(Worker):
+        @register(dispatch_mode="DP_COMPUTE_PROT")  # an identifier: it could still be registered later
+        def f(self, data):
+            return data
+
+    with pytest.raises(DispatchError) as info:
+        LocalWorkerGroup(Typo, world_size=2)
+    text = str(info.value)
+    assert "Typo.f" in text and "'DP_COMPUTE_PROT'" in text and "did you mean 'DP_COMPUTE_PROTO'" in text, text
+    assert "registered: ONE_TO_ALL" in text, text
+    assert info.value.__cause__ is None and info.value.__suppress_context__, "one error, not a chained pair"
+
+    # Why such a name is not refused at decoration: a registry may learn it after the class is defined.
+    registry = DispatchRegistry()
+    registry.register_dispatch_mode("DP_COMPUTE_PROT", lambda wg, x: (([x] * wg.world_size,), {}), lambda wg, o: o)
+    contexts = [WorkerContext(rank=r, world_size=2, mesh=RankMesh(dp=2)) for r in range(2)]
+    assert WorkerGroup(LocalExecutor.start(Typo, contexts), Typo, registry=registry).f(9) == [9, 9]

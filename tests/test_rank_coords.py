@@ -13,6 +13,7 @@ import pickle
 
 import pytest
 
+from rankmesh.backend import merge_failures
 from rankmesh.backends.local import LocalWorkerGroup
 from rankmesh.backends.ray.recovery import ReplacementReport, restore_peers
 from rankmesh.errors import MeshError, ShardLostError, WorkerDiedError, WorkerError
@@ -48,6 +49,24 @@ def test_label_order_and_the_size_one_rule():
     assert RankMesh(tp=2, pp=2, dp=2).rank_coords(5).rank_text(5) == NAMED
     with pytest.raises(MeshError, match="out of range"):
         RankMesh(tp=2).rank_coords(2)
+
+
+def test_a_merged_error_names_the_other_ranks_once():
+    # Issue 45 item 14: the merge said the other ranks twice, "(and 3 other ranks)" from the
+    # checkpoint's agreement and "(and 3 more rank(s): [1, 2, 3])" from the merge.  tp2·dp2 by hand:
+    # rank = tp + 2*dp, so rank 0 is tp0 dp0 and rank 1 is tp1 dp0.
+    mesh = RankMesh(tp=2, dp=2)
+    errors = {r: WorkerError(r, mesh.rank_coords(r), "load_checkpoint", "CheckpointError: no checkpoint at 'x'", "n0")
+              for r in range(4)}
+    merged = merge_failures([(r, "n0", e.coords, e) for r, e in sorted(errors.items(), reverse=True)])
+    assert str(merged) == ("rank 0 (tp0 dp0) on node n0 and 3 other ranks [1, 2, 3] failed in load_checkpoint: "
+                           "CheckpointError: no checkpoint at 'x'")
+    assert (merged.rank, [o.rank for o in merged.others]) == (0, [1, 2, 3])
+    assert str(pickle.loads(pickle.dumps(merged))) == str(merged)
+    # One other rank reads in the singular; the others keep their own one-rank text.
+    two = merge_failures([(r, "n0", errors[r].coords, WorkerError(r, mesh.rank_coords(r), "act", "E: x")) for r in (3, 1)])
+    assert str(two) == "rank 1 (tp1 dp0) and 1 other rank [3] failed in act: E: x"
+    assert str(two.others[0]) == "rank 3 (tp1 dp1) failed in act: E: x"
 
 
 def test_bad_records_are_refused():
@@ -98,3 +117,26 @@ def test_every_place_names_a_rank_alike(tmp_path):
         assert wg.act(plan) == list(range(mesh.world_size))
     names = {e["args"]["name"] for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "thread_name"}
     assert f"rank {RANK} · {LABEL} · local" in names
+
+
+def test_coords_is_verls_record_and_rank_coords_the_printed_one():
+    """Issue 45 item 9: ``mesh.coords(r)`` is verl's ``DistRankInfo`` (``tp_rank``, ... ``edp_rank``: what
+    worker code reads), ``mesh.rank_coords(r)`` rankmesh's ``RankCoords`` (``label()``: how messages print
+    a rank).  One rank, the same numbers, two shapes; each docstring says which is which."""
+    from rankmesh.mesh import DistRankInfo
+
+    mesh = RankMesh(tp=2, pp=2, dp=2)
+    # by hand (module docstring): rank 5 is tp1 dp0 pp1; no ep, so the expert view repeats the dense one
+    assert mesh.coords(RANK) == DistRankInfo(tp_rank=1, dp_rank=0, pp_rank=1, cp_rank=0, ep_rank=0, etp_rank=1, edp_rank=0)
+    assert mesh.rank_coords(RANK).label() == LABEL
+    moe = RankMesh.for_world(16, tp=2, pp=2, ep=2, etp=1)
+    for rank in range(moe.world_size):
+        verl, ours = moe.coords(rank), moe.rank_coords(rank)
+        assert (verl.tp_rank, verl.cp_rank, verl.ep_rank, verl.dp_rank, verl.pp_rank) == tuple(ours.to_dict().values())
+    # One way to print a rank: DistRankInfo has no sizes, so it cannot leave out the size-1 axes as label() does.
+    assert not hasattr(DistRankInfo, "label")
+    for method, names in ((RankMesh.coords, ("DistRankInfo", "verl", "rank_coords")),
+                          (RankMesh.rank_coords, ("RankCoords", "label", ":meth:`coords`")),
+                          (DistRankInfo, ("verl", "rank_coords"))):
+        missing = [name for name in names if name not in (method.__doc__ or "")]
+        assert not missing, f"{method.__qualname__}'s docstring does not say {missing}"

@@ -7,8 +7,10 @@ has no GPU: the driver's Ray *declares* two (``ensure_ray(num_gpus=2)``), so pla
 assignment are Ray's real ones while tensors stay on the CPU.  A group more than the bundles hold
 is refused at once.  Then verl's merged pools (its ``test_high_level_scheduling_api`` pattern)
 through ``rankmesh.compat.verl``, with verl's default ``max_colocate_count`` (10): a group on
-``merge_resource_pool(rm, ref)`` and a group on ``ref`` share ``ref``'s bundle and GPU.  Runs its
-own driver (tests/drivers.py): the session's Ray declares no GPUs.
+``merge_resource_pool(rm, ref)`` and a group on ``ref`` share ``ref``'s bundle and GPU; verl's
+``ray.get(wg.execute_all_async(...))``, ``get_placement_groups(device_name=...)`` and
+``parallel_put`` on them.  Runs its own driver (tests/drivers.py): the session's Ray declares no
+GPUs.
 """
 
 from __future__ import annotations
@@ -46,12 +48,17 @@ for g in groups:
     g.shutdown()
 
 from rankmesh.compat.verl import RayResourcePool as VerlPool, RayWorkerGroup as VerlGroup, merge_resource_pool
+from rankmesh.compat.verl import get_device_name, parallel_put
 rm, ref = VerlPool([1], name_prefix="rm"), VerlPool([1], name_prefix="ref")  # verl's defaults: use_gpu, 10 per bundle
 total = merge_resource_pool(rm, ref)
 report["merged"] = [total.name_prefix, total.world_size, total.max_colocate_count]
 on_total = VerlGroup(total, RayClassWithInitArgs(Role), name_prefix="on_total")
 on_ref = VerlGroup(ref, RayClassWithInitArgs(Role), name_prefix="on_ref")
 report["on_total"], report["on_ref"] = on_total.where(), on_ref.where()
+# verl's own calls, as its GPU-placed tests make them
+report["refs"] = ray.get(on_total.execute_all_async("where"))
+report["ref_pgs"] = [pg.bundle_specs for pg in ref.get_placement_groups(device_name=get_device_name())]
+report["put"] = ray.get(parallel_put([report["refs"], "x"]))
 on_total.shutdown()
 on_ref.shutdown()
 print_report(report)
@@ -82,3 +89,11 @@ def test_merged_verl_pools_put_a_group_on_both_and_share_the_second_pools_bundle
     (_, gpu_rm), (_, gpu_ref) = seen["on_total"]
     assert sorted([gpu_rm, gpu_ref]) == ["0", "1"], seen  # one bundle of each pool, one GPU each
     assert seen["on_ref"] == [[0.1, gpu_ref]], seen  # ref's group runs on ref's bundle: merged rank 1's GPU
+
+
+def test_verls_object_ref_calls_placement_groups_and_puts_on_gpu_pools(seen):
+    # ray.get(wg.execute_all_async(...)): one ObjectRef per rank, the same values as the blocking call
+    assert seen["refs"] == seen["on_total"], seen
+    # get_placement_groups(device_name=get_device_name()): "cpu" on this machine, verl's GPU bundles all the same
+    assert seen["ref_pgs"] == [[{"CPU": 10.0, "GPU": 1.0}]], seen
+    assert seen["put"] == [seen["refs"], "x"], seen

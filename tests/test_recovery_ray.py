@@ -6,6 +6,7 @@ tp + 2 * dp for tp2·dp2) and from arithmetic, never read back from the code und
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -22,8 +23,8 @@ pytest.importorskip("ray")
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, split_resource_pool  # noqa: E402
 from rankmesh.backends.ray.pool import Slot  # noqa: E402
 from rankmesh.backends.ray.calls import Pending  # noqa: E402
-from rankmesh.backends.ray.recovery import exit_on_next_call  # noqa: E402
-from rankmesh.backends.ray.spares import Spare, spare_order  # noqa: E402
+from rankmesh.backends.ray.recovery import ReplacementReport, exit_on_next_call  # noqa: E402
+from rankmesh.backends.ray.spares import Spare, SpareStatus, spare_order  # noqa: E402
 from tests.recovery_workers import StateWorker  # noqa: E402
 
 #: tp2·dp2 by hand: rank -> (tp, dp).
@@ -149,13 +150,13 @@ def test_default_policy_still_stops_the_group(ray_session):
         wg.shutdown()
 
 
-def wait_for_warm_spare(wg: RayWorkerGroup, exclude: set[int], timeout: float = 90.0) -> dict:
+def wait_for_warm_spare(wg: RayWorkerGroup, exclude: set[int], timeout: float = 90.0) -> SpareStatus:
     """The group's one spare once warm, whose pid is none of ``exclude`` (a refill is a new process)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         spares = wg.spares
         assert len(spares) <= 1, spares
-        if spares and spares[0]["warm"] and spares[0]["pid"] not in exclude:
+        if spares and spares[0].warm and spares[0].pid not in exclude:
             return spares[0]
         time.sleep(0.2)
     raise AssertionError(f"no warm spare within {timeout} s: {wg.spares}")
@@ -174,6 +175,9 @@ def test_a_warm_spare_takes_the_dead_ranks_place_and_is_refilled(ray_session):
     try:
         pids = [a["pid"] for a in wg.whoami()]
         spare = wait_for_warm_spare(wg, set(pids))
+        # Printed with the node's address and a short id, the record itself exact (issue 45 item 14).
+        assert repr(wg.spares) == f"[SpareStatus(node {spare.node_ip} {spare.node_id[:8]}: warm, pid {spare.pid})]"
+        assert len(spare.node_id) == 56
         for victim, values in ((1, [1.0, 2.0]), (0, [3.0, 4.0])):
             exit_on_next_call(wg, victim, "world_sum")
             assert wg.world_sum(values) == [2 * sum(values)] * 2  # the retried call, as undisturbed
@@ -181,7 +185,7 @@ def test_a_warm_spare_takes_the_dead_ranks_place_and_is_refilled(ray_session):
             assert report.ranks == [victim] and report.from_spares == [victim]
             after = wg.whoami()
             # The spare's process took the rank: same pid, the rank's environment and coordinates.
-            assert after[victim]["pid"] == spare["pid"] == report.new_pids[victim]
+            assert after[victim]["pid"] == spare.pid == report.new_pids[victim]
             assert after[victim]["env"] == {"RANK": str(victim), "WORLD_SIZE": "2", "LOCAL_RANK": str(victim),
                                             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "EXTRA": "kept"}
             assert after[victim]["coords"] == {"tp": 0, "cp": 0, "ep": 0, "dp": victim, "pp": 0}
@@ -194,9 +198,9 @@ def test_a_warm_spare_takes_the_dead_ranks_place_and_is_refilled(ray_session):
         wg.shutdown()
     # Shutting the group down stops its spare too.
     deadline = time.monotonic() + 30
-    while psutil.pid_exists(spare["pid"]) and time.monotonic() < deadline:
+    while psutil.pid_exists(spare.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not psutil.pid_exists(spare["pid"])
+    assert not psutil.pid_exists(spare.pid)
 
 
 def test_spares_are_refused_where_they_cannot_work(ray_session):
@@ -221,6 +225,30 @@ def test_a_rank_tries_spares_on_its_own_node_first_then_warm_ones():
     # By hand: node "a" first (warm before cold), then node "b" (warm before cold).
     assert spare_order([far_warm, near_cold, near_warm, far_old], "a", warm) == [near_warm, near_cold, far_warm, far_old]
     assert spare_order([far_warm, near_cold, near_warm, far_old], "c", set()) == [far_old, near_cold, far_warm, near_warm]
+
+
+def test_spares_and_replacements_print_short_node_ids_and_rounded_seconds():
+    # Issue 45 item 14: ``wg.spares`` and ``wg.replacements`` printed 56-hex node ids and 17-digit seconds.
+    node_id = "3f2a9c1b" + "0" * 48  # a Ray node id: 56 hex digits
+    warm = SpareStatus(node_id, "10.0.0.2", warm=True, pid=4242)
+    assert repr(warm) == str(warm) == "SpareStatus(node 10.0.0.2 3f2a9c1b: warm, pid 4242)"
+    assert repr([SpareStatus(node_id, "10.0.0.2")]) == "[SpareStatus(node 10.0.0.2 3f2a9c1b: starting)]"
+    assert repr(SpareStatus(node_id, "10.0.0.2", error="RayActorError: gone")) == \
+        "SpareStatus(node 10.0.0.2 3f2a9c1b: failed: RayActorError: gone)"
+    assert (warm.node_id, warm.node_ip, warm.warm, warm.pid, warm.error) == (node_id, "10.0.0.2", True, 4242, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        warm.pid = 1  # type: ignore[misc]
+
+    # tp2·dp2 by hand: rank = tp + 2 * dp, so rank 1 is tp1 dp0 and its live dp peer is rank 3.
+    report = ReplacementReport([1], {1: 3}, {1: RankMesh(tp=2, dp=2).rank_coords(1)}, old_nodes={1: "10.0.0.1"},
+                               new_nodes={1: "10.0.0.2"}, moved={1: True}, new_pids={1: 42}, detected_s=0.25,
+                               drain_s=0.123456789012345, start_s=1 / 3, import_s=0.5, init_s=0.25, restore_s=0.0049,
+                               check_s=0.01, total_s=1.2222222222222223)
+    text = ("replaced ranks [1] (rank 1 (tp1 dp0): 10.0.0.1 -> 10.0.0.2 (another node) (pid 42, restored from rank 3)): "
+            "detected in 0.25s; replaced in 1.22s = drain 0.12 + process start 0.33 + import 0.50 + init 0.25 + "
+            "restore 0.00 + check 0.01")
+    assert str(report) == text and repr([report]) == f"[ReplacementReport({text})]"
+    assert (report.drain_s, report.start_s, report.total_s) == (0.123456789012345, 1 / 3, 1.2222222222222223)
 
 
 def test_shrink_drops_the_dead_ranks_replica_and_grow_adds_one_back(ray_session, caplog):

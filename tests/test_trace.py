@@ -213,6 +213,52 @@ def test_recorder_is_the_observer_the_group_calls(tmp_path):
     assert isinstance(recorder.begin(wg, "noop", True, (), {}), ObservedCall)
 
 
+def bad_trace_paths(tmp_path: Path) -> dict[str, Path]:
+    """Paths no trace can be written to, by the fragment their error must hold."""
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    return {"is a directory": tmp_path, "is a file, not a directory": tmp_path / "notes.txt" / "t.json"}
+
+
+def test_a_bad_trace_path_is_refused_before_the_block_runs(tmp_path):
+    from rankmesh.errors import TraceError
+
+    wg = LocalWorkerGroup(TracedWorker, RankMesh(dp=2), init_kwargs={"slow_rank": -1})
+    for fragment, path in bad_trace_paths(tmp_path).items():
+        for tracing in (trace, wg.trace):
+            ran = []
+            with pytest.raises(TraceError) as info:
+                with tracing(path):
+                    ran.append(wg.noop())
+            assert ran == [] and TRACING.recorder is None and wg._observer is None, (tracing, path)
+            assert f"trace(path) {str(path)!r}" in str(info.value) and fragment in str(info.value), str(info.value)
+    # A folder that does not exist yet is not a bad path: the trace makes it, as it always did.
+    with trace(tmp_path / "new" / "deeper" / "t.json"):
+        wg.noop()
+    assert json.loads((tmp_path / "new" / "deeper" / "t.json").read_text())["traceEvents"]
+
+
+def test_demo_trace_path_is_checked_before_the_demo_starts(tmp_path, capsys):
+    """``rankmesh demo --trace PATH`` takes trace()'s check before anything starts (exit 2, one line)."""
+    import argparse
+    import time
+
+    from rankmesh.demo_cli import add_arguments, checked_config
+    from rankmesh.errors import UsageError
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for fragment, path in bad_trace_paths(tmp_path).items():
+        with pytest.raises(UsageError, match=f"--trace {str(path)!r}.*{fragment}"):
+            checked_config(parser.parse_args(["--trace", str(path)]))
+        started = time.perf_counter()
+        assert cli_main(["demo", "--trace", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("rankmesh demo: error: --trace") and fragment in err and "\n" not in err, err
+        assert time.perf_counter() - started < 5  # no Ray start-up before the verdict
+    with pytest.raises(UsageError, match="--json .*is a directory"):  # the other file the demo writes at the end
+        checked_config(parser.parse_args(["--json", str(tmp_path)]))
+
+
 def test_cli_summarize_and_plot(tmp_path, capsys):
     path = tmp_path / "cli.json"
     wg = LocalWorkerGroup(TracedWorker, RankMesh(tp=2, pp=2, dp=2))

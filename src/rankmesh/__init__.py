@@ -27,9 +27,12 @@ if TYPE_CHECKING:  # the names as type checkers and editors see them; at run tim
     from rankmesh.errors import (
         DispatchError,
         FetchTimeoutError,
+        HangError,
         LayoutError,
         MeshError,
+        PaddingError,
         RankMeshError,
+        ResourcePoolError,
         WorkerDiedError,
         WorkerError,
     )
@@ -70,12 +73,15 @@ NAMES: Mapping[str, str] = MappingProxyType({
     # layouts
     "Layout": "rankmesh.layout",
     "load_layout": "rankmesh.layout",
-    # errors worth catching (all of them: rankmesh.errors)
+    # errors worth catching: every one the README names (all of them: rankmesh.errors)
     "DispatchError": "rankmesh.errors",
     "FetchTimeoutError": "rankmesh.errors",
+    "HangError": "rankmesh.errors",
     "LayoutError": "rankmesh.errors",
     "MeshError": "rankmesh.errors",
+    "PaddingError": "rankmesh.errors",
     "RankMeshError": "rankmesh.errors",
+    "ResourcePoolError": "rankmesh.errors",
     "WorkerDiedError": "rankmesh.errors",
     "WorkerError": "rankmesh.errors",
 })

@@ -167,8 +167,8 @@ class MethodTable:
         role, target = self.route(name)
         try:
             entry = self.registry.resolve(spec.dispatch_mode)
-        except DispatchError as exc:
-            raise site.error(str(exc)) from exc
+        except DispatchError as exc:  # one error naming the method: the registry's has nothing more to say
+            raise site.error(str(exc)) from None
         if isinstance(entry, UserMode):
             return Binding(name, spec, entry, None, site, role, target)
         if spec.execute_mode is Execute.RANK_ZERO:

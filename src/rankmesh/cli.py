@@ -14,8 +14,18 @@ megatron-core load only when the command runs).  Code embedding rankmesh can add
 
 Imports go one way: this module imports the command modules; they never import it.
 
-Every error a user can cause ends as one line ``rankmesh: error: ...`` on stderr and exit code 2
-(``layout validate`` exits 1 when the layout has errors); never a traceback.
+Every error a user can cause ends as one line ``rankmesh: error: ...`` on stderr, never a
+traceback.  Exit codes (also in ``rankmesh --help``):
+
+* 0: done.
+* 1: a layout file was found but is not a valid layout (malformed YAML, a bad field, a failed
+  check): the same for ``layout show``, ``draw`` and ``validate``, so a script gets one answer for
+  one file; ``validate`` also exits 1 on an error it lists, and ``demo`` when a self-check fails.
+* 2: the command line is wrong (argparse's code for a usage error): an unknown command or option, a
+  missing subcommand (then usage and the list of subcommands go to stderr first), an unknown
+  layout name or missing file, sizes or a role or rank that do not fit.
+
+``-v`` (info) and ``-vv`` (debug) may stand before or after the subcommand, as ``-h`` may.
 """
 
 from __future__ import annotations
@@ -30,12 +40,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rankmesh import __version__, demo_cli
-from rankmesh.errors import MeshError, RankMeshError, UsageError
+from rankmesh.errors import LayoutFileError, MeshError, RankMeshError, UsageError
 from rankmesh.tracing import summarize
 from rankmesh.layout import (
     Layout,
     LayoutError,
-    LayoutNotFoundError,
     LayoutRole,
     find_layout,
     list_layouts,
@@ -50,6 +59,13 @@ log = logging.getLogger(__name__)
 PROG = "rankmesh"
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
+_EPILOG = (
+    "exit status: 0 done; 1 a layout file is not a valid layout (show, draw and validate alike) or a "
+    "check failed; 2 the command line is wrong (usage error)"
+)
+_VERBOSE = "verbose "
+"""Prefix of the attributes the ``-v`` of each parser level counts into (see :class:`_Parser`)."""
+
 Setup = Callable[[argparse.ArgumentParser], None]
 """Configures a subcommand's parser and sets ``handler=fn`` with ``fn(args) -> int``."""
 
@@ -57,10 +73,35 @@ _COMMANDS: dict[str, tuple[Setup, str]] = {}
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but errors raise instead of printing usage and exiting: main prints one line."""
+    """argparse, but errors raise instead of printing usage and exiting: main prints one line.
+
+    Like ``-h``, ``-v`` is accepted by every parser, so it may stand before or after a subcommand.
+    argparse parses each subcommand into a fresh namespace and copies it over its parent's, so each
+    level counts into an attribute of its own (``_VERBOSE`` + its prog) and :func:`_verbosity` adds them.
+    A parser with subcommands given none prints its usage and subcommands (:meth:`_missing_subcommand`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, dest=_VERBOSE + self.prog,
+                          help="more diagnostics on stderr (-vv: debug); before or after the subcommand")
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+    def add_subparsers(self, **kwargs: Any) -> Any:  # type: ignore[override]
+        kwargs["required"] = False  # a missing subcommand is answered by the handler below, with the list
+        self.set_defaults(handler=self._missing_subcommand)
+        self._subcommands = super().add_subparsers(**kwargs)
+        return self._subcommands
+
+    def _missing_subcommand(self, args: argparse.Namespace) -> int:
+        """``rankmesh``, ``rankmesh layout`` alone: the help (usage and subcommands) on stderr, exit 2."""
+        sys.stderr.write(self.format_help())
+        names = ", ".join(self._subcommands.choices)
+        print(f"{self.prog}: error: give one of {names} (`{self.prog} NAME --help` for its options)",
+              file=sys.stderr)
+        return EXIT_USAGE
 
 
 def add_command(name: str, setup: Setup, help: str = "") -> None:
@@ -72,10 +113,10 @@ def add_command(name: str, setup: Setup, help: str = "") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Drive Megatron-parallel worker groups: inspect, validate and draw layouts, read traces, run the demo.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more diagnostics on stderr")
+    parser = _Parser(prog=PROG, description="Drive Megatron-parallel worker groups: inspect, validate and draw layouts, read traces, run the demo.",
+                     epilog=_EPILOG)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (setup, help_text) in _COMMANDS.items():
         setup(sub.add_parser(name, help=help_text, description=help_text))
     return parser
@@ -93,8 +134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
         except SystemExit as exc:  # --help and --version
             return exc.code if isinstance(exc.code, int) else EXIT_OK
+        args.verbose = _verbosity(args)
         package_log.setLevel(logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose else logging.WARNING)
         return int(args.handler(args))
+    except LayoutFileError as exc:  # found but not a valid layout: 1 in show, draw and validate alike
+        return _fail(exc, EXIT_INVALID)
     except RankMeshError as exc:
         return _fail(exc, EXIT_USAGE)
     except BrokenPipeError:  # e.g. `rankmesh layout show ... | head`
@@ -102,6 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         package_log.removeHandler(handler)
         package_log.setLevel(old_level)
+
+
+def _verbosity(args: argparse.Namespace) -> int:
+    """How many ``-v`` were given, at every parser level together."""
+    return sum(count for name, count in vars(args).items() if name.startswith(_VERBOSE))
 
 
 def _fail(exc: BaseException | str, code: int) -> int:
@@ -114,9 +163,10 @@ def _fail(exc: BaseException | str, code: int) -> int:
 
 
 def _setup_layout(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="layout_command", metavar="ACTION", required=True)
+    sub = parser.add_subparsers(dest="layout_command", metavar="ACTION")
 
     p = sub.add_parser("list", help="list the shipped layouts", description="List the layouts found by name.")
+    p.add_argument("--json", action="store_true", help="a JSON list: name, description and source file of each")
     p.set_defaults(handler=_cmd_list)
 
     p = sub.add_parser(
@@ -132,6 +182,7 @@ def _setup_layout(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "validate",
         help="check layouts; exit 1 on errors",
+        epilog=_EPILOG,
         description="List every problem of the layouts; exit 1 if any is an error.",
     )
     p.add_argument("layouts", nargs="*", metavar="NAME_OR_FILE")
@@ -240,15 +291,22 @@ def _selected_roles(layout: Layout, role: str | None) -> list[LayoutRole]:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    names = list_layouts()
-    width = max((len(n) for n in names), default=0)
-    for name in names:
+    entries = []
+    for name in list_layouts():
+        entry: dict[str, Any] = {"name": name, "description": None, "source": str(find_layout(name))}
         try:
-            description = load_layout(name, check=False).description
+            entry["description"] = load_layout(name, check=False).description
         except LayoutError as exc:
             log.warning("%s", exc)
-            description = "(cannot be loaded; see `rankmesh layout validate`)"
-        print(f"{name:<{width}}  {description}".rstrip())
+            entry["error"] = str(exc)
+        entries.append(entry)
+    if args.json:
+        print(json.dumps(entries, indent=2))
+        return EXIT_OK
+    width = max((len(e["name"]) for e in entries), default=0)
+    for entry in entries:
+        description = entry["description"] if "error" not in entry else "(cannot be loaded; see `rankmesh layout validate`)"
+        print(f"{entry['name']:<{width}}  {description}".rstrip())
     return EXIT_OK
 
 
@@ -376,9 +434,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     for target, path in zip(targets, paths):
         try:
             layout = load_layout(path, check=False)
-        except LayoutNotFoundError:
-            raise
-        except LayoutError as exc:
+        except LayoutFileError as exc:
             _fail(exc, EXIT_INVALID)
             failed = True
             continue
@@ -431,7 +487,7 @@ def _cmd_draw(args: argparse.Namespace) -> int:
 
 
 def _setup_trace(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    sub = parser.add_subparsers(dest="trace_command", metavar="ACTION")
     p = sub.add_parser(
         "summarize",
         help="per method: call times, phases, slowest ranks, replica skew",

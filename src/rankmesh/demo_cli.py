@@ -17,7 +17,8 @@ from typing import Any, Sequence, TextIO
 from rankmesh.demo_config import SIZE_OPTIONS, TABLE_LEGEND, DemoConfig
 from rankmesh.demo_hang import check_hang_rank
 from rankmesh.errors import RankMeshError, UsageError
-from rankmesh.tracing import trace
+from rankmesh.tracing import check_trace_path, trace
+from rankmesh.validate import writable_file
 
 HELP = "run the actor/critic PPO demo on local Ray (CPU, megatron-core); exit 1 if a self-check fails"
 """The one-line help of ``rankmesh demo``."""
@@ -84,6 +85,10 @@ def checked_config(args: argparse.Namespace) -> DemoConfig:
         raise UsageError(f"--async-staleness must be 0 or more (weight versions a row may lag), got {cfg.async_staleness}")
     if cfg.spares < 0:
         raise UsageError(f"--spares must be 0 or more (warm standby processes of the actor), got {cfg.spares}")
+    if getattr(args, "trace_path", None):  # trace()'s own check, now rather than when the demo is done
+        check_trace_path(args.trace_path, "--trace", UsageError)
+    if getattr(args, "json_path", None):
+        writable_file(args.json_path, "--json", UsageError)
     if cfg.kill_at_iteration is not None and cfg.kill_rank is None:
         raise UsageError("--kill-at-iteration needs --kill-rank")
     if cfg.kill_rank is not None:

@@ -37,6 +37,13 @@ class LayoutNotFoundError(LayoutError):
     """No layout of that name, or no such file: a usage error rather than a broken layout."""
 
 
+class LayoutFileError(LayoutError):
+    """A layout file was found but is not a valid layout: unreadable, malformed YAML, a bad field, a failed check.
+
+    ``rankmesh layout show``, ``draw`` and ``validate`` all exit 1 on it (``LayoutNotFoundError``: 2).
+    """
+
+
 class UsageError(RankMeshError):
     """Bad command-line input (argparse's complaints included): ``rankmesh`` exits with code 2."""
 
@@ -51,6 +58,22 @@ class DataProtoError(RankMeshError, ValueError):
 
 class DispatchError(RankMeshError, ValueError):
     """Arguments of a worker-group call do not fit the method's dispatch mode."""
+
+
+class GroupAttributeError(RankMeshError, AttributeError):
+    """A worker group has no attribute of that name: no group attribute and no registered method.
+
+    An ``AttributeError``, so ``hasattr`` and ``getattr(wg, name, default)`` work as on any object.
+    The message says whether the worker class defines the name without ``@register`` and lists
+    the group's registered methods.
+    """
+
+
+class TraceError(RankMeshError, ValueError):
+    """A trace cannot be written where asked (a directory, a path under a file, a folder not writable).
+
+    Raised when ``rankmesh.trace(path)`` or ``wg.trace(path)`` is entered, before the block runs.
+    """
 
 
 class RowBufferError(RankMeshError, RuntimeError):
@@ -133,11 +156,11 @@ class WorkerError(RankMeshError):
         super().__init__(self._text())
 
     def _text(self) -> str:
+        """``rank 0 (tp0 dp0) on node n0 and 3 other ranks [1, 2, 3] failed in m: detail``: each rank said once."""
         on = f" on node {self.node}" if self.node else ""
-        text = f"{_rank_text(self.rank, self.coords)}{on} failed in {self.method}" + (f": {self.detail}" if self.detail else "")
-        if self.others:
-            text += f" (and {len(self.others)} more rank(s): {[o.rank for o in self.others]})"
-        return text
+        n = len(self.others)
+        also = f" and {n} other rank{'s' if n > 1 else ''} {[o.rank for o in self.others]}" if n else ""
+        return f"{_rank_text(self.rank, self.coords)}{on}{also} failed in {self.method}" + (f": {self.detail}" if self.detail else "")
 
     @classmethod
     def from_exception(

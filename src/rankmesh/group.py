@@ -13,6 +13,7 @@ The executor (a backend) never sees dispatch modes; it only ships, runs and fetc
 
 from __future__ import annotations
 
+import difflib
 import enum
 import os
 import logging
@@ -26,11 +27,11 @@ from rankmesh.dispatch.modes import DispatchRegistry, Execute, UserMode
 from rankmesh.dispatch.register import MethodSpec
 from rankmesh.dispatch.spec import DispatchPlan, MeshSpec
 from rankmesh.dispatch.split import CallSite, join_outputs, output_future, split_call
-from rankmesh.errors import DispatchError
+from rankmesh.errors import DispatchError, GroupAttributeError
 from rankmesh.futures import GroupFuture
 from rankmesh.mesh import RankMesh
 from rankmesh.replicas import RankSubset, ReplicaSelection, restrict_plan, select_replicas
-from rankmesh.tracing import TRACING, write_trace
+from rankmesh.tracing import TRACING, check_trace_path, write_trace
 from rankmesh.tracing.observer import CallObserver, ObservedCall
 from rankmesh.tracing.recorder import Recorder
 from rankmesh.validate import is_int, positive_seconds
@@ -88,7 +89,9 @@ class TimedGroup:
         self._group, self._timeout_s, self._stall_warn_s = group, timeout_s, stall_warn_s
 
     def __getattr__(self, name: str) -> Any:
-        group = self._group
+        group = vars(self).get("_group")
+        if group is None:  # copy and pickle probe a bare object: no group to ask yet
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         if name in group.method_names:
             method: GroupMethod = getattr(group, name)
             return method.with_timeout(self._timeout_s, self._stall_warn_s)
@@ -221,6 +224,27 @@ class WorkerGroup:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.worker_cls.__name__}, {self.mesh}, methods={len(self._table.methods)})"
 
+    def __getattr__(self, name: str) -> Any:
+        # Reached only when normal lookup fails: say whether the worker defines ``name`` without
+        # @register, and list what is registered.  Dunder names (copy and pickle probe them) and an
+        # object without its table yet (being unpickled) get the plain error, without recursing.
+        table: MethodTable | None = vars(self).get("_table")
+        plain = f"{type(self).__name__!r} object has no attribute {name!r}"
+        if table is None or name.startswith("__"):
+            raise AttributeError(plain)
+        public = sorted(m for m in table.methods if not m.startswith("_"))  # not Worker's own _query_* helpers
+        registered = f"registered methods: {', '.join(public) or 'none'}"
+        worker = table.worker_cls.__name__
+        if callable(getattr(table.worker_cls, name, None)):
+            raise GroupAttributeError(
+                f"{plain}: {worker} defines {name} but it is not registered; decorate it with @register(...) "
+                f"to call it as wg.{name}(...), or call it as it is with wg.call_ranks({name!r}, args=[...]), "
+                f"one tuple of arguments per rank; {registered}"
+            )
+        close = difflib.get_close_matches(name, public, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise GroupAttributeError(f"{plain}{hint} ({worker} has no method of that name; {registered})")
+
     @property
     def weight_versions(self) -> tuple[int, ...]:
         """The weight version of each dp replica, as recorded here (by refits, or by setting :attr:`weight_version`).
@@ -306,8 +330,10 @@ class WorkerGroup:
         """Record this group's calls made in the block (no other group's); write a Chrome trace to ``path``.
 
         The per-group form of ``with rankmesh.trace(path):``: when a program-wide recorder is
-        installed too, this group's calls in the block go to this file instead of that one.
+        installed too, this group's calls in the block go to this file instead of that one.  A path
+        no trace can be written to raises :class:`~rankmesh.errors.TraceError` on entry.
         """
+        path = check_trace_path(path, "wg.trace(path)")
         recorder = Recorder(path)
         previous, self._observer = self._observer, recorder
         try:

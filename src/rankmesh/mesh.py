@@ -229,7 +229,13 @@ class RankCoords:
 
 @dataclass(frozen=True)
 class DistRankInfo:
-    """One rank's coordinates: dense (tp, dp, pp, cp) and expert (ep, expert tp, expert dp)."""
+    """One rank's coordinates as verl's worker code reads them: dense (tp, dp, pp, cp) and expert (ep, etp, edp).
+
+    verl's record (``tp_rank``, ``dp_rank``, ... as ``Worker.get_megatron_rank_info`` returns it), kept so
+    ported worker code runs unchanged; :meth:`RankMesh.coords` and ``Worker.rank_info`` return it.
+    To print or log a rank use :class:`RankCoords` (:meth:`RankMesh.rank_coords`) instead: it knows
+    which axes have size 1 and leaves them out, which this record, holding no sizes, cannot.
+    """
 
     tp_rank: int
     dp_rank: int
@@ -380,6 +386,11 @@ class RankMesh:
     # ----- coordinates -------------------------------------------------------------------------
 
     def coords(self, rank: int) -> DistRankInfo:
+        """``rank``'s coordinates as verl's :class:`DistRankInfo` (``.tp_rank``, ... ``.edp_rank``), for worker code.
+
+        The same numbers as :meth:`rank_coords`, in verl's shape; for a message naming the rank
+        (``rank 5 (tp1 dp0 pp1)``) use ``rank_coords(rank).label()`` or ``.rank_text(rank)``.
+        """
         self.dense.check_rank(rank)
         table = self.coord_table()
         return DistRankInfo(
@@ -393,7 +404,11 @@ class RankMesh:
         )
 
     def rank_coords(self, rank: int) -> RankCoords:
-        """``rank``'s coordinates as every message prints them (see :class:`RankCoords`)."""
+        """``rank``'s coordinates as every message prints them: a :class:`RankCoords` with ``.label()``.
+
+        rankmesh's record (``.tp``, ``.dp``, ... and the axes of size > 1); :meth:`coords` gives the
+        same numbers as verl's :class:`DistRankInfo` (``.tp_rank``, ...) for worker code.
+        """
         self.dense.check_rank(rank)
         table = self.coord_table()
         shown = tuple(a for a in AXES if self.size(a) > 1)

@@ -12,6 +12,7 @@ This module imports nothing from the package.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Mapping
 
 import numpy as np
@@ -79,3 +80,33 @@ def node_labels(value: Any, what: str, error: ErrorType = ValueError) -> dict[st
             raise error(f"{what}.{key}: label values are strings, got {val!r}; quote it in a layout file ({key}: \"{val}\")")
         out[key] = val
     return out
+
+
+def writable_file(value: Any, what: str, error: ErrorType = ValueError, *, make_folders: bool = False) -> str:
+    """``value`` (a str or path) as a file path that can be written now; checked before any work, nothing created.
+
+    Refused, naming ``what`` and the path: an empty path, an existing directory, a path under a
+    file, a missing folder (unless ``make_folders``: the writer creates the missing folders, so the
+    nearest existing one is checked instead), and a folder or file this process may not write.
+    """
+    try:
+        path = os.fsdecode(os.fspath(value))
+    except TypeError:
+        raise error(f"{what} must be a file path (a str or os.PathLike), got {type(value).__name__}: {value!r}") from None
+    if not path:
+        raise error(f"{what} is empty; give the path of the file to write")
+    if os.path.isdir(path):
+        raise error(f"{what} {path!r} is a directory; give the path of a file in it")
+    folder = os.path.dirname(os.path.abspath(path))
+    existing = folder
+    while not os.path.lexists(existing):  # the nearest folder that exists (``/`` always does)
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise error(f"{what} {path!r}: {existing!r} is a file, not a directory")
+    if existing != folder and not make_folders:
+        raise error(f"{what} {path!r}: directory {folder!r} does not exist (create it first)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise error(f"{what} {path!r}: directory {existing!r} is not writable; choose another path")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise error(f"{what} {path!r}: the file exists and is not writable; choose another path")
+    return path

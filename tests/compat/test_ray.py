@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 
 import pytest
+import ray
 import torch
 from tensordict import TensorDict
 
-from rankmesh.compat.verl import DataProto, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from rankmesh.compat.verl import DataProto, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, parallel_put
 from rankmesh.errors import FetchTimeoutError
 from tests.compat.workers import EnvWorker, HybridWorker, SlowStartWorker
 
@@ -49,7 +50,38 @@ def test_verl_group_names(wg):
     assert wg.world_size == 2 and len(wg.workers) == 2 and len(wg.worker_names) == 2
     assert wg.execute_all_sync("visible") == ["0,1", "0,1"]
     assert wg.execute_rank_zero_sync("visible") == "0,1"
-    assert wg.execute_rank_zero_async("visible").get() == "0,1"
+    assert ray.get(wg.execute_rank_zero_async("visible")) == "0,1"
+
+
+def test_async_calls_return_verls_object_refs(wg):
+    # verl: execute_all_async is one ObjectRef per rank, execute_rank_zero_async one ObjectRef
+    refs = wg.execute_all_async("env", ["RANK"])
+    assert isinstance(refs, list) and all(isinstance(r, ray.ObjectRef) for r in refs)
+    assert ray.get(refs) == [{"RANK": "0"}, {"RANK": "1"}]
+    # arguments that are all world-size lists go rank by rank, as in verl
+    assert ray.get(wg.execute_all_async("env", [["RANK"], ["WORLD_SIZE"]])) == [{"RANK": "0"}, {"WORLD_SIZE": "2"}]
+    ref = wg.execute_rank_zero_async("visible")
+    assert isinstance(ref, ray.ObjectRef) and ray.get(ref) == "0,1"
+    # refs never fetched through the group: later calls still run in order
+    unread = wg.execute_all_async("env", ["RANK"])
+    assert wg.execute_all_sync("visible") == ["0,1", "0,1"]
+    assert ray.get(unread) == [{"RANK": "0"}, {"RANK": "1"}]
+
+
+def test_get_placement_groups_takes_verls_device_names(wg):
+    pool = wg.resource_pool
+    pgs = pool.get_placement_groups(device_name="cuda")
+    assert len(pgs) == 1 and pgs == pool.get_placement_groups()
+    # verl's get_device_name() is "cpu" on a machine without CUDA; verl's placement code passes it
+    assert pool.get_placement_groups(strategy="STRICT_PACK", device_name="cpu") == pgs
+
+
+def test_parallel_put_returns_object_refs_in_order():
+    data = [1, "hello", {"a": 2}, [3, 4]]
+    refs = parallel_put(data)
+    assert all(isinstance(r, ray.ObjectRef) for r in refs) and ray.get(refs) == data
+    many = list(range(20))
+    assert ray.get(parallel_put(many, max_workers=4)) == many
 
 
 def test_functions_ship_to_ranks(wg):

@@ -15,7 +15,9 @@ User-mode contract (checked at call time):
 
 from __future__ import annotations
 
+import difflib
 import enum
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Union
 
@@ -116,8 +118,19 @@ class DispatchRegistry:
     def mode(self, name: str) -> DispatchMode:
         """The member named ``name``; :class:`DispatchError` if it is not registered."""
         if name not in self._entries:
-            raise DispatchError(f"unknown dispatch mode {name!r} (registered: {', '.join(self._entries)})")
+            raise DispatchError(
+                f"unknown dispatch mode {name!r}{self.choices(name)}; a mode of your own must be added "
+                "(register_dispatch_mode) before a group binds it"
+            )
         return DispatchMode(name)
+
+    def choices(self, name: str) -> str:
+        """What to say after a name that is no mode here: the closest registered name, then all of them."""
+        names = list(self._entries)
+        spelled = re.sub(r"\W+", "_", name.strip()).upper()  # "dp-compute proto" -> "DP_COMPUTE_PROTO"
+        guess = difflib.get_close_matches(name, names, n=1) or difflib.get_close_matches(spelled, names, n=1)
+        hint = f"; did you mean {guess[0]!r}?" if guess else ""
+        return f"{hint} (registered: {', '.join(self._entries)})"
 
     def register_dispatch_mode(self, name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn) -> DispatchMode:
         """Add a user mode (verl's ``register_dispatch_mode``); the name must be new."""
@@ -152,7 +165,7 @@ class DispatchRegistry:
         return self._entries[self.mode(self._name_of(mode)).name]
 
     def _add(self, name: str, entry: ModeEntry) -> DispatchMode:
-        if not isinstance(name, str) or not name.isidentifier():
+        if not isinstance(name, str) or not name.isidentifier():  # what @register refuses early (register._normalize_mode)
             raise DispatchError(f"a dispatch mode name must be an identifier such as 'MY_MODE', got {name!r}")
         if name in self._entries:
             raise DispatchError(f"dispatch mode {name!r} already exists; use update_dispatch_mode to replace it")

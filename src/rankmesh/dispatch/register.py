@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
 from rankmesh.data import DataProtoFuture
-from rankmesh.dispatch.modes import Dispatch, DispatchMode, Execute, ModeLike, UserMode
+from rankmesh.dispatch.modes import DEFAULT_REGISTRY, Dispatch, DispatchMode, Execute, ModeLike, UserMode
 from rankmesh.dispatch.spec import MeshSpec
 from rankmesh.errors import DispatchError
 from rankmesh.backend import CALL_RECEIVE
@@ -62,6 +62,14 @@ def _normalize_mode(mode: ModeLike) -> DispatchMode | MeshSpec | UserMode:
     if isinstance(mode, Mapping):
         return UserMode.from_dict(mode)
     if isinstance(mode, str):
+        # A name is looked up when a group binds (a registry may learn it after this class is
+        # defined, so an unknown identifier waits for that); one that is no identifier can never be
+        # registered (DispatchRegistry._add), so it is refused here, at class definition.
+        if not mode.isidentifier():
+            raise DispatchError(
+                f"dispatch_mode={mode!r} can never name a dispatch mode: mode names are identifiers"
+                f"{DEFAULT_REGISTRY.choices(mode)}; or pass a Dispatch member, e.g. Dispatch.DP_COMPUTE_PROTO"
+            )
         return DispatchMode(mode)
     raise DispatchError(
         f"dispatch_mode must be a Dispatch member, a MeshSpec, a mode name or a dict with "

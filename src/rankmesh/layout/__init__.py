@@ -13,7 +13,7 @@ pools, and :class:`LayoutRole` roles, each with the :class:`MeshSizes` written i
 The schema is documented in ``parallel_layouts/cpu_demo.yaml`` and ``docs/layouts.md``.
 """
 
-from rankmesh.errors import LayoutError, LayoutNotFoundError
+from rankmesh.errors import LayoutError, LayoutFileError, LayoutNotFoundError
 from rankmesh.layout.checks import check_layout, validate_layout
 from rankmesh.layout.files import find_layout, layout_dirs, list_layouts, load_layout
 from rankmesh.layout.parse import parse_layout
@@ -38,6 +38,7 @@ __all__ = [
     "Layout",
     "LabelConflict",
     "LayoutError",
+    "LayoutFileError",
     "LayoutNotFoundError",
     "LayoutRole",
     "MeshSizes",

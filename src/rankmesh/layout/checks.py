@@ -28,7 +28,7 @@ def check_layout(layout: Layout, strict: bool = False) -> Layout:
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         more = f" (and {len(errors) - 1} more problem(s); run `rankmesh layout validate`)" if len(errors) > 1 else ""
-        raise LayoutError(f"{errors[0]}{more}")
+        raise LayoutError(f"{errors[0].location}: {errors[0].message}{more}")  # raised as an error: no "error:" inside
     for problem in problems:
         log.warning("%s: %s", problem.location, problem.message)
     return layout

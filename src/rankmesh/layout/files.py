@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from rankmesh.errors import LayoutError, LayoutNotFoundError
+from rankmesh.errors import LayoutError, LayoutFileError, LayoutNotFoundError
 from rankmesh.layout.checks import check_layout
 from rankmesh.layout.parse import parse_layout
 from rankmesh.layout.spec import LAYOUTS_ENV, SUFFIXES, Layout
@@ -88,22 +88,27 @@ def find_layout(name_or_path: str | os.PathLike[str]) -> Path:
 def load_layout(name_or_path: str | os.PathLike[str], *, check: bool = True) -> Layout:
     """Load a layout by name or path.
 
-    ``check=True`` also raises :class:`LayoutError` if :func:`validate_layout` finds an error
-    (warnings pass); ``check=False`` returns any structurally sound layout, for reporting.
+    ``check=True`` also raises if :func:`validate_layout` finds an error (warnings pass);
+    ``check=False`` returns any structurally sound layout, for reporting.  A name or path that finds
+    no file raises :class:`LayoutNotFoundError`; a file found but not a valid layout,
+    :class:`LayoutFileError` (both are :class:`LayoutError`).
     """
     path = find_layout(name_or_path)
     source = str(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise LayoutError(f"{source}: cannot read: {exc}") from exc
+        raise LayoutFileError(f"{source}: cannot read: {exc}") from exc
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise LayoutError(f"{source}: malformed YAML: {_yaml_message(exc)}") from exc
-    layout = parse_layout(data, source)
-    log.debug("loaded layout %s from %s", layout.name, source)
-    return check_layout(layout) if check else layout
+        raise LayoutFileError(f"{source}: malformed YAML: {_yaml_message(exc)}") from exc
+    try:
+        layout = parse_layout(data, source)
+        log.debug("loaded layout %s from %s", layout.name, source)
+        return check_layout(layout) if check else layout
+    except LayoutError as exc:  # the text already names the file, role and field
+        raise LayoutFileError(str(exc)) from exc
 
 
 def _yaml_message(exc: yaml.YAMLError) -> str:

@@ -236,15 +236,25 @@ def agree(problem: str | None, mesh: RankMesh) -> None:
     """Raise :class:`CheckpointError` on every rank if any rank of ``mesh`` found a problem (collective).
 
     A rank that raised alone would leave the others blocked in the next collective of the save
-    or load; here all ranks raise, each with the first problem found, naming the rank that found it.
+    or load; here all ranks raise, each with the text :func:`agreed` gives it.
     """
     problems: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
-    found = [(rank, text) for rank, text in enumerate(problems) if text]
-    if found:
-        (rank, text), others = found[0], [r for r, _ in found[1:]]
-        also = f" (and {len(others)} other rank{'s' if len(others) > 1 else ''})" if others else ""
-        raise CheckpointError(f"{mesh.rank_coords(rank).rank_text(rank)}{also}: {text}")
+    text = agreed(problems, dist.get_rank(), mesh)
+    if text is not None:
+        raise CheckpointError(text)
+
+
+def agreed(problems: Sequence[str | None], rank: int, mesh: RankMesh) -> str | None:
+    """What ``rank`` raises once every rank's problem is known: its own, else the first found, naming its rank.
+
+    A rank's own problem does not name the rank: the controller's :class:`~rankmesh.errors.WorkerError`
+    names it and every other failing rank, once.  ``None`` when no rank found a problem.
+    """
+    if problems[rank]:
+        return problems[rank]
+    found = next(((r, text) for r, text in enumerate(problems) if text), None)
+    return None if found is None else f"{mesh.rank_coords(found[0]).rank_text(found[0])} found: {found[1]}"
 
 
 def _listed(head: str, problems: list[str], fix: str) -> str | None:

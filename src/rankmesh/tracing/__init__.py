@@ -26,12 +26,13 @@ from rankmesh.lazy import lazy_exports
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors; at run time the names load lazily
     from .chrome import trace_document, write_trace
     from .observer import CallObserver, ObservedCall
-    from .recorder import PHASES, RANK_PHASES, TRACE_ENV, TRACING, Recorder, install, trace
+    from .recorder import PHASES, RANK_PHASES, TRACE_ENV, TRACING, Recorder, check_trace_path, install, trace
     from .summary import TraceSummary, load_trace, summarize
 
 #: Name -> the module it is loaded from on first use.
 NAMES: Mapping[str, str] = MappingProxyType({
     "trace": "rankmesh.tracing.recorder",
+    "check_trace_path": "rankmesh.tracing.recorder",
     "PHASES": "rankmesh.tracing.recorder",
     "RANK_PHASES": "rankmesh.tracing.recorder",
     "TRACE_ENV": "rankmesh.tracing.recorder",
@@ -57,6 +58,7 @@ __all__ = [
     "ObservedCall",
     "Recorder",
     "TraceSummary",
+    "check_trace_path",
     "install",
     "load_trace",
     "summarize",

@@ -57,6 +57,9 @@ from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple, Sequence
 
+from rankmesh.errors import TraceError
+from rankmesh.validate import ErrorType, writable_file
+
 from .chrome import write_trace
 from .marks import FETCH, FETCH_MARK, RankTiming, payload_bytes
 
@@ -472,14 +475,27 @@ def install(recorder: Recorder | None) -> Recorder | None:
     return previous
 
 
+def check_trace_path(path: Any, what: str = "trace(path)", error: ErrorType = TraceError) -> str:
+    """``path`` checked as a place a trace can be written, before anything is recorded (the one rule for it).
+
+    Missing folders are fine (:func:`~.chrome.write_trace` makes them); a directory, a path under
+    a file, or a folder this process may not write raise ``error`` naming ``what``.  Used on
+    entering ``trace``/``wg.trace`` and by ``rankmesh demo --trace``, so a bad path fails before
+    the work whose trace it was to hold.
+    """
+    return writable_file(path, what, error, make_folders=True)
+
+
 @contextmanager
 def trace(path: str | os.PathLike[str]) -> Iterator[Recorder]:
     """Record every group call made in the block; write a Chrome trace to ``path`` when it ends.
 
     Open the file in https://ui.perfetto.dev or ``chrome://tracing``; ``rankmesh trace
     summarize``/``plot`` read it too.  Inside the block this recorder is the program-wide
-    one; the one before it (``RANKMESH_TRACE``'s, say) is back when the block ends.
+    one; the one before it (``RANKMESH_TRACE``'s, say) is back when the block ends.  A path no
+    trace can be written to raises :class:`~rankmesh.errors.TraceError` on entry, before the block runs.
     """
+    path = check_trace_path(path)
     recorder = Recorder(path)
     previous = install(recorder)
     try:

@@ -79,12 +79,16 @@ AFTER_GRACE_S = 5.0
 
 
 def control_mode(environ: Mapping[str, str] | None = None) -> str:
-    """The ``RANKMESH_CONTROL`` setting, checked."""
+    """The ``RANKMESH_CONTROL`` setting, checked (``RayWorkerGroup`` checks it before Ray starts)."""
     import os
 
-    value = (os.environ if environ is None else environ).get(CONTROL_ENV, "auto").strip().lower() or "auto"
+    given = (os.environ if environ is None else environ).get(CONTROL_ENV, "auto")
+    value = given.strip().lower() or "auto"
     if value not in CONTROL_MODES:
-        raise ValueError(f"{CONTROL_ENV}={value!r}: expected one of {', '.join(CONTROL_MODES)}")
+        raise BackendError(
+            f"{CONTROL_ENV}={given!r} is not a control mode: set it to 'auto' (the default: a call session where "
+            f"one can be opened) or 'ray' (one Ray task per rank), or unset it"
+        )
     return value
 
 

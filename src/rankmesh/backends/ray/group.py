@@ -29,12 +29,12 @@ from rankmesh.placement import Placement, RankPlace
 from rankmesh.validate import optional_seconds, positive_seconds
 
 from .classes import RayClassWithInitArgs, fused_worker_class, unwrap_actor_class
-from .executor import ABANDONED_WAIT_S, RayExecutor
+from .executor import ABANDONED_WAIT_S, RayExecutor, control_mode
 from .hosts import HostSet, attach_hosts, build_workers, check_worker_env, start_hosts
 from .pool import RayResourcePool
 from .recovery import Recovery, ReplacementReport, check_recoverable, probe_dead, replace_dead_ranks
 from .remesh import RemeshReport, grow, shrink_dead_replicas
-from .spares import refill_spares
+from .spares import SpareStatus, refill_spares
 from .runtime import ensure_ray
 from .startup import StartupProgress, StartupReport
 
@@ -133,6 +133,8 @@ class RayWorkerGroup(WorkerGroup):
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
             ray_cls_with_init = RayClassWithInitArgs(ray_cls_with_init)
         check_bin_pack(bin_pack)
+        if not detached:
+            control_mode()  # RANKMESH_CONTROL: a bad value fails here, not once Ray and the processes have started
         env = check_worker_env(worker_env)
         world = resource_pool.world_size
         # Resolve every method's plan before any process starts: bad meshes and modes fail here.
@@ -535,7 +537,7 @@ class RayWorkerGroup(WorkerGroup):
         return self._recovery.policy
 
     @property
-    def spares(self) -> list[dict[str, Any]]:
+    def spares(self) -> list[SpareStatus]:
         """The group's warm spares (``RayResourcePool(..., spares=N)``): node, pid and whether warm yet.
 
         Spares are started after the group and after every replacement, in the background.

@@ -111,6 +111,13 @@ class ReplacementReport:
             f"init {self.init_s:.2f} + restore {self.restore_s:.2f} + check {self.check_s:.2f}"
         )
 
+    def __str__(self) -> str:
+        return self.format()
+
+    def __repr__(self) -> str:
+        """The :meth:`format` text (nodes by address, seconds to 2 decimals); the fields stay exact."""
+        return f"ReplacementReport({self.format()})"
+
 
 @dataclass
 class Recovery:

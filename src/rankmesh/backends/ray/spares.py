@@ -26,6 +26,7 @@ spare would change which process holds a name) nor for groups built on running h
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -42,6 +43,26 @@ from .calls import Pending
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class SpareStatus:
+    """One spare as ``wg.spares`` lists it: its node, whether warm yet and its pid once warm.
+
+    ``error`` says why a spare that failed to start or import cannot be used.  Printed with the
+    node's address and the first 8 hex digits of its Ray node id; the fields keep the full id.
+    """
+
+    node_id: str | None
+    node_ip: str | None
+    warm: bool = False
+    pid: int | None = None
+    error: str | None = None
+
+    def __repr__(self) -> str:
+        node = " ".join(part for part in (self.node_ip, (self.node_id or "")[:8]) if part) or "not placed yet"
+        state = f"failed: {self.error}" if self.error else f"warm, pid {self.pid}" if self.warm else "starting"
+        return f"SpareStatus(node {node}: {state})"
+
+
 @dataclass
 class Spare:
     """One standby process: its bundle, its actor and the reference its warm-up answers on."""
@@ -52,16 +73,16 @@ class Spare:
     started: float  # controller clock (time.monotonic) when it was asked to start
     asked_ns: int = 0  # the same moment on the wall clock, to time its start and imports (same machine)
 
-    def describe(self) -> dict[str, Any]:
-        """Node and pid once warm (``warm: False`` and no pid before)."""
-        info: dict[str, Any] = {"node_id": self.slot.node_id, "node_ip": self.slot.node_ip, "warm": False, "pid": None}
+    def describe(self) -> SpareStatus:
+        """Node and pid once warm (``warm=False`` and no pid before), asking without waiting."""
+        status = SpareStatus(self.slot.node_id, self.slot.node_ip)
         if ready_refs([self.warm.handle]):
             try:
                 got = ray.get(self.warm.handle)
             except rex.RayError as exc:
-                return {**info, "error": str(exc).strip().splitlines()[-1]}
-            info.update(node_id=got["node_id"], node_ip=got["node_ip"], pid=got["pid"], warm=True)
-        return info
+                return dataclasses.replace(status, error=str(exc).strip().splitlines()[-1])
+            status = SpareStatus(got["node_id"], got["node_ip"], warm=True, pid=got["pid"])
+        return status
 
 
 def start_spare(hosts: HostSet, slot: Slot) -> Spare:

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import ray
 
 from rankmesh.backend import RankCall
+from rankmesh.errors import BackendError
 from rankmesh.mesh import RankCoords
 
 from .calls import CallRecord, Outcome, Pending, RankPart
@@ -92,6 +93,23 @@ class RayTasks:
                 except Exception as exc:  # noqa: BLE001
                     out[i] = Outcome(error=exc)
             return out
+
+
+def output_refs(pending: Sequence[Pending]) -> list[Any]:
+    """The ObjectRefs of ``pending``'s outputs, in order: what ``ray.get`` takes (verl's futures).
+
+    Only this carrier's handles are ObjectRefs of the ranks' outputs (a session's are call ids on
+    a ring, an agent's the answer of a whole subtree).  A non-blocking call always travels here
+    (:attr:`.calls.CallRecord.inline` is false for it), so its :attr:`rankmesh.GroupFuture.handles`
+    give their refs; another carrier's pending is refused, naming it.
+    """
+    other = sorted({p.carrier for p in pending if p.carrier != RayTasks.name})
+    if other:
+        raise BackendError(
+            f"{pending[0].method}: its ranks' answers travel on the {'/'.join(other)} carrier, which has no "
+            "ObjectRef per rank; only a non-blocking call's outputs are ObjectRefs (ray.get takes those)"
+        )
+    return [p.handle for p in pending]
 
 
 def ready_refs(refs: Sequence[Any], timeout: float | None = 0.0) -> set[Any]:

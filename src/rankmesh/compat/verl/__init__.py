@@ -3,16 +3,18 @@
 ``from verl.single_controller.base.decorator import register, Dispatch`` becomes
 ``from rankmesh.compat.verl import register, Dispatch``; the same for ``DataProto``, ``Worker``,
 ``RayWorkerGroup`` and every other public name of verl 0.9.1's ``protocol`` module and its
-``Worker`` / ``WorkerGroup`` / ``RayWorkerGroup`` / ``RayResourcePool`` classes
+``Worker`` / ``WorkerGroup`` / ``RayWorkerGroup`` / ``RayResourcePool`` classes, and the few
+``verl.utils`` helpers ported code calls (``get_device_name``, ``parallel_put``: :mod:`.ray_utils`)
 (``tests/compat/verl_0_9_1_names.json`` is the list, ``docs/porting.md`` the map).
 
 Behaviour is verl 0.9.1's wherever verl code depends on it: ``DataProto`` here
 (:mod:`.protocol`) unions and pads in place and fails verl's asserts with errors that are
 rankmesh's *and* ``AssertionError``; ``Worker`` and ``RayWorkerGroup`` (:mod:`.workers`) add
-verl's extra methods and fused workers.  All three are thin subclasses of rankmesh's own
-classes, so ported code and new code mix freely.  verl's defects stay fixed (padding never
-mutates the caller's batch in dispatch, futures drop pad rows, ``RANK_ZERO`` runs on rank 0
-only); ``docs/porting.md`` lists every deliberate difference.
+verl's extra methods, fused workers and ObjectRef futures (``ray.get(wg.execute_all_async(...))``).
+All three are thin subclasses of rankmesh's own classes, so ported code and new code mix
+freely.  verl's defects stay fixed (padding never mutates the caller's batch in dispatch,
+futures drop pad rows, ``RANK_ZERO`` runs on rank 0 only); ``docs/porting.md`` lists every
+deliberate difference.
 
 Importing this module imports Ray (the Ray backend's names live here too).
 """
@@ -36,6 +38,7 @@ from rankmesh.compat.verl.protocol import (
     unfold_batch_dim,
     unpad_dataproto,
 )
+from rankmesh.compat.verl.ray_utils import parallel_put
 from rankmesh.compat.verl.workers import (
     RayResourcePool,
     RayWorkerGroup,
@@ -81,6 +84,7 @@ __all__ = [
     "make_nd_compute_dataproto_dispatch_fn",
     "merge_resource_pool",
     "pad_dataproto_to_divisor",
+    "parallel_put",
     "register",
     "register_dispatch_mode",
     "split_resource_pool",

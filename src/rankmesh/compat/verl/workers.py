@@ -1,11 +1,13 @@
-"""verl's ``Worker`` and ``RayWorkerGroup`` names over rankmesh's: function shipping, fused roles.
+"""verl's ``Worker``, ``RayWorkerGroup`` and ``RayResourcePool`` names over rankmesh's: function shipping, fused roles, ObjectRef futures.
 
 A verl worker class calls a few ``Worker`` methods rankmesh's own API spells differently or
 leaves out (``get_master_addr_port``, ``execute_with_func_generator``, verl's
-``set_dispatch_collect(mesh_name, ...)``), and a verl driver reads ``wg.master_address`` or
-fuses roles into one process with :func:`create_colocated_worker_raw_cls`.  The classes here
-add exactly those names on top of :class:`rankmesh.worker.Worker` and
-:class:`rankmesh.backends.ray.RayWorkerGroup`; rank, mesh, dispatch and failures stay rankmesh's.
+``set_dispatch_collect(mesh_name, ...)``), and a verl driver reads ``wg.master_address``,
+``ray.get``s the ObjectRefs of ``wg.execute_all_async(...)``, passes verl's arguments to
+``pool.get_placement_groups(...)`` or fuses roles into one process with
+:func:`create_colocated_worker_raw_cls`.  The classes here add exactly those names on top of
+:class:`rankmesh.worker.Worker` and rankmesh's Ray classes; rank, mesh, dispatch and failures
+stay rankmesh's.
 
 Fused workers, as verl builds them: the raw class is one :class:`Worker` whose ``__init__``
 builds every role object in the same process and keeps them as attributes (``self.actor``) and
@@ -25,6 +27,7 @@ from rankmesh.backends.ray import RayClassWithInitArgs
 from rankmesh.backends.ray import RayResourcePool as CoreRayResourcePool
 from rankmesh.backends.ray import RayWorkerGroup as CoreRayWorkerGroup
 from rankmesh.backends.ray.classes import unwrap_actor_class
+from rankmesh.backends.ray.tasks import output_refs
 from rankmesh.dispatch import Dispatch, Execute, register
 from rankmesh.errors import BackendError, DispatchAssertionError
 from rankmesh.binding import ROLES_ATTR
@@ -165,6 +168,26 @@ def get_device_name() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+#: The ``device_name`` values verl code passes that rankmesh honours (verl also knows ``"npu"``).
+DEVICE_NAMES = ("cuda", "cpu")
+
+
+def check_device_name(device: Any) -> None:
+    """verl's ``device_name``, as its groups and pools take it: ``"cuda"`` or ``"cpu"``, else refused.
+
+    In verl the name says where the workers' tensors live; the bundles' accelerator resource is
+    the platform's, so a ``use_gpu=True`` pool reserves Ray's GPU resource whatever the name
+    (verl only warns), and verl's GPU-placed code passes ``get_device_name()``, ``"cpu"`` on a
+    machine without CUDA.  Other devices (verl's NPUs) are refused with a
+    :class:`~rankmesh.errors.BackendError`: rankmesh runs on CUDA GPUs and CPUs.
+    """
+    if device not in DEVICE_NAMES:
+        raise BackendError(
+            f"device_name={device!r} is not supported: pools reserve Ray's GPU resource (device_name='cuda'), "
+            "or the workers keep their tensors on the CPU (device_name='cpu')"
+        )
+
+
 #: verl's default ``ray_wait_register_center_timeout`` (seconds).
 VERL_REGISTER_TIMEOUT = 300
 
@@ -219,12 +242,7 @@ def verl_group_options(
             "use_gpu=False on a use_gpu=True pool is not supported: each rank gets its bundle's GPU; "
             "for CPU workers use RayResourcePool(..., use_gpu=False)"
         )
-    device = out.pop("device_name", "cuda")
-    if device not in ("cuda", "cpu"):
-        raise BackendError(
-            f"device_name={device!r} is not supported: pools reserve Ray's GPU resource (device_name='cuda'), "
-            "or the workers keep their tensors on the CPU (device_name='cpu')"
-        )
+    check_device_name(out.pop("device_name", "cuda"))
     profile_steps, nsight = out.pop("profile_steps", None), out.pop("worker_nsight_options", None)
     if profile_steps or nsight is not None:
         given = f"profile_steps={profile_steps!r}" if profile_steps else "worker_nsight_options"
@@ -293,7 +311,20 @@ class RayWorkerGroup(CoreRayWorkerGroup):
         """Set each role's group as an attribute (``wg.actor``), as verl does; returns None like verl."""
         super().fuse(list(prefix_set))
 
+    # --- verl's futures: ObjectRefs ---------------------------------------------------------------
 
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:  # type: ignore[override]
+        """Run ``method_name`` on every rank without waiting; verl's result: one ObjectRef per rank, for ``ray.get``.
+
+        Arguments that are all world-size lists go rank by rank, as in verl.  The call takes the
+        group's one path (order, tracing, liveness); rankmesh's own group returns a
+        :class:`~rankmesh.GroupFuture` instead, whose ``get()`` has a deadline and a hang report.
+        """
+        return output_refs(super().execute_all_async(method_name, *args, **kwargs).handles)
+
+    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Run ``method_name`` on rank 0 without waiting; verl's result: its ObjectRef, for ``ray.get``."""
+        return output_refs(super().execute_rank_zero_async(method_name, *args, **kwargs).handles)[0]
 
 
 #: verl's default ``max_colocate_count``: worker groups that may share one bundle.
@@ -340,11 +371,38 @@ class RayResourcePool(CoreRayResourcePool):
         """For every process, in rank order, its index among the processes of its node."""
         return [i for count in self.process_on_nodes for i in range(count)]
 
+    def get_placement_groups(self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str = "cuda") -> list[Any]:
+        """The pool's placement groups in rank order, placed on first use (verl's signature).
+
+        Each argument keeps verl's meaning or is refused before anything is placed:
+        ``device_name`` as in :func:`check_device_name`; ``strategy`` must be ``"STRICT_PACK"``
+        (verl's default: each node entry's bundles on one node, which rank order and local ranks
+        rely on); ``name`` (verl's placement-group name prefix) must be left unset: the groups are
+        named after the pool's ``name_prefix``.
+        """
+        check_device_name(device_name)
+        if strategy != "STRICT_PACK":
+            raise BackendError(
+                f"strategy={strategy!r} is not supported: a RayResourcePool places each process_on_nodes entry on "
+                "ONE node (STRICT_PACK), which its rank order and local ranks rely on. Leave strategy='STRICT_PACK'; "
+                "to spread processes over nodes, give one entry per node, e.g. RayResourcePool([4, 4]) instead of "
+                "RayResourcePool([8])."
+            )
+        if name is not None:
+            raise BackendError(
+                f"name={name!r} is not supported: a pool names its placement groups after its name_prefix "
+                f"('{self.name_prefix}_pg0', ...); build the pool as RayResourcePool(..., name_prefix={name!r})"
+            )
+        return super().get_placement_groups()
+
+
 __all__ = [
+    "DEVICE_NAMES",
     "ENV_KEYS",
     "RayResourcePool",
     "RayWorkerGroup",
     "Worker",
+    "check_device_name",
     "create_colocated_worker_cls_fused",
     "create_colocated_worker_raw_cls",
     "get_device_name",
