@@ -221,7 +221,7 @@ class HangDrill:
 
     #: Each stuck call's timeout (seconds): the report must come at most 2 s after it.
     TIMEOUT_S = 1.0
-    #: What the issue asks of the report: ready at most this long after the timeout.
+    #: The target for the report: ready at most this long after the timeout.
     TARGET_S = 2.0
 
     def __init__(self) -> None:
@@ -281,7 +281,7 @@ def node_loss() -> Probe:
 
 #: Seconds an 8-rank megatron scenario may take (start-up included: megatron-core imports per process).
 RECOVERY_LIMIT_S = 420.0
-#: The issue's target: a dead rank replaced and the group usable again, 8-rank megatron group.
+#: The target: a dead rank replaced and the group usable again, 8-rank megatron group.
 REPLACE_TARGET_S = 30.0
 #: With a warm spare: rank death -> group usable again (issue target, 8-rank megatron actor).
 SPARE_TARGET_S = 5.0

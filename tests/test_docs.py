@@ -136,3 +136,18 @@ def test_unclosed_fence_is_an_error(tmp_path):
     doc.write_text("```python\nx = 1\n")
     with pytest.raises(ValueError, match="open.md:1: code fence never closed"):
         python_blocks(doc)
+
+
+#: Words that speak to the people who wrote the repository, not to its readers: an issue tracker,
+#: a prototype, notes and a machine the reader has never seen.
+OUTSIDE_WORDS = ("the issue", "issue's", "the spike", "this 2-core machine", "shared/notes", "../shared")
+
+
+def test_docs_and_scripts_speak_to_a_reader_of_the_repository():
+    """README, docs, library and scripts name no issue, spike, notes file or "this machine"."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "src").rglob("*.py")),
+             *sorted((ROOT / "scripts").glob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}:{number}: {word!r}"
+             for path in files for number, line in enumerate(path.read_text().splitlines(), 1)
+             for word in OUTSIDE_WORDS if word in line.lower()]
+    assert not found, "words from outside the repository (say what was measured, where, by whom):\n" + "\n".join(found)
