@@ -6,6 +6,8 @@ a file's blocks leave in their namespace are shut down after the file, so no pro
 
 from __future__ import annotations
 
+import ast
+import builtins
 import time
 from pathlib import Path
 from typing import Any
@@ -151,3 +153,57 @@ def test_docs_and_scripts_speak_to_a_reader_of_the_repository():
              for path in files for number, line in enumerate(path.read_text().splitlines(), 1)
              for word in OUTSIDE_WORDS if word in line.lower()]
     assert not found, "words from outside the repository (say what was measured, where, by whom):\n" + "\n".join(found)
+
+
+def _bare_expressions(tree: ast.Module) -> list[int]:
+    """Lines of top-level expression statements shown for their value, which a script drops: anything
+    but a call, or a method call whose name does not say it acts (``print(...)``, ``actor.shutdown()``
+    are run for what they do)."""
+    lines = []
+    for node in tree.body:
+        if not isinstance(node, ast.Expr):
+            continue
+        call = node.value
+        if isinstance(call, ast.Call) and (isinstance(call.func, ast.Name) or not _returns_value(call)):
+            continue
+        lines.append(node.lineno)
+    return lines
+
+
+def _returns_value(call: ast.Call) -> bool:
+    """A method call shown for its value: ``mesh.groups("tp")``, ``out.batch["x"].tolist()``; calls
+    whose name says they act (shutdown, close, start, join, append, ...) are run for what they do."""
+    acts = ("shutdown", "close", "start", "join", "append", "update", "put", "step", "write", "sleep", "kill", "wait")
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else ""
+    return not name.startswith(acts)
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """Names a block binds at top level: imports, assignments, classes and functions."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return names
+
+
+def test_readme_blocks_work_pasted_into_a_file():
+    """Each README block prints what its comments show (a bare expression prints nothing in a script),
+    and a block that needs names from the one before says so in the sentence that introduces it."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    problems = []
+    for block in python_blocks(ROOT / "README.md"):
+        tree = ast.parse(block.source)
+        problems += [f"README.md:{block.line + n - 1}: a bare expression (print it)" for n in _bare_expressions(tree)]
+        needed = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+        missing = sorted(needed - _defined(tree) - set(dir(builtins)))
+        intro = " ".join(lines[max(0, block.line - 6):block.line - 1]).lower()
+        if missing and "continues" not in intro:
+            problems.append(f"README.md:{block.line}: uses {missing} from an earlier block; say so above it (\"continues ...\")")
+    assert not problems, "\n".join(problems)
