@@ -207,8 +207,8 @@ def _check_group(group: Any, mesh: RankMesh, side: str) -> None:
 
 def _objects_of(plan: ReshardPlan, src_rank: int, direct: frozenset[Pair]
                 ) -> list[tuple[tuple[Region, ...], dict[int, tuple[Region, ...]]]]:
-    # ``direct``: every pair that does not use the store (direct reads and IPC).
-    """``src_rank``'s objects: (regions to put, destination -> where each region goes), in put order.
+    """``src_rank``'s objects: (regions to put, destination -> where each region goes), in put order;
+    ``direct``: every pair that does not use the store (direct reads and IPC).
 
     A region several destinations read (dp replicas of the destination) is put once, and the
     regions read by the same set of destinations share one object: a tp1·dp8 generator refit from

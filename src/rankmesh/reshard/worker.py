@@ -308,6 +308,11 @@ def read_direct(tensors: Mapping[str, torch.Tensor], peer: SendResult, reads: Se
     return wanted
 
 
+#: Position of ``storage_device`` among ``rebuild_cuda_tensor``'s arguments (tensor class, size,
+#: stride, offset, storage class, dtype, storage device, handle, ...), as ``reduce_tensor`` returns them.
+REBUILD_STORAGE_DEVICE = 6
+
+
 def gpu_uuid(device: torch.device) -> str:
     """The physical GPU behind this process's ``device`` (the same string in every process that sees it)."""
     return str(torch.cuda.get_device_properties(device).uuid)
@@ -348,7 +353,7 @@ def open_cuda(shared: IpcTensor, device: torch.device) -> torch.Tensor:
         raise ReshardError(f"a CUDA IPC handle of GPU {shared.gpu_uuid} cannot be opened on {device} "
                            f"(GPU {gpu_uuid(device)}): the controller routes only pairs on one GPU through IPC")
     args = list(shared.args)
-    args[6] = device.index  # rebuild_cuda_tensor's storage_device
+    args[REBUILD_STORAGE_DEVICE] = device.index
     return rebuild_cuda_tensor(*args)
 
 
