@@ -388,3 +388,37 @@ def test_a_mistyped_mode_name_fails_once_at_group_construction():
     registry.register_dispatch_mode("DP_COMPUTE_PROT", lambda wg, x: (([x] * wg.world_size,), {}), lambda wg, o: o)
     contexts = [WorkerContext(rank=r, world_size=2, mesh=RankMesh(dp=2)) for r in range(2)]
     assert WorkerGroup(LocalExecutor.start(Typo, contexts), Typo, registry=registry).f(9) == [9, 9]
+
+
+class _NoBatches(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def ping(self) -> int:
+        return self.rank
+
+    @register(Dispatch.DP_COMPUTE)
+    def scores(self, value: int) -> int:
+        return value
+
+
+class _TakesBatches(_NoBatches):
+    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
+    def compute(self, data):
+        return data
+
+
+def test_only_groups_that_take_batches_import_tensordict_as_they_start():
+    # What a rank imports before its workers are built (the Ray backend's HostSetup.preload):
+    # tensordict for a proto mode or a user mode (which may send anything), nothing otherwise.
+    from rankmesh.binding import MethodTable
+
+    registry = DispatchRegistry()
+    user = registry.register_dispatch_mode("ANY_ROWS", lambda wg, *a, **k: (a, k), lambda wg, out: out)
+
+    class _UserMode(_NoBatches):
+        @register(user)
+        def custom(self, x):
+            return x
+
+    assert MethodTable.build(_NoBatches, 4).preload == ()
+    assert MethodTable.build(_TakesBatches, 4, RankMesh(tp=2, dp=2)).preload == ("tensordict",)
+    assert MethodTable.build(_UserMode, 4, registry=registry).preload == ("tensordict",)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -73,8 +74,17 @@ class PlainInitWorker(Worker):
     def __init__(self) -> None:
         import torch.distributed as dist
 
+        self.tensordict_at_init = "tensordict" in sys.modules  # it takes batches (rows): imported as it starts
         dist.init_process_group("gloo")
         self.dist_rank = dist.get_rank()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def imported_at_init(self) -> bool:
+        return self.tensordict_at_init
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def rows(self, data):
+        return data
 
     @register(Dispatch.ONE_TO_ALL)
     def ranks(self) -> tuple[int, int]:
@@ -200,6 +210,8 @@ def test_plain_env_init_dead_worker_and_shutdown(ray_session):
     pool = RayResourcePool([2], use_gpu=False)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(PlainInitWorker))
     assert wg.ranks() == [(0, 2), (1, 2)]
+    # A group with a proto method imports tensordict while it starts, not on its first batch.
+    assert wg.imported_at_init() == [True, True]
     assert wg.name_prefix == wg.trace_name == "PlainInitWorker"  # unnamed: its worker class, everywhere
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"rank 1 .*died during die_on") as info:
@@ -277,3 +289,52 @@ def test_a_worker_finds_its_nodes_raylet(ray_session):
     if ray_session.started_here:
         assert raylet_pids() == [found]
     assert worker_raylet_pid() is None  # the driver was not started by a raylet
+
+
+def test_ctrl_c_mid_call_stops_the_ranks_in_one_line_and_a_short_exception(ray_session, caplog):
+    # A terminal's Ctrl-C reaches the caller's main thread as SIGINT while it waits on the ranks.
+    import signal
+    import threading
+    import traceback
+
+    import psutil
+
+    wg = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(EnvWorker))
+    pid = wg.report()[0]["pid"]
+    main = threading.main_thread().ident
+    timer = threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="rankmesh"), pytest.raises(KeyboardInterrupt, match="sleep_or_fail interrupted") as info:
+        wg.sleep_or_fail(["60"])
+    assert time.monotonic() - start < 10
+    # One line says what happens; the exception's traceback ends in the group method, not the wait loop.
+    assert [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()] == [
+        "interrupted: stopping 1 worker process of EnvWorker"
+    ]
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert [f.name for f in frames] == ["test_ctrl_c_mid_call_stops_the_ranks_in_one_line_and_a_short_exception", "__call__"]
+    assert info.value.__suppress_context__
+    assert wg.closed
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_start_up_bar_shows_no_rate_or_time_left(monkeypatch):
+    # The stages are not alike (placing: a second; importing megatron-core: a minute), so a bar
+    # must not extrapolate from the first ones: no "<mm:ss" left and no "s/stage" rate.
+    import io
+
+    from rankmesh.backends.ray.startup import StartupProgress
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    progress = StartupProgress("actor", 2, show=True)
+    progress.controller_stage("placed")
+    progress.controller_stage("processes")
+    shown = err.getvalue()
+    progress.close()
+    assert "actor: placed: stage " in shown and "/4 [00:00]" in shown
+    assert "<" not in shown and "/stage" not in shown and "it/s" not in shown

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
 import time
 
 import psutil
@@ -18,12 +20,13 @@ from rankmesh.data import DataProto
 from rankmesh.errors import BackendError, RecoveryError, ResourcePoolError, ShardLostError, WorkerDiedError
 from rankmesh.mesh import RankMesh
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, split_resource_pool  # noqa: E402
 from rankmesh.backends.ray.pool import Slot  # noqa: E402
 from rankmesh.backends.ray.calls import Pending  # noqa: E402
 from rankmesh.backends.ray.recovery import ReplacementReport, exit_on_next_call  # noqa: E402
+from rankmesh.backends.ray.remesh import RemeshReport  # noqa: E402
 from rankmesh.backends.ray.spares import Spare, SpareStatus, spare_order  # noqa: E402
 from tests.recovery_workers import StateWorker  # noqa: E402
 
@@ -81,7 +84,17 @@ def test_replace_keeps_survivors_and_rebuilds_the_dead_rank(ray_session):
         wg.shutdown()
 
 
-def test_replace_policy_retries_the_failed_call_several_times_in_a_row(ray_session, caplog):
+class _Bystander:
+    """A Ray actor that is no rank of any group: its death notice is Ray's to print."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def die(self) -> None:
+        os._exit(1)
+
+
+def test_replace_policy_retries_the_failed_call_several_times_in_a_row(ray_session, caplog, capsys):
     wg = start(RankMesh(dp=4), "replace", scale=2)
     try:
         pids = [a["pid"] for a in wg.whoami()]
@@ -113,6 +126,16 @@ def test_replace_policy_retries_the_failed_call_several_times_in_a_row(ray_sessi
         assert wg.replacements[-1].ranks == [3] and len(wg.replacements) == 3
         assert [a["pid"] for a in wg.whoami()][:3] == pids[:3]
         assert wg.world_sum([1.0, 1.0, 1.0, 1.0]) == [8.0] * 4  # the re-formed world still reduces
+        # Ray's own notices of the three deaths stayed out of the output: the group said each in one
+        # line.  A bystander actor dies last and its notice prints, a witness that notices reach here.
+        bystander = ray.remote(num_cpus=0)(_Bystander).remote()
+        witness = ray.get(bystander.pid.remote())
+        bystander.die.remote()
+        out, deadline = "", time.monotonic() + 30
+        while f"Worker PID: {witness}" not in out and time.monotonic() < deadline:
+            time.sleep(0.2)
+            out += capsys.readouterr().out
+        assert re.findall(r"Worker PID: (\d+)", out) == [str(witness)]
     finally:
         wg.shutdown()
 
@@ -249,6 +272,13 @@ def test_spares_and_replacements_print_short_node_ids_and_rounded_seconds():
             "restore 0.00 + check 0.01")
     assert str(report) == text and repr([report]) == f"[ReplacementReport({text})]"
     assert (report.drain_s, report.start_s, report.total_s) == (0.123456789012345, 1 / 3, 1.2222222222222223)
+    # A shrink of pp2·dp2 that lost dp replica 1 (ranks 1 and 3, rank = dp + 2 * pp) reads the same way in wg.remeshes.
+    shrink = RemeshReport("shrink", RankMesh(pp=2, dp=2), RankMesh(pp=2), lost_replicas=[1], dead=[1], detected_s=0.5,
+                          drain_s=0.111111111, reform_s=2 / 3, check_s=0.01, total_s=0.7878787878)
+    text = ("shrink RankMesh(tp=1, cp=1, dp=2, pp=2, order='tp-cp-ep-dp-pp') -> RankMesh(tp=1, cp=1, dp=1, pp=2, "
+            "order='tp-cp-ep-dp-pp'): dropped dp replicas [1] (dead ranks [1]); detected in 0.50s; done in 0.79s = "
+            "drain 0.11 + re-form 0.67 + re-check 0.01")
+    assert str(shrink) == text and repr([shrink]) == f"[RemeshReport({text})]"
 
 
 def test_shrink_drops_the_dead_ranks_replica_and_grow_adds_one_back(ray_session, caplog):

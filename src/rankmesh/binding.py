@@ -12,6 +12,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from rankmesh.data.tensordicts import TENSORDICT
 from rankmesh.dispatch.modes import DEFAULT_REGISTRY, DispatchMode, DispatchRegistry, Execute, UserMode
 from rankmesh.dispatch.register import MethodSpec, registered_methods
 from rankmesh.dispatch.spec import DEFAULT_MESH, MEGATRON_COLLECT, DispatchPlan, MeshSpec
@@ -144,6 +145,22 @@ class MethodTable:
                 table.resolve(name, spec, params), signature, func.__doc__, getattr(func, "__module__", __name__)
             )
         return table
+
+    @property
+    def preload(self) -> tuple[str, ...]:
+        """Modules each rank imports as it starts, before its workers are built.
+
+        tensordict, when a method may be sent DataProto or TensorDict batches (a proto mode, or a
+        user mode, whose own functions decide what it sends): a rank would otherwise import it on
+        its first batch, and the group's first data call would take seconds (about 1-2 CPU-s a
+        rank) against milliseconds for the next, misleading every trace of it.  A group that
+        takes no batches does not pay it (:mod:`rankmesh.data.tensordicts`).
+        """
+        takes_batches = any(
+            isinstance(m.binding.entry, UserMode) or (isinstance(m.binding.entry, MeshSpec) and m.binding.entry.proto)
+            for m in self.methods.values()
+        )
+        return (TENSORDICT,) if takes_batches else ()
 
     @property
     def extra_meshes(self) -> dict[str, RankMesh]:

@@ -34,9 +34,7 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rankmesh import __version__, demo_cli
@@ -52,7 +50,7 @@ from rankmesh.layout import (
     validate_layout,
 )
 from rankmesh.mesh import DEFAULT_ORDER, RankMesh
-from rankmesh.validate import positive_int
+from rankmesh.validate import positive_int, writable_file
 
 log = logging.getLogger(__name__)
 
@@ -462,14 +460,7 @@ def _check_output(output: str) -> None:
     """One line for every output path a picture cannot be written to, before any work is done."""
     if not output.lower().endswith(_DRAW_SUFFIXES):
         raise UsageError(f"output {output!r} must end in {', '.join(_DRAW_SUFFIXES)}")
-    target = Path(output)
-    parent = target.parent
-    if target.is_dir():
-        raise UsageError(f"output {output}: is a directory; give a file name ending in {', '.join(_DRAW_SUFFIXES)}")
-    if not parent.is_dir():
-        raise UsageError(f"output {output}: directory {str(parent)!r} does not exist (create it first)")
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"output {output}: directory {str(parent)!r} is not writable")
+    writable_file(output, "output", UsageError)
 
 
 def _cmd_draw(args: argparse.Namespace) -> int:

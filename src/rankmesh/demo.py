@@ -37,18 +37,22 @@ so the ``rankmesh`` command imports this module (and torch) only when the demo r
 from __future__ import annotations
 
 import logging
+import math
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, TextIO
+from typing import Any, Callable, Iterable, TextIO
 
 import numpy as np
 import torch
+from tqdm import tqdm
+from tqdm.contrib import DummyTqdmFile
 
 from rankmesh.data import DataProto
 from rankmesh.errors import RankMeshError, UsageError
 from rankmesh.demo_async import AsyncRollout, AsyncTally
-from rankmesh.demo_config import SIZE_OPTIONS, TABLE_LEGEND, DemoConfig
+from rankmesh.demo_config import SIZE_OPTIONS, DemoConfig, table_legend
 from rankmesh.demo_hang import HangDrill, run_hang_drill
 from rankmesh.layout import load_layout
 from rankmesh.megatron.group import check_megatron_group, shutdown_megatron_group
@@ -72,7 +76,11 @@ class IterationStats:
     rollout_diff: float
     actor_loss_after: float = float("nan")
     critic_loss_after: float = float("nan")
-    times: dict[str, float] = field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)  # seconds per phase (_PHASES)
+
+    def seconds(self, *phases: str) -> float:
+        """The time these phases took together."""
+        return sum(self.times.get(p, 0.0) for p in phases)
 
 
 @dataclass
@@ -296,8 +304,6 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) 
     ``processes``: where the groups run (``start``/``stop``, default
     :class:`~rankmesh.backends.ray.group.PoolPerGroup`: a new pool and processes per group).
     """
-    from tqdm import tqdm
-
     from rankmesh.backends.ray import PoolPerGroup
     from rankmesh.backends.ray.runtime import ensure_ray
     from rankmesh.reshard.run import plan_between, reshard
@@ -307,36 +313,43 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) 
     t_start = time.perf_counter()
     result = DemoResult(cfg)
     tcfg = TinyConfig(seed=cfg.seed, max_seq_len=cfg.prompt_length + cfg.response_length)
-    conn = ensure_ray(cfg.address, num_cpus=16 + cfg.spares)
-    bar = tqdm(total=cfg.iterations + 1, desc="starting groups", unit="step", disable=not (cfg.progress and sys.stderr.isatty()),
-               file=sys.stderr)  # progress only on a terminal: a redirected stderr gets no bar
-    actor = ref = critic = rollout = None
+    bar = _progress_bar(cfg, sys.stderr)
+    if bar.disable or not _is_terminal(out):  # a log (or a terminal without the bar) hears of the start-up now
+        _say(out, _startup_line(cfg))
+    conn = actor = ref = critic = rollout = None
     try:
+        bar.set_description("starting Ray")
+        conn = ensure_ray(cfg.address, num_cpus=16 + cfg.spares)
+        bar.set_description("starting actor+ref and critic")
         actor, ref, critic, source = start_groups(cfg, tcfg.to_dict(), processes)
+        bar.set_description("starting rollout")
         rollout = start_rollout(cfg, tcfg.to_dict(), processes)
         result.actor_mesh, result.critic_mesh, result.rollout_mesh = repr(actor.mesh), repr(critic.mesh), repr(rollout.mesh)
         result.rollout_replicas = rollout.mesh.size("dp")
         # Planned once from the two meshes and the actor's own parameter attributes.
+        bar.set_description("first refit")
         plan = plan_between(actor, rollout)
         result.refit_minimum_bytes = rollout.world_size * sum(p.numel() * p.element_size() for p in ReferenceModel(tcfg).parameters())
         result.refit_bytes.append(reshard(actor, rollout, plan).bytes_moved)
         result.startup_s = time.perf_counter() - t_start
-        bar.update(1)
-        # tqdm.write keeps the progress bar (stderr) intact while the table goes to ``out``.
         sent = plan.bytes_per_src_rank
-        tqdm.write(f"actor+ref: {actor.mesh!r} ({actor.world_size} processes, {source})\n"
-                   f"critic:    {critic.mesh!r} ({critic.world_size} processes)\n"
-                   f"rollout:   {rollout.mesh!r} ({rollout.world_size} processes), refit from the actor by reshard: "
-                   f"{len(plan.transfers)} regions, {plan.bytes_moved / 1024:.0f} KiB, busiest sender "
-                   f"{max(sent.values()) / 1024:.0f} KiB (mean {sum(sent.values()) / len(sent) / 1024:.0f} KiB)\n"
-                   f"groups started and cross-checked against parallel_state in {result.startup_s:.1f}s", file=out)
+        _say(out, f"actor+ref: {actor.mesh!r} ({actor.world_size} processes, {source})\n"
+                  f"critic:    {critic.mesh!r} ({critic.world_size} processes)\n"
+                  f"rollout:   {rollout.mesh!r} ({rollout.world_size} processes),\n"
+                  f"           refit from the actor by reshard: {len(plan.transfers)} regions, "
+                  f"{plan.bytes_moved / 1024:.0f} KiB, busiest sender {max(sent.values()) / 1024:.0f} KiB "
+                  f"(mean {sum(sent.values()) / len(sent) / 1024:.0f} KiB)\n"
+                  f"groups started and cross-checked against parallel_state in {result.startup_s:.1f}s")
         for group in (actor, critic):
             report = group.startup_report()
             if report is not None:
-                tqdm.write(report.format(), file=out)
+                _say(out, report.format())
         if cfg.hang_rank is not None:
-            result.hang = run_hang_drill(actor, cfg.hang_rank, out)
-        tqdm.write(_table_header(), file=out)
+            bar.set_description("hang drill")
+            result.hang = run_hang_drill(actor, cfg.hang_rank)
+            _say(out, result.hang.format())
+        _say(out, _table_header(cfg))
+        bar.start_iterations()
         reference = ReferenceModel(tcfg).eval()
         prompts = make_prompts(cfg, tcfg.vocab_size)
         resp = slice(cfg.prompt_length - 1, None)
@@ -385,11 +398,12 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) 
             }))
             times["adv"] = time.perf_counter() - t
             if cfg.kill_rank is not None and it + 1 == cfg.kill_at_iteration:
-                kill_actor_rank(actor, cfg.kill_rank, out)
+                pid = kill_actor_rank(actor, cfg.kill_rank)
+                _say(out, f"--kill-rank {cfg.kill_rank}: actor rank {cfg.kill_rank} (pid {pid}) is killed on entering "
+                          f"update_actor; its group replaces it and retries")
             m_actor = timed("upd_actor", actor.update_actor, batch)
-            for report in actor.replacements[len(result.replacements):]:
-                result.replacements.append(asdict(report))
-                tqdm.write(f"  {report.format()}", file=out)
+            # The group reports each replacement in one line of its own (a warning); the summary counts them.
+            result.replacements += [asdict(report) for report in actor.replacements[len(result.replacements):]]
             m_critic = timed("upd_critic", critic.update_critic, batch)
             actor.weight_version = it + 1
             if source is None:
@@ -422,7 +436,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) 
                 times=times,
             )
             result.iterations.append(stats)
-            tqdm.write(_table_row(stats), file=out)
+            _say(out, _table_row(stats))
             bar.update(1)
         bar.set_description("final check")
         if source is not None:
@@ -439,7 +453,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) 
         result.final_logprob_max_diff = float((final - final_ref).abs().max())
         result.final_rollout_diff = float((new_lp - final).abs().max())
     finally:
-        bar.close()
+        bar.close()  # and the log handlers it routed through tqdm.write get their streams back
         if ref is not None:
             try:  # colocated: parallel_state goes when its last role lets go
                 ref.destroy_megatron()
@@ -450,25 +464,23 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) 
                 shutdown_megatron_group(group, processes.stop)
         if rollout is not None:
             processes.stop(rollout)
-        conn.close()
+        if conn is not None:
+            conn.close()
     result.total_s = time.perf_counter() - t_start
     _judge(result)
     return result
 
 
-def kill_actor_rank(actor: Any, rank: int, out: TextIO) -> None:
-    """Arm actor ``rank`` to SIGKILL itself on entering ``update_actor``: before it changes any state.
+def kill_actor_rank(actor: Any, rank: int) -> int:
+    """Arm actor ``rank`` to SIGKILL itself on entering ``update_actor``: before it changes any state; returns its pid.
 
     Every rank's optimizer step follows the dp gradient all-reduce, which no rank can finish
     without the dead rank's replica, so the survivors abort the step with weights and Adam state
     untouched; the retried update then runs on exactly the state the first attempt saw.
     """
-    from tqdm import tqdm
-
     from rankmesh.backends.ray.recovery import exit_on_next_call
 
-    pid = exit_on_next_call(actor, rank, "update_actor")
-    tqdm.write(f"  killing actor rank {rank} (pid {pid}) on entering update_actor", file=out)
+    return exit_on_next_call(actor, rank, "update_actor")
 
 
 def weights_digest(weights: dict[str, torch.Tensor]) -> str:
@@ -486,7 +498,7 @@ def _judge(result: DemoResult) -> None:
     tol, its, tally = result.config.tolerance, result.iterations, result.asynchronous
     result.logprob_max_diff = max((s.logprob_diff for s in its), default=float("nan"))
     # Asynchronously, only rows made by the weights a step trains can match the actor's log-probs.
-    measured = [s.rollout_diff for s in its if s.rollout_diff == s.rollout_diff]
+    measured = [s.rollout_diff for s in its if _applies(s.rollout_diff)]
     replicas = max(1, result.rollout_replicas)
     refits_exact = bool(result.refit_bytes) and all(b == result.refit_minimum_bytes for b in result.refit_bytes)
     if tally is not None:
@@ -525,53 +537,192 @@ def _judge(result: DemoResult) -> None:
                 result.config.kill_rank in result.replacements[0]["from_spares"])
 
 
+# ----- what the demo prints ------------------------------------------------------------------------
+
+#: The phases of an iteration the demo times (IterationStats.times; --json has each, the table adds some up).
 _PHASES = ("gen", "logp", "ref", "values", "adv", "upd_actor", "upd_critic", "refit", "total")
 
 
-def _table_header() -> str:
-    phases = " ".join(f"{p:>10}" for p in _PHASES)
-    legend = "\n".join(f"  {name}: {text}" for name, text in TABLE_LEGEND)
-    return (f"\n{legend}\n{'iter':>4} {'actor loss':>11} {'-> after':>11} {'critic loss':>11} {'-> after':>11} {'score':>6} "
-            f"{'kl':>9} {'logp diff':>9} {'roll diff':>9} | seconds: {phases}")
+def _applies(value: float) -> bool:
+    """False for NaN, the demo's mark of a measurement that does not apply to a row (the table shows ``-``).
+
+    Asynchronously a batch may hold no row made by the weights it trains: its roll diff does not apply.
+    """
+    return not math.isnan(value)
+
+
+@dataclass(frozen=True)
+class _Column:
+    """One column of the table: the group named above it, its header, its width and what it shows of a row."""
+
+    group: str
+    header: str
+    width: int
+    #: A format spec (".2e"), or the most decimals of a fixed-point number, fewer where the width needs it.
+    format: str | int
+    value: Callable[[IterationStats], float]
+    gap: str = " "  # written before the column
+
+
+#: The table, 116 columns wide: every value a run can show fits its column, so a 120-column
+#: terminal does not wrap a row and the columns line up under their headers.
+_COLUMNS = (
+    _Column("", "iter", 4, "d", lambda s: s.iteration + 1, gap=""),
+    _Column("actor loss", "before", 9, ".2e", lambda s: s.actor_loss),
+    _Column("", "after", 9, ".2e", lambda s: s.actor_loss_after),
+    _Column("critic loss", "before", 8, 5, lambda s: s.critic_loss),
+    _Column("", "after", 8, 5, lambda s: s.critic_loss_after),
+    _Column("", "score", 5, 3, lambda s: s.score),
+    _Column("", "kl", 9, ".2e", lambda s: s.kl),
+    _Column("", "logp diff", 9, ".1e", lambda s: s.logprob_diff),
+    _Column("", "roll diff", 9, ".1e", lambda s: s.rollout_diff),
+    _Column("seconds", "gen", 5, 3, lambda s: s.seconds("gen"), gap=" | "),
+    _Column("", "fwd", 5, 3, lambda s: s.seconds("logp", "ref", "values")),
+    _Column("", "adv", 5, 3, lambda s: s.seconds("adv")),
+    _Column("", "upd", 5, 3, lambda s: s.seconds("upd_actor", "upd_critic")),
+    _Column("", "refit", 5, 3, lambda s: s.seconds("refit")),
+    _Column("", "total", 5, 3, lambda s: s.seconds("total")),
+)
+
+
+#: The table's width (116): the legend and the summary wrap to it.
+_WIDTH = sum(len(c.gap) + c.width for c in _COLUMNS)
+
+
+def _wrap(text: str, indent: str = "") -> str:
+    """``text`` in lines of at most the table's width, each line after the first indented two more."""
+    return textwrap.fill(text, width=_WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False, break_long_words=False)
+
+
+def _cell(value: float, column: _Column) -> str:
+    """``value`` right-aligned in the column's width; ``-`` where it does not apply."""
+    if not _applies(value):
+        text = "-"
+    elif isinstance(column.format, int):
+        for decimals in range(column.format, -1, -1):
+            text = f"{value:.{decimals}f}"
+            if len(text) <= column.width:
+                break
+    else:
+        text = format(value, column.format)
+    return text.rjust(column.width)
+
+
+def _table_header(cfg: DemoConfig) -> str:
+    """The legend of the run's mode, wrapped to the table's width, then the header's two lines."""
+    groups, names = "", ""
+    for c in _COLUMNS:
+        names += c.gap
+        if c.group:
+            groups = groups.ljust(len(names)) + c.group
+        names += c.header.rjust(c.width)
+    legend = [_wrap(f"{name}: {text}", "  ") for name, text in table_legend(cfg.async_staleness)]
+    return "\n".join(["", *legend, groups, names])
 
 
 def _table_row(s: IterationStats) -> str:
-    phases = " ".join(f"{s.times.get(p, 0.0):>10.3f}" for p in _PHASES)
-    return (f"{s.iteration + 1:>4} {s.actor_loss:>11.3e} {s.actor_loss_after:>11.3e} {s.critic_loss:>11.5f} "
-            f"{s.critic_loss_after:>11.5f} {s.score:>6.3f} {s.kl:>9.2e} {s.logprob_diff:>9.1e} {s.rollout_diff:>9.1e} |          {phases}")
+    return "".join(c.gap + _cell(c.value(s), c) for c in _COLUMNS)
+
+
+def _startup_line(cfg: DemoConfig) -> str:
+    """Said before the start-up, which is most of a run: what starts, and that the table follows."""
+    actor, _, critic, _, _ = resolve_meshes(cfg)
+    rollout, _ = resolve_rollout(cfg)
+    return (f"starting the groups (actor+ref: {actor.world_size} ranks, critic: {critic.world_size}, "
+            f"rollout: {rollout.world_size}); start-up is most of the run, the table follows")
+
+
+def _is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (a StringIO, a file or a pipe is not)."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _say(out: TextIO, text: str) -> None:
+    """One of the demo's lines: above the progress bar while it is live, never onto its line, and
+    flushed at once (a redirected stdout is block-buffered: a log or a pipe would get it at the end)."""
+    tqdm.write(text, file=out)
+    out.flush()
+
+
+class _DemoBar(tqdm):
+    """The demo's progress bar: start-up with no count, rate or ETA, then the iterations; no log line lands on it.
+
+    tqdm's rate and ETA assume steps alike, and the start-up (most of a run) is not an iteration:
+    during it the bar says what is starting, and it counts from the first iteration on
+    (:meth:`start_iterations`).  While the bar is live, the package's log records (the group's one
+    line per handled rank death) go above it, as the demo's own lines do (:func:`_say`): the
+    console handlers they reach write through ``tqdm.write`` until the bar closes.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._handlers: list[tuple[logging.StreamHandler, Any]] = []
+        super().__init__(*args, **kwargs)
+        if not self.disable:
+            std = (sys.stdout, sys.stderr)
+            self._handlers = [(h, h.stream) for h in _package_handlers()
+                              if isinstance(h, logging.StreamHandler) and any(h.stream is s for s in std)]
+            for handler, stream in self._handlers:
+                handler.setStream(DummyTqdmFile(stream))
+
+    def start_iterations(self) -> None:
+        """Count iterations from now, with their rate and ETA: the start-up is not one of them."""
+        self.bar_format = None
+        self.set_description("iterations", refresh=False)
+        self.reset(total=self.total)
+
+    def close(self) -> None:
+        super().close()
+        for handler, stream in self._handlers:  # the streams they were given
+            handler.setStream(stream)
+        self._handlers = []
+
+
+def _package_handlers() -> list[logging.Handler]:
+    """The handlers a rankmesh log record reaches: the package logger's, then its ancestors' while it propagates."""
+    handlers: list[logging.Handler] = []
+    log: logging.Logger | None = logging.getLogger("rankmesh")
+    while log is not None:
+        handlers += log.handlers
+        log = log.parent if log.propagate else None
+    return handlers
+
+
+def _progress_bar(cfg: DemoConfig, file: TextIO) -> _DemoBar:
+    """The run's bar on ``file``, live only on a terminal (a redirected stream gets no bar), in its start-up form."""
+    return _DemoBar(total=cfg.iterations, desc="starting", unit="iteration", bar_format="{desc}...", file=file,
+                    disable=not (cfg.progress and _is_terminal(file)))
 
 
 def format_summary(result: DemoResult) -> str:
     """The checks, one line each, and the final verdict line."""
-    its = result.iterations
+    its, tally, cfg = result.iterations, result.asynchronous, result.config
     lines = [""]
     if its:
-        lines.append(f"each update, on its own batch: actor loss {its[0].actor_loss:.3e} -> {its[0].actor_loss_after:.3e} "
-                     f"(first) ... {its[-1].actor_loss:.3e} -> {its[-1].actor_loss_after:.3e} (last); critic loss "
-                     f"{its[0].critic_loss:.5f} -> {its[0].critic_loss_after:.5f} ... {its[-1].critic_loss:.5f} -> "
-                     f"{its[-1].critic_loss_after:.5f}; score {its[0].score:.3f} -> {its[-1].score:.3f} (on-policy)")
-        lines.append(f"refits: {len(result.refit_bytes)} x {result.refit_minimum_bytes / 1024:.0f} KiB "
-                     f"(the minimum), rollout vs actor log-probs max diff "
-                     f"{max([s.rollout_diff for s in its] + [result.final_rollout_diff]):.1e}")
-    tally = result.asynchronous
+        k = 0 if tally is None else tally.staleness
+        policy = "on-policy" if k == 0 else f"asynchronous: rows up to {k} weight version{'s' if k > 1 else ''} old"
+        lines.append(_wrap(f"each update, on its own batch: actor loss {its[0].actor_loss:.3e} -> {its[0].actor_loss_after:.3e} "
+                           f"(first) ... {its[-1].actor_loss:.3e} -> {its[-1].actor_loss_after:.3e} (last); critic loss "
+                           f"{its[0].critic_loss:.5f} -> {its[0].critic_loss_after:.5f} ... {its[-1].critic_loss:.5f} -> "
+                           f"{its[-1].critic_loss_after:.5f}; score {its[0].score:.3f} -> {its[-1].score:.3f} ({policy})"))
+        diffs = [d for d in [s.rollout_diff for s in its] + [result.final_rollout_diff] if _applies(d)]
+        lines.append(_wrap(f"refits: {len(result.refit_bytes)} x {result.refit_minimum_bytes / 1024:.0f} KiB "
+                           f"(the minimum), rollout vs actor log-probs max diff {max(diffs, default=float('nan')):.1e}"))
     if tally is not None:
         per = result.refit_minimum_bytes // max(1, result.rollout_replicas)
-        lines.append(f"asynchronous, K={tally.staleness}: rows generated {tally.rows_generated}, trained {tally.rows_trained}, "
-                     f"dropped as stale {tally.rows_dropped}, left over {tally.rows_left}; lag of the oldest row per step "
-                     f"{tally.lags} (at most {tally.staleness}); {len(tally.refit_bytes)} rolling refits x {per / 1024:.0f} KiB")
-    for r in result.replacements:
-        stuck = f" and blocked survivors {r['stuck']}" if r["stuck"] else ""
-        spare = (f" by warm spares (which had paid process start + import "
-                 f"{' / '.join(f'{a:.2f}s + {b:.2f}s' for a, b in r['spare_paid'].values())} before)" if r["from_spares"] else "")
-        start = "taking the spare" if r["from_spares"] else "process start"
-        lines.append(f"actor rank {result.config.kill_rank} killed: detected in {r['detected_s']:.2f}s; ranks {r['ranks']} "
-                     f"(the dead one{stuck}) replaced{spare} in {r['total_s']:.2f}s = drain {r['drain_s']:.2f}s + {start} "
-                     f"{r['start_s']:.2f}s + import {r['import_s']:.2f}s + init {r['init_s']:.2f}s + restore "
-                     f"{r['restore_s']:.2f}s + re-check {r['check_s']:.2f}s")
+        lines.append(_wrap(f"asynchronous, K={tally.staleness}: rows generated {tally.rows_generated}, trained {tally.rows_trained}, "
+                           f"dropped as stale {tally.rows_dropped}, left over {tally.rows_left}; lag of the oldest row per step "
+                           f"{tally.lags} (at most {tally.staleness}); {len(tally.refit_bytes)} rolling refits x {per / 1024:.0f} KiB"))
+    if result.replacements:  # each reported in full when it happened (the group's warning) and in --json
+        done = "; ".join(f"ranks {r['ranks']} replaced in place{' by warm spares' if r['from_spares'] else ''} "
+                         f"in {r['total_s']:.2f}s" for r in result.replacements)
+        cause = "" if cfg.kill_rank is None else f" (--kill-rank {cfg.kill_rank} in iteration {cfg.kill_at_iteration})"
+        lines.append(_wrap(f"rank deaths handled: {len(result.replacements)}{cause}: {done}, update_actor retried"))
     lines.append(f"final actor weights sha256 {result.final_weights_sha256[:16]}")
-    lines.append(f"log-prob max |3D-parallel - single-process|: {result.logprob_max_diff:.2e} over the iterations, "
-                 f"{result.final_logprob_max_diff:.2e} after training (tolerance {result.config.tolerance:.0e}); "
-                 f"dp replicas differ by {result.replica_max_diff:.1e}")
+    lines.append(_wrap(f"log-prob max |3D-parallel - single-process|: {result.logprob_max_diff:.2e} over the iterations, "
+                       f"{result.final_logprob_max_diff:.2e} after training (tolerance {cfg.tolerance:.0e}); "
+                       f"dp replicas differ by {result.replica_max_diff:.1e}"))
     lines += [f"  [{'PASS' if ok else 'FAIL'}] {name}" for name, ok in result.checks.items()]
     verdict = "PASS" if result.ok else "FAIL"
     lines.append(f"demo {verdict}: {len(its)} iterations in {result.total_s:.1f}s "

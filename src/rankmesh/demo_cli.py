@@ -14,7 +14,7 @@ import logging
 import sys
 from typing import Any, Sequence, TextIO
 
-from rankmesh.demo_config import SIZE_OPTIONS, TABLE_LEGEND, DemoConfig
+from rankmesh.demo_config import ASYNC_TABLE_LEGEND, SIZE_OPTIONS, TABLE_LEGEND, DemoConfig
 from rankmesh.demo_hang import check_hang_rank
 from rankmesh.errors import RankMeshError, UsageError
 from rankmesh.tracing import check_trace_path, trace
@@ -127,7 +127,10 @@ def run_from_args(args: argparse.Namespace, out: TextIO | None = None, processes
 def setup(parser: argparse.ArgumentParser) -> None:
     """Configure the ``rankmesh demo`` subcommand (:mod:`rankmesh.cli` registers it)."""
     add_arguments(parser)
-    parser.epilog = "The table's columns: " + "; ".join(f"{name}: {text}" for name, text in TABLE_LEGEND) + "."
+    parser.epilog = ("The table's columns (\"-\" where a value does not apply): "
+                     + "; ".join(f"{name}: {text}" for name, text in TABLE_LEGEND)
+                     + ". With --async-staleness K: " + "; ".join(f"{name}: {text}" for name, text in ASYNC_TABLE_LEGEND)
+                     + ".")
     parser.set_defaults(handler=run_from_args)
 
 

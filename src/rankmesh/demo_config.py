@@ -46,15 +46,41 @@ class DemoConfig:
 SIZE_OPTIONS = ("actor_tp", "actor_pp", "actor_dp", "critic_tp", "critic_dp", "rollout_dp")
 
 
-#: What each column of the demo's table measures (printed under its header and in ``--help``).
+#: What each column of the demo's table measures in the synchronous loop (printed above the table,
+#: and in ``--help``).  A value that does not apply to a row shows ``-``.
 TABLE_LEGEND = (
-    ("actor loss", "the PPO clipped surrogate of the update, on its own batch (near 0: advantages are centred per "
-                   "prompt group and the ratio starts at 1)"),
-    ("-> after", "the same loss from the refit rollout's log-probs after the update (lower is better)"),
+    ("actor loss", "the PPO clipped surrogate on the update's own batch, before -> after the update; after: from the "
+                   "refit rollout's log-probs (lower is better); before: near 0 (advantages are centred per prompt "
+                   "group and the ratio starts at 1)"),
     ("critic loss", "half the mean squared error of the values against the returns, before -> after the critic's update"),
     ("score", "mean reward of the responses"),
     ("kl", "mean actor minus reference log-prob over the response tokens"),
     ("logp diff", "max |actor log-prob - one process holding the actor's gathered weights|"),
     ("roll diff", "max |rollout log-prob - actor log-prob| (the rollout generates with the last refit)"),
-    ("seconds", "time of each phase (gen, logp, ref, values, adv, upd_actor, upd_critic, refit) and of the iteration"),
+    ("seconds", "gen: generation; fwd: actor log-probs, reference log-probs and values; adv: advantages and the "
+                "controller's checks; upd: actor and critic updates; refit: the new weights to the rollout; total: "
+                "the iteration (every phase apart: --json)"),
 )
+
+#: The columns whose meaning changes under ``--async-staleness K``: rows up to K weight versions
+#: old, a rollout refit one replica at a time.
+ASYNC_TABLE_LEGEND = (
+    ("actor loss", "the PPO clipped surrogate on the update's own batch, before -> after the update; after: from the "
+                   "actor's log-probs (the rollout is refit one replica at a time); before: the ratio is taken against "
+                   "the log-probs of the weights that made each row, so it starts at 1 only for rows the current "
+                   "weights made"),
+    ("roll diff", "max |rollout log-prob - actor log-prob| over the batch's rows made by the weights being trained, "
+                  "\"-\" if the batch holds none (all its rows older, by up to K versions)"),
+    ("seconds", "gen: waiting for the batch's rows (replicas that finish behind the actor are refit meanwhile); fwd: "
+                "actor log-probs, reference log-probs and values; adv: advantages and the controller's checks; upd: "
+                "actor and critic updates; refit: refitting the replicas idle when the update ends; total: the "
+                "iteration (every phase apart: --json)"),
+)
+
+
+def table_legend(async_staleness: int | None) -> tuple[tuple[str, str], ...]:
+    """The legend of the table a run prints: the synchronous one, or with ``--async-staleness`` its changed columns."""
+    if async_staleness is None:
+        return TABLE_LEGEND
+    changed = dict(ASYNC_TABLE_LEGEND)
+    return tuple((name, changed.get(name, text)) for name, text in TABLE_LEGEND)

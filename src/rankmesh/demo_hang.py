@@ -2,18 +2,18 @@
 
 The drill runs once, after start-up: ``actor.with_timeout(HANG_TIMEOUT_S).hang_in_barrier(R)``
 sends rank R into a barrier on its dp group (tp, then pp, when dp is 1) that its peers do not
-enter, so the call ends as a :class:`~rankmesh.errors.HangError`.  The demo prints that error,
-checks it against the mesh (rank R, R's coordinates and node, ``barrier`` on R's group with
-R's members), then releases R (its peers join the barrier) and goes on: a hang localized is the
-drill's expected outcome, so a passing run still exits 0, and a report that misses any of these
-fails the run's self-check (exit 1).
+enter, so the call ends as a :class:`~rankmesh.errors.HangError`.  The drill checks that error
+against the mesh (rank R, R's coordinates and node, ``barrier`` on R's group with R's members),
+then releases R (its peers join the barrier), and the demo prints it (:meth:`HangDrill.format`)
+and goes on: a hang localized is the drill's expected outcome, so a passing run still exits 0,
+and a report that misses any of these fails the run's self-check (exit 1).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, TextIO
+from typing import Any
 
 from rankmesh.errors import HangError, UsageError
 
@@ -27,13 +27,22 @@ class HangDrill:
 
     rank: int
     axis: str
+    where: str  # the rank and its coordinates, e.g. "rank 5 (tp1 dp0 pp1)"
     expected: str  # e.g. "barrier on dp group [1, 5]"
+    timeout_s: float
     reported: str  # the HangError's text ("" if the call did not time out)
     report_s: float  # seconds from the timeout to the error (gathering the stacks)
     ok: bool
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def format(self) -> str:
+        """What the drill did, the timeout's report as raised, and what it had to name."""
+        return (f"\nhang drill (--hang-rank {self.rank}): rank {self.rank} waits in a barrier its {self.axis} peers skip; "
+                f"the call's {self.timeout_s:g} s timeout raised:\n{self.reported or '(nothing: the call finished)'}\n"
+                f"expected: {self.where} in {self.expected}; "
+                f"report ready {self.report_s:.2f} s after the timeout; released, the run goes on\n")
 
 
 def hang_axis(mesh: Any) -> str:
@@ -51,8 +60,8 @@ def check_hang_rank(rank: int, mesh: Any) -> str:
     return hang_axis(mesh)
 
 
-def run_hang_drill(actor: Any, rank: int, out: TextIO, timeout_s: float = HANG_TIMEOUT_S) -> HangDrill:
-    """Hang ``rank`` of the actor group in a barrier, print and check the timeout's report, release it."""
+def run_hang_drill(actor: Any, rank: int, timeout_s: float = HANG_TIMEOUT_S) -> HangDrill:
+    """Hang ``rank`` of the actor group in a barrier, check the timeout's report, release it."""
     mesh = actor.mesh
     axis = check_hang_rank(rank, mesh)
     members = mesh.group_of(rank, axis)
@@ -78,8 +87,4 @@ def run_hang_drill(actor: Any, rank: int, out: TextIO, timeout_s: float = HANG_T
         report_s, reported, ok = float("nan"), "", False
     finally:
         actor.release_hang(rank, axis)  # its peers join the barrier: the run goes on
-    print(f"\nhang drill (--hang-rank {rank}): rank {rank} waits in a barrier its {axis} peers skip; "
-          f"the call's {timeout_s:g} s timeout raised:\n{reported or '(nothing: the call finished)'}\n"
-          f"expected: {coords.rank_text(rank)} in {expected}; "
-          f"report ready {report_s:.2f} s after the timeout; released, the run goes on\n", file=out)
-    return HangDrill(rank, axis, expected, reported, report_s, ok)
+    return HangDrill(rank, axis, coords.rank_text(rank), expected, timeout_s, reported, report_s, ok)

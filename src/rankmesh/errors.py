@@ -370,3 +370,12 @@ class ShardLostError(RecoveryError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.ranks, self.shards))
+
+
+class WorkerPickleError(BackendError, TypeError):
+    """A worker class or one of its constructor arguments cannot be pickled to send to the worker processes.
+
+    One line: the path to the part that fails (``ActorWorker.init_model -> global LOCK``), why the
+    class is pickled by value (defined in ``__main__``), and the two fixes.  A ``TypeError`` too,
+    as pickle's own refusal is.
+    """

@@ -68,7 +68,11 @@ class GroupMethod:
         self._group, self._bound, self._timeout_s, self._stall_warn_s = group, bound, timeout_s, stall_warn_s
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._group._call(self.rankmesh_binding, args, kwargs, self._timeout_s, self._stall_warn_s)
+        try:
+            return self._group._call(self.rankmesh_binding, args, kwargs, self._timeout_s, self._stall_warn_s)
+        except KeyboardInterrupt:
+            # Ctrl-C: the ranks are stopped first, and the caller sees a short exception, not the wait loop's frames.
+            raise self._group.interrupted(self.__name__) from None
 
     def with_timeout(self, timeout_s: float | None, stall_warn_s: float | None = None) -> "GroupMethod":
         """This method with each call bounded by ``timeout_s`` seconds (and a stall warning after ``stall_warn_s``)."""
@@ -357,6 +361,26 @@ class WorkerGroup:
     def failed(self) -> BaseException | None:
         """The error that made the backend unusable (a dead process on Ray), else None."""
         return self._executor.failed
+
+    @property
+    def outlives_driver(self) -> bool:
+        """Whether the ranks are meant to run on after this process ends (a detached group on Ray)."""
+        return False
+
+    def interrupted(self, call: str) -> KeyboardInterrupt:
+        """Ctrl-C during ``call``: stop the ranks, say so in one line, and return the exception to raise.
+
+        Why stop them: they are mid-call, perhaps inside a collective, so no later call could trust
+        their state, and a script that exits would otherwise wait on its busy processes to be reaped.
+        A group whose ranks outlive the driver (:attr:`outlives_driver`) keeps running; its call is
+        abandoned (the ranks finish it, and their next call queues behind it).
+        """
+        ranks = self.world_size
+        if self.outlives_driver:
+            return KeyboardInterrupt(f"{call} interrupted; the detached group keeps its {ranks} ranks running")
+        logger.warning("interrupted: stopping %d worker process%s of %s", ranks, "" if ranks == 1 else "es", self.trace_name)
+        self._executor.close()
+        return KeyboardInterrupt(f"{call} interrupted; its group's {ranks} ranks were stopped")
 
     def shutdown(self) -> None:
         """Stop the ranks (on Ray: kill the processes, every role spawned from them too)."""

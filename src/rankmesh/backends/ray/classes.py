@@ -13,6 +13,9 @@ with the same rank context (roles colocated in one process share its mesh), and
 * ``wg.fuse(prefix_set)`` is ``spawn`` plus ``wg.actor``-style attributes.
 
 Shutting down any of these groups stops the shared processes, hence all of them.
+
+Each role travels to the processes as :func:`.pickling.sent_role` makes it: checked, when the
+group starts, to pickle.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from rankmesh.errors import BackendError
 from rankmesh.binding import ROLES_ATTR, ROUTES_ATTR
 
 from .host import RoleInit
+from .pickling import sent_role
 
 
 def unwrap_actor_class(cls: Any) -> type:
@@ -62,8 +66,8 @@ class RayClassWithInitArgs:
 
     @property
     def roles(self) -> dict[str | None, RoleInit]:
-        """Role name -> what to build in each process (one unnamed role here)."""
-        return {None: RoleInit(self.cls, tuple(self.args), dict(self.kwargs))}
+        """Role name -> what to build in each process (one unnamed role here), checked to pickle."""
+        return {None: sent_role(self.cls, self.args, self.kwargs)}
 
     def __repr__(self) -> str:
         return f"RayClassWithInitArgs({self.cls.__qualname__}, args={self.args!r}, kwargs={self.kwargs!r})"
@@ -113,7 +117,7 @@ class ColocatedClassWithInitArgs(RayClassWithInitArgs):
 
     @property
     def roles(self) -> dict[str | None, RoleInit]:
-        return {role: RoleInit(m.cls, tuple(m.args), dict(m.kwargs)) for role, m in self.members.items()}
+        return {role: sent_role(m.cls, m.args, m.kwargs) for role, m in self.members.items()}
 
     def __repr__(self) -> str:
         return f"ColocatedClassWithInitArgs({ {r: m.cls.__qualname__ for r, m in self.members.items()} })"

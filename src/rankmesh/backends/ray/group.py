@@ -166,6 +166,7 @@ class RayWorkerGroup(WorkerGroup):
                 ray_cls_with_init.options,
                 start_timeout,
                 startup,
+                table.preload,
             )
         finally:
             startup.close()
@@ -257,7 +258,8 @@ class RayWorkerGroup(WorkerGroup):
         :meth:`release_hosts`; that group must not be used any more.
         """
         table = MethodTable.build(ray_cls_with_init.cls, len(hosts.actors), mesh, meshes, group_type=cls)
-        build_workers(hosts, ray_cls_with_init.roles, table.mesh, table.extra_meshes, check_worker_env(worker_env), timeout)
+        build_workers(hosts, ray_cls_with_init.roles, table.mesh, table.extra_meshes, check_worker_env(worker_env), timeout,
+                      preload=table.preload)
         return cls._over(hosts, table, *cls._drive(hosts, table))
 
     def release_hosts(self, timeout: float = 60.0) -> HostSet:
@@ -371,6 +373,10 @@ class RayWorkerGroup(WorkerGroup):
     def trace_name(self) -> str:
         """The group's name in traces: its role, else its name prefix."""
         return self.role or self.name_prefix
+
+    @property
+    def outlives_driver(self) -> bool:
+        return self._hosts.detached
 
     @property
     def trace_startup(self) -> dict[str, Any] | None:

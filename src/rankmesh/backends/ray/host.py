@@ -25,6 +25,7 @@ hang is localized (:mod:`rankmesh.hangs`) and a busy rank told from a dead one.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import pickle
@@ -100,6 +101,7 @@ class HostSetup:
     roles: Mapping[str | None, RoleInit]
     env: Mapping[str, str]
     group_name: str
+    preload: tuple[str, ...] = ()  # modules imported before the workers are built (MethodTable.preload)
 
 
 class WorkerHost:
@@ -166,9 +168,11 @@ class WorkerHost:
         Returns when it began (the worker classes were imported to unpickle ``setup``) and
         ended, on this process's clock, for the start-up report.
         """
-        imported_ns = time.time_ns()
         if self._setup is not None:
             raise BackendError(f"rank {self._rank} of {self._group_name} is already set up")
+        for name in setup.preload:  # counted with the worker classes' imports in the start-up report
+            importlib.import_module(name)
+        imported_ns = time.time_ns()
         self._rank = setup.rank  # a spare becomes the rank it replaces
         self._env_before = {k: os.environ.get(k) for k in setup.env}
         os.environ.update({k: str(v) for k, v in setup.env.items()})

@@ -36,6 +36,7 @@ from rankmesh.mesh import RankMesh
 from rankmesh.placement import RankPlace
 
 from .hangs import hang_inspector
+from .notices import NOTICES
 from .host import HostSetup, RoleInit, WorkerHost, host_actor_options
 from rankmesh.rendezvous import RESERVED_ENV
 from .runtime import DETACHED_NAMESPACE
@@ -79,6 +80,11 @@ class HostSet:
     #: Warm standby processes (:class:`.spares.Spare`) and the standby bundles that have none yet.
     spares: list[Any] = field(default_factory=list)
     free_slots: list[Any] = field(default_factory=list)
+    #: Processes that were ranks of the group before a replacement or a renumbering dropped them.
+    former_pids: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        NOTICES.watch(self)  # Ray's notices of these processes' deaths: the group reports them itself
 
     @property
     def nodes(self) -> list[str | None]:
@@ -89,6 +95,7 @@ class HostSet:
 
     def put_rank(self, rank: int, actor: Any, info: Mapping[str, Any], slot: Any = None) -> None:
         """Rank ``rank`` runs in ``actor`` now (a replacement, or a spare that took its place; ``slot``: its bundle)."""
+        self._forget(self.info[rank:rank + 1])
         self.actors[rank] = actor
         self.info[rank] = {**info, "rank": rank}
         if slot is not None:
@@ -100,7 +107,12 @@ class HostSet:
         lengths = {len(actors), len(info), len(slots), len(setups), len(names)}
         if len(lengths) != 1:
             raise BackendError(f"rearranging hosts: per-rank fields of different lengths {sorted(lengths)}")
+        self._forget(self.info)
         self.actors, self.info, self.slots, self.setups, self.names = actors, info, slots, setups, names
+
+    def _forget(self, info: list[dict[str, Any]]) -> None:
+        """The processes of ``info`` may stop being ranks: remembered in :attr:`former_pids`."""
+        self.former_pids.update(i["pid"] for i in info if "pid" in i)
 
     def set_rendezvous(self, master: tuple[str, int]) -> None:
         """A fresh MASTER_ADDR/MASTER_PORT: every rank's setup carries it from now on."""
@@ -282,8 +294,10 @@ def build_workers(
     worker_env: Mapping[str, str],
     timeout: float,
     progress: StartupProgress | None = None,
+    preload: tuple[str, ...] = (),
 ) -> None:
-    """Set every rank's environment and build its role objects (all ranks in parallel)."""
+    """Set every rank's environment and build its role objects (all ranks in parallel), each rank
+    importing ``preload`` first (:attr:`rankmesh.binding.MethodTable.preload`)."""
     world = len(hosts.actors)
     addr, port = hosts.master
     sent = []
@@ -310,6 +324,7 @@ def build_workers(
             roles=dict(roles),
             env=env,
             group_name=hosts.name_prefix,
+            preload=preload,
         )
         sent.append(setup)
     done = hosts.step("setup", range(world), [(setup,) for setup in sent], timeout=timeout)
@@ -330,6 +345,7 @@ def start_hosts(
     options: Mapping[str, Any],
     timeout: float,
     progress: StartupProgress | None = None,
+    preload: tuple[str, ...] = (),
 ) -> HostSet:
     """:func:`launch_hosts` then :func:`build_workers`; on failure every host is killed.
 
@@ -344,7 +360,7 @@ def start_hosts(
         raise
     hosts.pool = pool
     try:
-        build_workers(hosts, roles, mesh, meshes, worker_env, timeout, progress)
+        build_workers(hosts, roles, mesh, meshes, worker_env, timeout, progress, preload)
     except BaseException:
         hosts.shutdown()
         raise

@@ -140,6 +140,13 @@ class RemeshReport:
                      f"restore {self.restore_s:.2f} + re-check {self.check_s:.2f}")
         return f"{self.kind} {self.old_mesh} -> {self.new_mesh}: {what}; {detected}done in {self.total_s:.2f}s = {steps}"
 
+    def __str__(self) -> str:
+        return self.format()
+
+    def __repr__(self) -> str:
+        """The :meth:`format` text (seconds to 2 decimals), as ``wg.remeshes`` prints; the fields stay exact."""
+        return f"RemeshReport({self.format()})"
+
 
 def _move_hosts(hosts: HostSet, plan: Remesh, new_actors: dict[int, Any], new_info: dict[int, dict], new_slots: dict[int, Slot]) -> None:
     """Put the processes in their new rank order, with setups for the new mesh (MASTER set by :func:`reform`)."""

@@ -70,7 +70,11 @@ class StartupProgress:
         if show:
             from tqdm import tqdm  # noqa: PLC0415 - only for a terminal
 
-            self._bar = tqdm(total=4, desc=f"{group}: starting", unit="stage", file=sys.stderr, leave=False)
+            # No rate and no time left: the stages are not alike (placing takes a second, importing
+            # megatron-core a minute), so tqdm's estimate from the first ones misleads (9.5 minutes left, read
+            # when 32 s were).
+            self._bar = tqdm(total=4, desc=f"{group}: starting", file=sys.stderr, leave=False,
+                             bar_format="{desc}stage {n_fmt}/{total_fmt} [{elapsed}]")
 
     def _seconds(self, ns: int) -> float:
         return round((ns - self.t0) / 1e9, 4)
