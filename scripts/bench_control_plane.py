@@ -19,6 +19,14 @@ controller's CPU and to the p50 round trip, extrapolated to 1,024 nodes x 8 rank
 ``--fanout F`` the agents are also measured in a tree ``F`` wide (``agent_fanout``), and a tree
 model (the controller's CPU per send and per rank, the tree's depth) is extrapolated to 1,024 nodes.
 
+``--scale NODESxRANKS,...`` measures the controller alone at shapes no machine here could start
+(1,024 x 8, 4,096 x 8): the real group, executor, agent session and wait loop, against in-process
+stand-ins for the node agents whose ranks answer at once (:class:`InstantAgents`).  It prints the
+controller's CPU per no-op call to every rank, a fit ``a + b·nodes + c·ranks``, and what doubling
+the ranks per node does.  Left out: the network, the agents' and ranks' own CPU, and Ray's
+background threads in the controller; each send to a top agent is timed against a live agent
+in the same run and added.
+
 ``--kill`` adds the failure drill: a rank SIGKILLed mid-call (time to the group's error), and
 the controller SIGKILLed (time until its ranks' processes are gone), with ``/dev/shm`` listed
 before and after.
@@ -27,6 +35,7 @@ before and after.
     python scripts/bench_control_plane.py --ranks 8 --calls 200 --kill
     python scripts/bench_control_plane.py --cluster 1x2,2x2,4x2,8x2,2x4,4x4 --calls 300
     python scripts/bench_control_plane.py --cluster 2x2,4x2,8x2 --fanout 2 --calls 300   # and a tree 2 wide
+    python scripts/bench_control_plane.py --scale 128x8,256x8,512x8,1024x8,1024x16,4096x8   # the controller alone
 """
 
 from __future__ import annotations
@@ -348,6 +357,135 @@ def tree_model(rows: list[dict], fanout: int) -> dict:
     return model
 
 
+# ----- --scale: the controller alone, against a thousand in-process nodes ------------------------
+
+
+class InstantAgents:
+    """In-process stand-ins for a group's node agents, whose ranks answer at once.
+
+    Stands behind every node's agent handle: ``handle.call.remote(call_id, method, work, ...)``
+    returns what a real agent's call returns, the ObjectRef of a :class:`~rankmesh.backends.ray.agent.NodeAnswer`
+    holding an ``Outcome`` with a ``None`` output for every rank of ``work`` (put with ``ray.put``,
+    so that the controller's wait loop reads it through Ray, as it reads a real answer).  What it
+    spends building and putting an answer is an agent's work, not the controller's: it is counted
+    in ``spent_s`` (the calling thread's CPU) and taken off the controller's.  ``shares`` keeps
+    the last call's share of each top agent, to time real sends of it (:func:`send_cost_ms`).
+    """
+
+    def __init__(self, ranks_of: dict) -> None:
+        self.ranks_of = ranks_of
+        self.spent_s = 0.0
+        self.shares: list = []
+        self.call = self  # handle.call.remote(...)
+
+    def remote(self, call_id: int, method: str, work: dict, timeout_s, generation: int = 0):
+        import ray
+
+        from rankmesh.backends.ray.agent import NodeAnswer
+        from rankmesh.backends.ray.calls import Outcome
+
+        start = time.thread_time()
+        outcomes = {r: Outcome() for node, (_, plan) in work.items()
+                    for r, piece in zip(self.ranks_of[node], plan) if piece is not None}
+        ref = ray.put(NodeAnswer(outcomes))
+        self.shares.append((call_id, method, work, timeout_s, generation))
+        self.spent_s += time.thread_time() - start
+        return ref
+
+
+def scale_group(nodes: int, per_node: int, fanout: int):
+    """A RayWorkerGroup of ``nodes`` x ``per_node`` ranks of ControlWorker on the agent path, every
+    agent an :class:`InstantAgents`: the real group, executor and agent session, no process started."""
+    from rankmesh.backends.ray import RayWorkerGroup
+    from rankmesh.backends.ray.agent import AgentSession
+    from rankmesh.backends.ray.hosts import HostSet
+    from rankmesh.binding import MethodTable
+    from rankmesh.mesh import RankMesh
+    from tests.control_workers import ControlWorker
+
+    world = nodes * per_node
+    node_ids = [f"{n:056x}" for n in range(nodes)]  # Ray's node ids: 56 hex digits
+    info = [{"rank": r, "pid": 1_000_000 + r, "node_id": node_ids[r // per_node],
+             "node_ip": f"10.{r // per_node // 250}.{r // per_node % 250}.{1 + r % per_node}"} for r in range(world)]
+    hosts = HostSet(actors=[None] * world, names=[f"scale_{r}" for r in range(world)], info=info, name_prefix="scale",
+                    detached=False)
+    table = MethodTable.build(ControlWorker, world, RankMesh(dp=world), group_type=RayWorkerGroup)
+    executor, recovery = RayWorkerGroup._drive(hosts, table)
+    session = AgentSession(hosts.actors, [i["pid"] for i in info], [i["node_id"] for i in info], hosts.nodes,
+                           executor.coords, fanout)
+    agents = InstantAgents(session.by_node)
+    session.agents = {node: agents for node in session.by_node}
+    executor.session = session
+    return RayWorkerGroup._over(hosts, table, executor, recovery), agents, len(session.tops)
+
+
+def send_cost_ms(sink, shares: list, repeat: int = 50) -> float:
+    """The controller's CPU for one real Ray task carrying one of ``shares`` to ``sink``, a live node
+    agent serving no node (ms, the calling thread's): what the in-process stand-ins leave out of
+    each send to a top agent."""
+    import ray
+
+    start = time.thread_time()
+    refs = [sink.call.remote(*shares[i % len(shares)]) for i in range(repeat)]
+    spent = time.thread_time() - start
+    ray.get(refs)
+    return spent / repeat * 1000
+
+
+def scale(args: argparse.Namespace) -> dict:
+    """The controller's CPU per no-op call to every rank, at ``--scale`` shapes, with in-process agents.
+
+    Real code: the group's split and collect, the executor's call record, the agent session's
+    shares and sends, and the wait loop reading the answers through Ray.  Left out: the network,
+    every agent's and rank's own CPU, and Ray's background threads in the controller (only the
+    calling thread's CPU is counted).  Each send to a top agent is an in-process call here; the
+    CPU of a real one, measured in the same run against a live actor with the same share, is
+    added per top agent.
+    """
+    import ray
+
+    from rankmesh.backends.ray.agent import start_agents
+    from rankmesh.backends.ray.runtime import ensure_ray
+
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.scale.split(",") if shape]
+    ensure_ray(num_cpus=2, logging_level="ERROR", log_to_driver=False)
+    fanout = args.fanout or 8
+    sink = next(iter(start_agents([ray.get_runtime_context().get_node_id()]).values()))
+    ray.get(sink.call.remote(0, "warm-up", {}, None, 0))  # started, and the method exported
+    rows = []
+    for nodes, per_node in shapes:
+        wg, agents, tops = scale_group(nodes, per_node, fanout)
+        assert wg.noop() == [None] * (nodes * per_node)  # every rank answered, through the real collect
+        calls = max(3, min(args.calls, int(2e5 // (nodes * per_node))))
+        start, spent = time.thread_time(), agents.spent_s
+        for _ in range(calls):
+            wg.noop()
+        own = (time.thread_time() - start - (agents.spent_s - spent)) / calls * 1000
+        send = send_cost_ms(sink, agents.shares[-tops:])
+        row = {"nodes": nodes, "ranks": nodes * per_node, "per_node": per_node, "tops": tops, "calls": calls,
+               "controller_in_process_ms": own, "send_ms": send, "controller_cpu_ms": own + tops * send,
+               "agents_stand_in_ms": (agents.spent_s - spent) / calls * 1000}
+        rows.append(row)
+        print(f"{nodes:5d} x {per_node:2d} = {nodes * per_node:6d} ranks: controller CPU per no-op call "
+              f"{row['controller_cpu_ms']:8.2f} ms = {own:8.2f} in process + {tops} sends x {send:.2f} ms "
+              f"({calls} calls; the stand-in agents spent {row['agents_stand_in_ms']:.2f} ms)", flush=True)
+    ray.kill(sink)
+    out: dict = {"rows": rows}
+    if len(rows) >= 3:
+        a, b, c = fit(rows, "controller_cpu_ms")
+        out["fit"] = {"a": a, "per_node": b, "per_rank": c}
+        print(f"controller_cpu_ms ≈ {a:.3f} + {b:.4f}·nodes + {c:.4f}·ranks ms "
+              f"(1,024 x 8: {a + b * 1024 + c * 8192:.1f} ms; target: 10 ms)")
+    by_shape = {(r["nodes"], r["per_node"]): r for r in rows}
+    for (nodes, per_node), row in by_shape.items():
+        double = by_shape.get((nodes, 2 * per_node))
+        if double:
+            change = double["controller_cpu_ms"] / row["controller_cpu_ms"] - 1
+            print(f"{nodes} nodes, {per_node} -> {2 * per_node} ranks per node: controller CPU {change:+.0%} "
+                  f"(target: under 10 %)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default="1,2,4,8,16", help="group sizes on this node (default 1,2,4,8,16)")
@@ -360,9 +498,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--idle-cpu-s", type=float, default=10.0, help="how long the ranks' idle CPU is measured")
     ap.add_argument("--fanout", type=int, help="with --cluster: also measure the agents in a tree this wide")
     ap.add_argument("--kill", action="store_true", help="also run the SIGKILL drills (one node)")
+    ap.add_argument("--scale", help="instead: the controller alone at shapes NODESxRANKS (e.g. 1024x8,4096x8) against "
+                                    "in-process agents whose ranks answer at once (--fanout: the tree's width, default 8)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
-    out = cluster(args) if args.cluster else one_node(args)
+    out = scale(args) if args.scale else cluster(args) if args.cluster else one_node(args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), **out}, indent=1))
     return out

@@ -67,6 +67,8 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "front door": (8, ("rankmesh",)),
     "compat": (8, ("rankmesh.compat",)),
     "megatron": (8, ("rankmesh.megatron",)),
+    # Test and script helpers (the namespaced cluster): they drive processes, and nothing imports them.
+    "testing": (9, ("rankmesh.testing",)),
     "tools": (9, ("rankmesh.demo", "rankmesh.demo_async", "rankmesh.demo_cli", "rankmesh.demo_config", "rankmesh.demo_hang", "rankmesh.draw", "rankmesh.cli", "rankmesh.__main__", "rankmesh.tracing.plot")),
 }
 

@@ -292,21 +292,27 @@ def test_a_worker_finds_its_nodes_raylet(ray_session):
 
 
 def test_ctrl_c_mid_call_stops_the_ranks_in_one_line_and_a_short_exception(ray_session, caplog):
-    # A terminal's Ctrl-C reaches the caller's main thread as SIGINT while it waits on the ranks.
+    # A terminal's Ctrl-C reaches the caller's main thread as SIGINT while it waits on the ranks, and
+    # Python's own handler raises KeyboardInterrupt.  A test run earlier in this process may have set
+    # another handler: a script's default is put back for this test.
     import signal
     import threading
     import traceback
 
     import psutil
 
-    wg = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(EnvWorker))
-    pid = wg.report()[0]["pid"]
-    main = threading.main_thread().ident
-    timer = threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT))
-    timer.start()
-    start = time.monotonic()
-    with caplog.at_level("WARNING", logger="rankmesh"), pytest.raises(KeyboardInterrupt, match="sleep_or_fail interrupted") as info:
-        wg.sleep_or_fail(["60"])
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        wg = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(EnvWorker))
+        pid = wg.report()[0]["pid"]
+        timer = threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        timer.start()
+        start = time.monotonic()
+        with caplog.at_level("WARNING", logger="rankmesh"), \
+                pytest.raises(KeyboardInterrupt, match="sleep_or_fail interrupted") as info:
+            wg.sleep_or_fail(["60"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 10
     # One line says what happens; the exception's traceback ends in the group method, not the wait loop.
     assert [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()] == [

@@ -379,3 +379,10 @@ class WorkerPickleError(BackendError, TypeError):
     class is pickled by value (defined in ``__main__``), and the two fixes.  A ``TypeError`` too,
     as pickle's own refusal is.
     """
+
+
+class ClusterError(RankMeshError, RuntimeError):
+    """A namespaced test cluster (:mod:`rankmesh.testing.cluster`) could not be built or driven.
+
+    The message names the command or node at fault and what to install or call instead.
+    """

@@ -684,7 +684,7 @@ class WorkerGroup:
         ``"session"`` for blocking calls with inline arguments through a call session, else
         ``"ray"`` (one task per rank) or ``"in-process"``.
         """
-        infos = self.execute_all("rankmesh_transport_info")
+        infos = self.execute_all_sync("rankmesh_transport_info")  # waits on every group (verl's execute_all does not)
         return [{**info, "control": path} for info, path in zip(infos, self._executor.control_paths())]
 
     execute_all_sync = execute_all

@@ -62,6 +62,11 @@ def test_async_calls_return_verls_object_refs(wg):
     assert ray.get(wg.execute_all_async("env", [["RANK"], ["WORLD_SIZE"]])) == [{"RANK": "0"}, {"WORLD_SIZE": "2"}]
     ref = wg.execute_rank_zero_async("visible")
     assert isinstance(ref, ray.ObjectRef) and ray.get(ref) == "0,1"
+    # and verl's execute_all / execute_rank_zero are their aliases: ObjectRefs, not values
+    refs = wg.execute_all("env", ["RANK"])
+    assert all(isinstance(r, ray.ObjectRef) for r in refs) and ray.get(refs) == [{"RANK": "0"}, {"RANK": "1"}]
+    assert ray.get(wg.execute_rank_zero("visible")) == "0,1"
+    assert [i["control"] for i in wg.transport_info()] == wg.executor.control_paths()  # rankmesh's own use waits
     # refs never fetched through the group: later calls still run in order
     unread = wg.execute_all_async("env", ["RANK"])
     assert wg.execute_all_sync("visible") == ["0,1", "0,1"]

@@ -313,6 +313,14 @@ class RayWorkerGroup(CoreRayWorkerGroup):
 
     # --- verl's futures: ObjectRefs ---------------------------------------------------------------
 
+    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:  # type: ignore[override]
+        """verl's alias of :meth:`execute_all_async`: one ObjectRef per rank (``execute_all_sync`` waits)."""
+        return self.execute_all_async(method_name, *args, **kwargs)
+
+    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """verl's alias of :meth:`execute_rank_zero_async`: rank 0's ObjectRef (``execute_rank_zero_sync`` waits)."""
+        return self.execute_rank_zero_async(method_name, *args, **kwargs)
+
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:  # type: ignore[override]
         """Run ``method_name`` on every rank without waiting; verl's result: one ObjectRef per rank, for ``ray.get``.
 

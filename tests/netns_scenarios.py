@@ -1,0 +1,90 @@
+"""Drivers of tests/test_netns_cluster.py that run inside a namespaced cluster: Ray's view of its nodes, and of one node's loss.
+
+Run as ``python -m tests.netns_scenarios NAME ARGS`` inside the head's namespace
+(:meth:`rankmesh.testing.cluster.NetnsCluster.run`); ``ray.init()`` joins through ``RAY_ADDRESS``.
+Each prints ``REPORT {json}`` lines (tests.drivers.print_report); ``watch`` also reads cue lines
+from stdin, so the test can cut a node off at a known moment.
+
+* ``nodes``: every node Ray lists (address, alive, raylet port), and for each alive node the
+  address a task pinned to it (``NodeAffinitySchedulingStrategy``, hard) reports.
+* ``watch ADDRESS OBSERVE_S``: prints ``READY``; on the cue line ``go`` waits until the node at
+  ADDRESS is not alive and reports the seconds it took; with OBSERVE_S > 0 it then waits for the
+  cue ``healed`` and reports every change of Ray's entries for ADDRESS during OBSERVE_S seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from tests.drivers import print_report
+
+#: How often the watcher asks the GCS (well under the health-check period).
+POLL_S = 0.1
+#: The longest a watcher waits for a death before reporting that none came.
+DEATH_TIMEOUT_S = 60.0
+
+
+@ray.remote(num_cpus=1)
+def my_address() -> str:
+    return ray.util.get_node_ip_address()
+
+
+def entries(address: str) -> list[dict]:
+    """Ray's node entries at ``address`` (a node that re-registers would add one)."""
+    return [{"id": n["NodeID"][:8], "alive": n["Alive"]} for n in ray.nodes() if n["NodeManagerAddress"] == address]
+
+
+def nodes() -> dict:
+    listed = [{"address": n["NodeManagerAddress"], "alive": n["Alive"], "port": n["NodeManagerPort"], "id": n["NodeID"]}
+              for n in ray.nodes()]
+    pinned = {
+        n["address"]: my_address.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["id"], soft=False)).remote()
+        for n in listed if n["alive"]
+    }
+    return {"nodes": listed, "pinned": {address: ray.get(ref, timeout=60) for address, ref in pinned.items()}}
+
+
+def wait_cue(cue: str) -> None:
+    line = sys.stdin.readline().strip()
+    if line != cue:
+        raise SystemExit(f"expected the cue {cue!r} on stdin, got {line!r}")
+
+
+def watch(address: str, observe_s: float) -> None:
+    entries(address)  # the first GCS query is slower: pay it before the cue
+    print("READY", flush=True)
+    wait_cue("go")
+    t0 = time.monotonic()
+    while any(e["alive"] for e in entries(address)):
+        if time.monotonic() - t0 > DEATH_TIMEOUT_S:
+            print_report({"dead_after_s": None})
+            return
+        time.sleep(POLL_S)
+    print_report({"dead_after_s": time.monotonic() - t0})
+    if observe_s <= 0:
+        return
+    wait_cue("healed")
+    t0 = time.monotonic()
+    seen = [{"t": 0.0, "entries": entries(address)}]
+    while time.monotonic() - t0 < observe_s:
+        now = entries(address)
+        if now != seen[-1]["entries"]:
+            seen.append({"t": round(time.monotonic() - t0, 2), "entries": now})
+        time.sleep(POLL_S)
+    print_report({"after_heal": seen})
+
+
+if __name__ == "__main__":
+    ray.init(logging_level="ERROR")
+    name, args = sys.argv[1], sys.argv[2:]
+    if name == "nodes":
+        print_report(nodes())
+    elif name == "watch":
+        watch(args[0], float(args[1]))
+    else:
+        raise SystemExit(f"unknown scenario {name!r}; use nodes or watch")

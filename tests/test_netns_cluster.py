@@ -1,0 +1,308 @@
+"""A namespaced cluster (rankmesh.testing.cluster) against real Ray: addresses, partitions, caps, kills, new nodes, cleanup.
+
+One module-scoped cluster of three nodes, each its own network namespace.  The pytest process
+stays in the host's namespace; everything that talks to the cluster runs inside it, through the
+helper: Ray drivers (tests/netns_scenarios.py) and plain TCP probes (tests/netns_sockets.py).
+Expected values come from the setup, written by hand: the addresses below, the health-check
+settings' window, the cap's rate.  The tests run in file order and each leaves the cluster as
+the next expects (n2 partitioned and healed, then n1 killed, then a node added, then closed).
+
+Skips in one line where namespaces cannot be made (no root, no ``ip``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.drivers import REPO, REPORT, DriverError, read_report
+
+logger = logging.getLogger(__name__)
+
+#: The nodes' addresses, by hand: host numbers .9, .10 and .100 of 198.18.0.0/24, in node order.
+EXPECTED_ADDRESSES = ["198.18.0.9", "198.18.0.10", "198.18.0.100"]
+#: The address add_node gives next (.11: the first number after the three widths).
+NEXT_ADDRESS = "198.18.0.11"
+#: Seconds within which the GCS must declare a lost node dead, by hand from TEST_HEALTH_CHECKS:
+#: 3 failed checks, each up to 1 s timeout plus 1 s period = 6 s, plus 4 s for a loaded 2-core machine.
+DEATH_WINDOW_S = 3 * (1.0 + 1.0) + 4.0
+#: The cap of test_cap_limits_throughput and the bytes sent through it: 1 MiB at 8 Mbit/s is
+#: 1.05 s on the wire; without a cap the same bytes take milliseconds.
+CAP_MBIT = 8
+CAP_BYTES = 1 << 20
+#: How long the partition test watches Ray's entries for the healed node.
+OBSERVE_AFTER_HEAL_S = 10.0
+#: How long a TCP probe (to the node's raylet port) waits before calling the address unreachable.
+PROBE_TIMEOUT_S = 2.0
+
+
+def driver_env() -> dict[str, str]:
+    """What a driver inside the cluster needs besides the cluster's env: this checkout importable."""
+    paths = (str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", ""))
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def drive(cluster, module: str, *args: str, node=None, timeout: float = 120.0):
+    """``python -m module *args`` inside ``node``'s namespace (the head's by default); its report."""
+    proc = cluster.run([sys.executable, "-m", module, *args], node=node, timeout=timeout, cwd=REPO, env=driver_env())
+    report = read_report(proc.stdout)
+    if proc.returncode != 0 or report is None:
+        raise DriverError(f"{module} {' '.join(args)} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return report
+
+
+class Lines:
+    """A driver's stdout, line by line, each wait with a deadline (a reader thread feeds a queue)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, prefix: str, timeout: float) -> str:
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line.startswith(prefix):
+                return line
+        raise DriverError(f"no line starting {prefix!r} within {timeout:g} s (driver exit {self.proc.poll()})")
+
+    def send(self, cue: str) -> None:
+        self.proc.stdin.write(cue + "\n")
+        self.proc.stdin.flush()
+
+
+def watch(cluster, address: str, observe_s: float, tmp_path) -> tuple[subprocess.Popen, Lines]:
+    """Start a watcher of ``address`` (tests/netns_scenarios.py ``watch``) and wait until it is ready."""
+    err = open(tmp_path / f"watch-{address}.err", "w")
+    proc = cluster.popen([sys.executable, "-m", "tests.netns_scenarios", "watch", address, str(observe_s)],
+                         cwd=REPO, env=driver_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    lines = Lines(proc)
+    lines.wait_for("READY", 120)
+    return proc, lines
+
+
+def _skip_without_namespaces() -> None:
+    from rankmesh.testing.cluster import unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(f"no namespaced cluster here: {reason}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    pytest.importorskip("ray")
+    from rankmesh.testing.cluster import NetnsCluster
+
+    _skip_without_namespaces()
+    netns = NetnsCluster(3, cpus=1, lifetime_s=600)
+    netns.start()
+    logger.info("3-node namespaced cluster started in %.1f s", netns.start_seconds)
+    yield netns
+    netns.close()
+
+
+@pytest.fixture(scope="module")
+def ray_view(cluster):
+    """Ray's nodes as a driver in the head's namespace sees them, with a task pinned to each."""
+    return drive(cluster, "tests.netns_scenarios", "nodes")
+
+
+def test_stale_namespaces_of_a_dead_owner_are_removed_with_their_processes() -> None:
+    """A namespace named for an owner pid that is gone, with a process in it, as a crash leaves one."""
+    from rankmesh.testing.cluster import PREFIX, ip_binary, namespace_pids, namespaces, pid_alive, remove_stale
+
+    _skip_without_namespaces()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert not pid_alive(gone.pid)
+    stale = f"{PREFIX}-{gone.pid}-test-n0"
+    subprocess.run([ip_binary(), "netns", "add", stale], check=True)
+    sleeper = subprocess.Popen([ip_binary(), "netns", "exec", stale, "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while not namespace_pids(stale) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert namespace_pids(stale) == [sleeper.pid]
+        assert stale in remove_stale()
+        assert sleeper.wait(10) == -9
+        assert stale not in namespaces()
+    finally:
+        sleeper.kill()
+        subprocess.run([ip_binary(), "netns", "del", stale], capture_output=True)
+
+
+def test_a_killed_owner_leaves_nothing_behind() -> None:
+    """SIGKILL the process that owns a one-node cluster: its watchdog removes namespaces, processes and temp dir."""
+    from rankmesh.testing.cluster import namespaces
+
+    pytest.importorskip("ray")
+    _skip_without_namespaces()
+    code = ("import sys, time; from rankmesh.testing.cluster import NetnsCluster; "
+            "c = NetnsCluster(1, lifetime_s=120).start(); print('STEM', c.stem, c.temp_dir, flush=True); time.sleep(120)")
+    owner = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, **driver_env()},
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        _, stem, temp_dir = Lines(owner).wait_for("STEM", 120).split()
+        assert [n for n in namespaces() if n.startswith(stem + "-")]
+    finally:
+        owner.kill()
+        owner.wait(10)
+    t0 = time.monotonic()
+    while ([n for n in namespaces() if n.startswith(stem + "-")] or os.path.exists(temp_dir)) and time.monotonic() - t0 < 15:
+        time.sleep(0.2)
+    logger.info("killed owner: its cluster was gone %.1f s later", time.monotonic() - t0)
+    assert not [n for n in namespaces() if n.startswith(stem + "-")]
+    assert not os.path.exists(temp_dir)
+
+
+def test_a_range_that_is_public_or_in_use_is_refused() -> None:
+    """check_network: a public range is refused before anything is asked; loopback (on every host's lo) is in use."""
+    from rankmesh.testing.cluster import check_network, ip_binary
+
+    with pytest.raises(ValueError, match="not a private IPv4 range"):
+        check_network("8.8.8.0/24")
+    if ip_binary() is None:
+        pytest.skip("no `ip` command to read the host's addresses with")
+    with pytest.raises(ValueError, match=r"127\.0\.0\.0/24 is in use .*address 127\.0\.0\.1/8 on lo"):
+        check_network("127.0.0.0/24")
+
+
+def test_the_expected_addresses_sort_differently_as_strings() -> None:
+    """The setup's own premise: string order of the hand-written addresses is not their numeric order."""
+    assert sorted(EXPECTED_ADDRESSES) != sorted(EXPECTED_ADDRESSES, key=ipaddress.ip_address)
+
+
+def test_nodes_have_mixed_width_addresses_and_ray_sees_them_alive(cluster, ray_view) -> None:
+    assert [n.address for n in cluster.nodes] == EXPECTED_ADDRESSES
+    assert len({n.namespace for n in cluster.nodes}) == 3
+    alive = sorted(n["address"] for n in ray_view["nodes"] if n["alive"])
+    assert alive == sorted(EXPECTED_ADDRESSES)
+
+
+def test_a_task_pinned_to_each_node_reports_that_nodes_address(ray_view) -> None:
+    assert ray_view["pinned"] == {a: a for a in EXPECTED_ADDRESSES}
+
+
+def test_cap_limits_throughput(cluster) -> None:
+    """1 MiB from the head to n1, without a cap, at CAP_MBIT, and with the cap lifted (plain TCP)."""
+    target = cluster.node("n1")
+
+    def seconds(port: int) -> float:
+        server = cluster.popen([sys.executable, "-m", "tests.netns_sockets", "serve", target.address, str(port)],
+                               node=target, cwd=REPO, env=driver_env(), stdout=subprocess.PIPE, text=True)
+        try:
+            Lines(server).wait_for("LISTENING", 30)
+            return drive(cluster, "tests.netns_sockets", "send", target.address, str(port), str(CAP_BYTES), timeout=60)
+        finally:
+            server.wait(30)
+
+    free = seconds(5101)
+    cluster.cap(target, CAP_MBIT)
+    capped = seconds(5102)
+    cluster.cap(target, None)
+    lifted = seconds(5103)
+    wire_s = CAP_BYTES * 8 / (CAP_MBIT * 1e6)
+    logger.info("1 MiB head -> n1: %.3f s free (%.0f Mbit/s), %.3f s capped at %d Mbit/s (%.1f Mbit/s), %.3f s lifted",
+                free, CAP_BYTES * 8 / free / 1e6, capped, CAP_MBIT, CAP_BYTES * 8 / capped / 1e6, lifted)
+    assert 0.8 * wire_s <= capped <= 3 * wire_s
+    assert free < wire_s / 4 and lifted < wire_s / 4
+
+
+def test_partition_declares_the_node_dead_and_heal_reconnects(cluster, ray_view, tmp_path) -> None:
+    from rankmesh.testing.cluster import namespace_pids
+
+    target = cluster.node("n2")
+    port = next(n["port"] for n in ray_view["nodes"] if n["address"] == target.address)
+    proc, lines = watch(cluster, target.address, OBSERVE_AFTER_HEAL_S, tmp_path)
+    try:
+        t0 = time.monotonic()
+        cluster.partition(target)
+        lines.send("go")
+        dead_after = read_report(lines.wait_for(REPORT, DEATH_WINDOW_S + 60))["dead_after_s"]
+        seen_by_test = time.monotonic() - t0
+        cut = drive(cluster, "tests.netns_sockets", "connect", target.address, str(port), str(PROBE_TIMEOUT_S))
+        lives_on = namespace_pids(target.namespace)
+        cluster.heal(target)
+        lines.send("healed")
+        healed = drive(cluster, "tests.netns_sockets", "connect", target.address, str(port), str(PROBE_TIMEOUT_S))
+        after_heal = read_report(lines.wait_for(REPORT, OBSERVE_AFTER_HEAL_S + 60))["after_heal"]
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = namespace_pids(target.namespace)
+    logger.info("partition of n2: dead after %s s (watcher), %.1f s (test); TCP %s while cut, %s after heal; "
+                "%d processes lived on while cut, %d %.0f s after heal; Ray's entries after heal: %s",
+                dead_after, seen_by_test, cut, healed, len(lives_on), len(left), OBSERVE_AFTER_HEAL_S, after_heal)
+    assert dead_after is not None and dead_after <= DEATH_WINDOW_S
+    assert cut == "timeout"
+    assert lives_on, "a partition must leave the node's processes alive"
+    assert healed in ("connected", "refused")  # the address answers again
+
+
+def test_kill_node_removes_it(cluster, tmp_path) -> None:
+    from rankmesh.testing.cluster import namespaces
+
+    target = cluster.node("n1")
+    proc, lines = watch(cluster, target.address, 0, tmp_path)
+    try:
+        cluster.kill_node(target)
+        lines.send("go")
+        dead_after = read_report(lines.wait_for(REPORT, DEATH_WINDOW_S + 60))["dead_after_s"]
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    logger.info("kill_node(n1): dead after %s s", dead_after)
+    assert dead_after is not None and dead_after <= DEATH_WINDOW_S
+    assert target.namespace not in namespaces()
+    assert [n.name for n in cluster.nodes] == ["n0", "n2"]
+
+
+def test_add_node_adds_a_live_node(cluster) -> None:
+    t0 = time.monotonic()
+    node = cluster.add_node()
+    took = time.monotonic() - t0
+    view = drive(cluster, "tests.netns_scenarios", "nodes")
+    logger.info("add_node: %s up in %.1f s", node.address, took)
+    assert node.address == NEXT_ADDRESS
+    assert any(n["address"] == NEXT_ADDRESS and n["alive"] for n in view["nodes"])
+    assert view["pinned"][NEXT_ADDRESS] == NEXT_ADDRESS
+
+
+def test_close_leaves_no_namespace_and_no_process(cluster) -> None:
+    from rankmesh.testing.cluster import namespace_pids, namespaces, pid_alive
+
+    mine = [n for n in namespaces() if n.startswith(cluster.stem + "-")]
+    pids = [p for n in mine for p in namespace_pids(n)]
+    assert mine and pids
+    cluster.close()
+    assert not [n for n in namespaces() if n.startswith(cluster.stem + "-")]
+    time.sleep(0.2)  # SIGKILLed processes are reaped by their parents
+    assert not [p for p in pids if pid_alive(p) and not _zombie(p)]
+    assert not cluster.temp_dir.exists()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
