@@ -7,6 +7,8 @@ from stdin, so the test can cut a node off at a known moment.
 
 * ``nodes``: every node Ray lists (address, alive, raylet port), and for each alive node the
   address a task pinned to it (``NodeAffinitySchedulingStrategy``, hard) reports.
+* ``group``: a rankmesh group of one rank per node (``RayResourcePool([1, 1, 1])``): each rank's
+  node address, rank 0's rendezvous address, and a gloo all-reduce across the namespaces.
 * ``watch ADDRESS OBSERVE_S``: prints ``READY``; on the cue line ``go`` waits until the node at
   ADDRESS is not alive and reports the seconds it took; with OBSERVE_S > 0 it then waits for the
   cue ``healed`` and reports every change of Ray's entries for ADDRESS during OBSERVE_S seconds.
@@ -49,6 +51,20 @@ def nodes() -> dict:
     return {"nodes": listed, "pinned": {address: ray.get(ref, timeout=60) for address, ref in pinned.items()}}
 
 
+def group() -> dict:
+    """A rankmesh group of one rank per node: where each rank landed, and a gloo all-reduce over the links."""
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from tests.multinode_worker import NodeWorker
+
+    wg = RayWorkerGroup(RayResourcePool([1, 1, 1], use_gpu=False), RayClassWithInitArgs(NodeWorker))
+    try:
+        where = wg.where()
+        return {"node_ips": [info["node_ip"] for info in wg.node_info], "master": where[0]["MASTER_ADDR"],
+                "ranks": [w["rank"] for w in where], "sums": wg.all_reduce()}
+    finally:
+        wg.shutdown()
+
+
 def wait_cue(cue: str) -> None:
     line = sys.stdin.readline().strip()
     if line != cue:
@@ -84,7 +100,9 @@ if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
     if name == "nodes":
         print_report(nodes())
+    elif name == "group":
+        print_report(group())
     elif name == "watch":
         watch(args[0], float(args[1]))
     else:
-        raise SystemExit(f"unknown scenario {name!r}; use nodes or watch")
+        raise SystemExit(f"unknown scenario {name!r}; use nodes, group or watch")

@@ -200,6 +200,16 @@ def test_a_task_pinned_to_each_node_reports_that_nodes_address(ray_view) -> None
     assert ray_view["pinned"] == {a: a for a in EXPECTED_ADDRESSES}
 
 
+def test_a_groups_ranks_follow_the_nodes_numeric_address_order(cluster, ray_view) -> None:
+    # One rank per node.  By hand: numeric order is .9 < .10 < .100; as strings it would be
+    # .10 < .100 < .9 (the ordering bug of verl #7160).  Ranks 1 and 2 rendezvous with rank 0
+    # over the bridge, so the all-reduce (1 + 2 + 3) crosses real network stacks.
+    report = drive(cluster, "tests.netns_scenarios", "group")
+    assert report["node_ips"] == ["198.18.0.9", "198.18.0.10", "198.18.0.100"]
+    assert report["ranks"] == [0, 1, 2] and report["master"] == "198.18.0.9"
+    assert report["sums"] == [6.0, 6.0, 6.0]
+
+
 def test_cap_limits_throughput(cluster) -> None:
     """1 MiB from the head to n1, without a cap, at CAP_MBIT, and with the cap lifted (plain TCP)."""
     target = cluster.node("n1")

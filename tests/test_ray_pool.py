@@ -266,6 +266,12 @@ def test_pool_bundle_and_actor_share():
 # ----- rendezvous --------------------------------------------------------------------------------
 
 
+def test_gloo_binds_the_interface_that_holds_the_nodes_address():
+    # By hand: 127.0.0.1 is lo's address on every Linux machine; 203.0.113.7 (TEST-NET-3) is nobody's.
+    assert rendezvous.interface_of("127.0.0.1") == "lo"
+    assert rendezvous.interface_of("203.0.113.7") is None
+
+
 def test_reserved_port_is_held_until_the_store_takes_it():
     port = rendezvous.reserve_port("127.0.0.1")
     try:

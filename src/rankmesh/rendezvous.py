@@ -42,6 +42,11 @@ RESERVED_ENV: tuple[str, ...] = (
     "MASTER_PORT",
 )
 
+#: The variable torch's gloo reads for the network interfaces its devices bind (a comma-separated list).
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+#: ``ioctl`` request for an interface's IPv4 address (``<linux/sockios.h>``).
+_SIOCGIFADDR = 0x8915
+
 _lock = threading.Lock()
 _reserved: dict[tuple[str, int], socket.socket] = {}
 
@@ -126,6 +131,29 @@ def release_port(host: str, port: int) -> None:
 def _take_reserved(host: str, port: int) -> socket.socket | None:
     with _lock:
         return _reserved.pop((host, port), None)
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface whose IPv4 address is ``address`` (``None``: none is).
+
+    Why: without :data:`GLOO_IFNAME`, gloo binds whatever the machine's hostname resolves to, and
+    many hosts map it to 127.0.0.1 (``/etc/hosts`` in VMs and containers).  On one machine that
+    works; across nodes every rank then announces 127.0.0.1 to its peers, and the first
+    collective fails with "Connection refused".  The worker host names the interface that holds
+    the rank's node address (the one Ray reaches it on) instead.
+    """
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # an interface without an IPv4 address
+                continue
+            if socket.inet_ntoa(answer[20:24]) == address:
+                return name
+    return None
 
 
 def default_backend() -> str:

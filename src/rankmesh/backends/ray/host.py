@@ -47,7 +47,7 @@ from rankmesh.tracing.marks import FETCH_MARK, KEEP_MAX, timed_call
 from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke, move
 
 from .rejoin import exit_on_call, leave, rejoin, restore
-from rankmesh.rendezvous import reserve_port
+from rankmesh.rendezvous import GLOO_IFNAME, interface_of, reserve_port
 from .reshard import RayObjects
 from .runtime import node_ip_address, worker_raylet_pid
 from .serve import SessionState, connect, start_serving
@@ -177,6 +177,7 @@ class WorkerHost:
         self._env_before = {k: os.environ.get(k) for k in setup.env}
         os.environ.update({k: str(v) for k, v in setup.env.items()})
         self._unify_devices()
+        self._bind_gloo(ray.util.get_node_ip_address())
         for role, spec in setup.roles.items():
             self._workers[role] = construct(spec.cls, self._context(setup, role), tuple(spec.args), dict(spec.kwargs))
         self._record_device()
@@ -211,6 +212,16 @@ class WorkerHost:
 
             torch.cuda.set_device(change.device_index)
             self._device_index = change.device_index
+
+    def _bind_gloo(self, address: str) -> None:
+        """Gloo's devices bind the interface of the rank's node address (:func:`rankmesh.rendezvous.interface_of`),
+        unless the user chose one (``GLOO_SOCKET_IFNAME`` in the environment or ``worker_env``)."""
+        if GLOO_IFNAME in os.environ:
+            return
+        name = interface_of(address)
+        if name is not None:
+            self._env_before.setdefault(GLOO_IFNAME, None)
+            os.environ[GLOO_IFNAME] = name
 
     def _record_device(self) -> None:
         """The CUDA device the roles selected while being built, for the session thread to select too.
