@@ -16,12 +16,14 @@ from stdin, so the test can cut a node off at a known moment.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rankmesh.testing.cluster import ADDRESS_ENV
 from tests.drivers import print_report
 
 #: How often the watcher asks the GCS (well under the health-check period).
@@ -96,7 +98,8 @@ def watch(address: str, observe_s: float) -> None:
 
 
 if __name__ == "__main__":
-    ray.init(logging_level="ERROR")
+    # Bound to the head's address inside the cluster (tests.test_netns_cluster runs drivers there).
+    ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ[ADDRESS_ENV], logging_level="ERROR")
     name, args = sys.argv[1], sys.argv[2:]
     if name == "nodes":
         print_report(nodes())

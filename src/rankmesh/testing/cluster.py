@@ -95,6 +95,10 @@ RAY_DEFAULT_HEALTH_CHECKS: Mapping[str, int] = MappingProxyType({
     "health_check_failure_threshold": 5,
 })
 
+#: The variable that gives a driver the address of the namespace it runs in, to bind Ray to it
+#: (a driver inside the cluster binds that address, never the machine's).
+ADDRESS_ENV = "RANKMESH_NETNS_ADDRESS"
+
 #: Environment of every Ray process and driver of a cluster: multi-node on (the loopback setting
 #: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` of :mod:`rankmesh.backends.ray.runtime` makes ``ray
 #: start --address`` refuse to join, and a node's only interface here is its private one), no
@@ -468,9 +472,11 @@ class NetnsCluster:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         return {**env, **CLUSTER_ENV, **self.ray_env}
 
-    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Environment for a driver: :meth:`node_env` with ``RAY_ADDRESS`` (the head) and ``extra``."""
-        return {**self.node_env(), "RAY_ADDRESS": self.address, **(extra or {})}
+    def env(self, extra: Mapping[str, str] | None = None, node: NetnsNode | str | None = None) -> dict[str, str]:
+        """Environment for a driver in ``node``'s namespace (the head's by default): :meth:`node_env` with
+        ``RAY_ADDRESS`` (the head), :data:`ADDRESS_ENV` (the namespace's own address) and ``extra``."""
+        target = self.head if node is None else self.node(node)
+        return {**self.node_env(), "RAY_ADDRESS": self.address, ADDRESS_ENV: target.address, **(extra or {})}
 
     def command(self, argv: Sequence[str], node: NetnsNode | str | None = None) -> list[str]:
         """``argv`` wrapped to run inside a node's namespace (the head's by default)."""
@@ -481,16 +487,17 @@ class NetnsCluster:
             env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
         """Run ``argv`` in a node's namespace with :meth:`env` and wait (text output captured)."""
         kwargs.setdefault("capture_output", True)
-        return subprocess.run(self.command(argv, node), env=self.env(env), text=True, timeout=timeout, **kwargs)
+        return subprocess.run(self.command(argv, node), env=self.env(env, node), text=True, timeout=timeout, **kwargs)
 
     def popen(self, argv: Sequence[str], *, node: NetnsNode | str | None = None,
               env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` in a node's namespace with :meth:`env`; :meth:`close` kills it if still running."""
-        return subprocess.Popen(self.command(argv, node), env=self.env(env), **kwargs)
+        return subprocess.Popen(self.command(argv, node), env=self.env(env, node), **kwargs)
 
     def run_python(self, code: str, *args: str, node: NetnsNode | str | None = None, timeout: float,
                    env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
-        """``python -c code *args`` in a node's namespace (this interpreter); a driver joins with ``ray.init()``."""
+        """``python -c code *args`` in a node's namespace (this interpreter); a Ray driver joins with
+        ``ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ[ADDRESS_ENV])``."""
         return self.run([sys.executable, "-c", code, *args], node=node, timeout=timeout, env=env, **kwargs)
 
     def wait_for_nodes(self, addresses: Sequence[str] | None = None, timeout: float = RAY_START_TIMEOUT_S) -> None:
@@ -563,9 +570,9 @@ class NetnsCluster:
 #: The wait driver (run in the head's namespace): polls ``ray.nodes()`` until every address of
 #: argv[1] (JSON list) is alive, for at most argv[2] seconds.
 WAIT_CODE = """
-import json, sys, time, ray
+import json, os, sys, time, ray
 want, end = sorted(json.loads(sys.argv[1])), time.monotonic() + float(sys.argv[2])
-ray.init(logging_level="ERROR")
+ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["RANKMESH_NETNS_ADDRESS"], logging_level="ERROR")
 while True:
     alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
     if set(want) <= set(alive):

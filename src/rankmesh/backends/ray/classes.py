@@ -65,8 +65,15 @@ class RayClassWithInitArgs:
         return dict(self._options)
 
     @property
+    def role_names(self) -> list[str]:
+        """The named roles (none here), without pickling anything (:attr:`roles` pickles every class)."""
+        return []
+
+    @property
     def roles(self) -> dict[str | None, RoleInit]:
-        """Role name -> what to build in each process (one unnamed role here), checked to pickle."""
+        """Role name -> what to build in each process (one unnamed role here), checked to pickle.
+
+        Each read pickles the classes and tries the arguments: read it once per start."""
         return {None: sent_role(self.cls, self.args, self.kwargs)}
 
     def __repr__(self) -> str:
@@ -114,6 +121,10 @@ class ColocatedClassWithInitArgs(RayClassWithInitArgs):
         super().__init__(fused_worker_class({role: m.cls for role, m in members.items()}))
         for member in members.values():
             self.update_options(member.options)
+
+    @property
+    def role_names(self) -> list[str]:
+        return list(self.members)
 
     @property
     def roles(self) -> dict[str | None, RoleInit]:

@@ -73,7 +73,7 @@ def default_group_name(cls_with_init: RayClassWithInitArgs, detached: bool) -> s
     The worker class (``ActorWorker``), or the colocated roles joined (``actor+ref``).  A detached
     group's name is also how its actors are found in Ray's namespace, so it gets a unique suffix.
     """
-    roles = [role for role in cls_with_init.roles if role is not None]
+    roles = cls_with_init.role_names
     name = "+".join(roles) if roles else cls_with_init.cls.__name__
     return f"{name}-{uuid.uuid4().hex[:8]}" if detached else name
 
