@@ -361,41 +361,70 @@ def tree_model(rows: list[dict], fanout: int) -> dict:
 
 
 class InstantAgents:
-    """In-process stand-ins for a group's node agents, whose ranks answer at once.
+    """In-process stand-ins for a group's node agents, whose ranks answer at once (one per top agent:
+    :meth:`handle`), with the bookkeeping they share.
 
-    Stands behind every node's agent handle: ``handle.call.remote(call_id, method, work, ...)``
-    returns what a real agent's call returns, the ObjectRef of a :class:`~rankmesh.backends.ray.agent.NodeAnswer`
-    holding an ``Outcome`` with a ``None`` output for every rank of ``work`` (put with ``ray.put``,
-    so that the controller's wait loop reads it through Ray, as it reads a real answer).  What it
-    spends building and putting an answer is an agent's work, not the controller's: it is counted
-    in ``spent_s`` (the calling thread's CPU) and taken off the controller's.  ``shares`` keeps
-    the last call's share of each top agent, to time real sends of it (:func:`send_cost_ms`).
+    Each stands behind a top node's agent handle: ``handle.call.remote(call_id, method, headers,
+    refs, key, plans, ...)`` returns what a real agent's call returns, the ObjectRef of a
+    :class:`~rankmesh.backends.ray.agent.NodeAnswer` (put with ``ray.put``, so that the
+    controller reads it through Ray, as it reads a real answer).  Its ranks all finish at once:
+    no failure, nothing late.  A rank whose share asks for its output answers ``None`` to a call
+    without objects in the store (a no-op) and, to a data call, a one-row ``DataProto`` left in
+    the store (``Stored``, as a real agent answers: the controller fetches it).  What a stand-in
+    spends is an agent's work, not the controller's: it is counted in ``spent_s`` (the calling
+    thread's CPU) and taken off the controller's.  ``shares`` keeps the last calls' arguments, to
+    time real sends of them (:func:`send_cost_ms`).
     """
 
     def __init__(self, ranks_of: dict) -> None:
-        self.ranks_of = ranks_of
+        self.ranks_of = ranks_of  # node -> its ranks, reader order
         self.spent_s = 0.0
         self.shares: list = []
+        self.outputs: dict[bytes, bool] = {}  # header -> whether its rank sends an output
+
+    def handle(self, node: str) -> "InstantAgent":
+        return InstantAgent(self)
+
+
+class InstantAgent:
+    """One top agent's stand-in (see :class:`InstantAgents`): it keeps the plans of its subtree by key."""
+
+    def __init__(self, shared: InstantAgents) -> None:
+        self.shared = shared
+        self.routes: dict = {}
         self.call = self  # handle.call.remote(...)
 
-    def remote(self, call_id: int, method: str, work: dict, timeout_s, generation: int = 0):
+    def remote(self, call_id: int, method: str, headers: tuple, refs: tuple, key, plans, timeout_s, generation: int = 0):
+        import pickle
+
         import ray
+        import torch
 
-        from rankmesh.backends.ray.agent import NodeAnswer
-        from rankmesh.backends.ray.calls import Outcome
+        from rankmesh.backends.ray.agent import NodeAnswer, Stored
+        from rankmesh.data import DataProto
 
+        shared = self.shared
         start = time.thread_time()
-        outcomes = {r: Outcome() for node, (_, plan) in work.items()
-                    for r, piece in zip(self.ranks_of[node], plan) if piece is not None}
-        ref = ray.put(NodeAnswer(outcomes))
-        self.shares.append((call_id, method, work, timeout_s, generation))
-        self.spent_s += time.thread_time() - start
+        if plans is not None and key is not None:
+            self.routes[key] = plans
+        values = {}
+        if refs:  # a data call: every rank whose share sends an output leaves one row in the store
+            sends = [shared.outputs.setdefault(h, pickle.loads(h).return_output) for h in headers]
+            for node, plan in (plans if plans is not None else self.routes[key]).items():
+                for rank, share in zip(shared.ranks_of[node], plan):
+                    if share is not None and sends[share]:
+                        values[rank] = Stored(ray.put(DataProto.from_dict({"y": torch.zeros(1)})))
+        ref = ray.put(NodeAnswer(values))
+        shared.shares.append((call_id, method, headers, refs, key, plans, timeout_s, generation))
+        del shared.shares[:-64]
+        shared.spent_s += time.thread_time() - start
         return ref
 
 
-def scale_group(nodes: int, per_node: int, fanout: int):
+def scale_group(nodes: int, per_node: int, fanout: int, mesh=None):
     """A RayWorkerGroup of ``nodes`` x ``per_node`` ranks of ControlWorker on the agent path, every
-    agent an :class:`InstantAgents`: the real group, executor and agent session, no process started."""
+    agent an :class:`InstantAgents`: the real group, executor and agent session, no process started.
+    ``mesh``: the group's mesh (default ``RankMesh(dp=nodes * per_node)``)."""
     from rankmesh.backends.ray import RayWorkerGroup
     from rankmesh.backends.ray.agent import AgentSession
     from rankmesh.backends.ray.hosts import HostSet
@@ -409,12 +438,12 @@ def scale_group(nodes: int, per_node: int, fanout: int):
              "node_ip": f"10.{r // per_node // 250}.{r // per_node % 250}.{1 + r % per_node}"} for r in range(world)]
     hosts = HostSet(actors=[None] * world, names=[f"scale_{r}" for r in range(world)], info=info, name_prefix="scale",
                     detached=False)
-    table = MethodTable.build(ControlWorker, world, RankMesh(dp=world), group_type=RayWorkerGroup)
+    table = MethodTable.build(ControlWorker, world, mesh or RankMesh(dp=world), group_type=RayWorkerGroup)
     executor, recovery = RayWorkerGroup._drive(hosts, table)
     session = AgentSession(hosts.actors, [i["pid"] for i in info], [i["node_id"] for i in info], hosts.nodes,
                            executor.coords, fanout)
     agents = InstantAgents(session.by_node)
-    session.agents = {node: agents for node in session.by_node}
+    session.agents = {node: agents.handle(node) for node in session.by_node}
     executor.session = session
     return RayWorkerGroup._over(hosts, table, executor, recovery), agents, len(session.tops)
 
@@ -425,6 +454,9 @@ def send_cost_ms(sink, shares: list, repeat: int = 50) -> float:
     each send to a top agent."""
     import ray
 
+    # The sink serves no node: it answers a call with no selection key and empty plans at once.
+    shares = [(call_id, method, headers, refs, None, {} if plans is None else plans, timeout_s, generation)
+              for call_id, method, headers, refs, _, plans, timeout_s, generation in shares]
     start = time.thread_time()
     refs = [sink.call.remote(*shares[i % len(shares)]) for i in range(repeat)]
     spent = time.thread_time() - start
@@ -432,15 +464,57 @@ def send_cost_ms(sink, shares: list, repeat: int = 50) -> float:
     return spent / repeat * 1000
 
 
-def scale(args: argparse.Namespace) -> dict:
-    """The controller's CPU per no-op call to every rank, at ``--scale`` shapes, with in-process agents.
+def scale_mesh(nodes: int, per_node: int, dp: int | None):
+    """The megatron mesh of the ``--dp`` call at one shape: ``tp`` = the ranks per node, ``pp`` the
+    rest, ``dp`` pieces (``None`` when ``dp`` does not divide the shape)."""
+    from rankmesh.mesh import RankMesh
 
-    Real code: the group's split and collect, the executor's call record, the agent session's
-    shares and sends, and the wait loop reading the answers through Ray.  Left out: the network,
-    every agent's and rank's own CPU, and Ray's background threads in the controller (only the
-    calling thread's CPU is counted).  Each send to a top agent is an in-process call here; the
-    CPU of a real one, measured in the same run against a live actor with the same share, is
-    added per top agent.
+    world = nodes * per_node
+    if dp is None or world % (dp * per_node):
+        return None
+    return RankMesh(tp=per_node, pp=world // (dp * per_node), dp=dp)
+
+
+def controller_ms(agents, call, calls: int) -> tuple[float, float]:
+    """The controller's own CPU per call of ``call()``, and the stand-in agents' (ms, the calling thread's)."""
+    start, spent = time.thread_time(), agents.spent_s
+    for _ in range(calls):
+        call()
+    stand_in = agents.spent_s - spent
+    return (time.thread_time() - start - stand_in) / calls * 1000, stand_in / calls * 1000
+
+
+def ray_floor_ms(dp: int, repeat: int = 20) -> float:
+    """What Ray alone costs the controller for a data call of ``dp`` one-row pieces: a ``ray.put`` of
+    each piece and one ``ray.get`` of ``dp`` one-row outputs (ms, the calling thread's CPU)."""
+    import ray
+    import torch
+
+    from rankmesh.data import DataProto
+
+    pieces = DataProto.from_dict({"x": torch.arange(dp)}).chunk(dp)
+    outputs = [ray.put(DataProto.from_dict({"y": torch.zeros(1)})) for _ in range(dp)]
+    start = time.thread_time()
+    for _ in range(repeat):
+        refs = [ray.put(piece) for piece in pieces]
+        ray.get(outputs)
+    del refs
+    return (time.thread_time() - start) / repeat * 1000
+
+
+def scale(args: argparse.Namespace) -> dict:
+    """The controller's CPU per call at ``--scale`` shapes, with in-process agents.
+
+    Three calls: a no-op ``ONE_TO_ALL`` call to every rank, and (``--dp N``), on a mesh ``tp`` =
+    ranks per node, ``dp`` = N: a ``MEGATRON_COMPUTE`` call with one inline value per dp rank
+    (each dp piece one share, with and without an output), and a ``MEGATRON_COMPUTE_PROTO`` call
+    with a ``DataProto`` of one row per dp rank (each piece put in the store once; each collect
+    rank's output fetched from the store).  Real code: the group's split and collect,
+    the executor's call record, the agent session's shares and sends, and the wait loop reading
+    the answers through Ray.  Left out: the network, every agent's and rank's own CPU, and Ray's
+    background threads in the controller (only the calling thread's CPU is counted).  Each send
+    to a top agent is an in-process call here; the CPU of a real one, measured in the same run
+    against a live actor with the same share, is added per top agent.
     """
     import ray
 
@@ -451,38 +525,62 @@ def scale(args: argparse.Namespace) -> dict:
     ensure_ray(num_cpus=2, logging_level="ERROR", log_to_driver=False)
     fanout = args.fanout or 8
     sink = next(iter(start_agents([ray.get_runtime_context().get_node_id()]).values()))
-    ray.get(sink.call.remote(0, "warm-up", {}, None, 0))  # started, and the method exported
+    ray.get(sink.call.remote(0, "warm-up", (), (), None, {}, None, 0))  # started, and the method exported
     rows = []
     for nodes, per_node in shapes:
-        wg, agents, tops = scale_group(nodes, per_node, fanout)
+        mesh = scale_mesh(nodes, per_node, args.dp)
+        wg, agents, tops = scale_group(nodes, per_node, fanout, mesh)
         assert wg.noop() == [None] * (nodes * per_node)  # every rank answered, through the real collect
-        calls = max(3, min(args.calls, int(2e5 // (nodes * per_node))))
-        start, spent = time.thread_time(), agents.spent_s
-        for _ in range(calls):
-            wg.noop()
-        own = (time.thread_time() - start - (agents.spent_s - spent)) / calls * 1000
+        calls = min(args.calls, max(3, int(2e6 // (nodes * per_node))))
+        own, stand_in = controller_ms(agents, wg.noop, calls)
         send = send_cost_ms(sink, agents.shares[-tops:])
         row = {"nodes": nodes, "ranks": nodes * per_node, "per_node": per_node, "tops": tops, "calls": calls,
                "controller_in_process_ms": own, "send_ms": send, "controller_cpu_ms": own + tops * send,
-               "agents_stand_in_ms": (agents.spent_s - spent) / calls * 1000}
+               "agents_stand_in_ms": stand_in}
+        line = (f"{nodes:5d} x {per_node:2d} = {nodes * per_node:6d} ranks: controller CPU per no-op call "
+                f"{row['controller_cpu_ms']:7.2f} ms = {own:6.2f} in process + {tops} sends x {send:.2f} ms")
+        if mesh is not None:
+            import torch
+
+            from rankmesh.data import DataProto
+
+            values = list(range(args.dp))
+            batch = DataProto.from_dict({"x": torch.arange(args.dp)})  # one row per dp piece
+            assert wg.shifted(values) == [None] * args.dp  # one output per dp rank (the stand-ins answer None)
+            assert len(wg.rows_megatron(batch)) == args.dp  # one row back per dp piece, through the real concat
+            for key, call in (("megatron", lambda: wg.shifted(values)), ("proto", lambda: wg.rows_megatron(batch))):
+                own_call, _ = controller_ms(agents, call, calls)
+                send_call = send_cost_ms(sink, agents.shares[-tops:])
+                row.update({"dp": args.dp, f"{key}_in_process_ms": own_call, f"{key}_send_ms": send_call,
+                            f"{key}_cpu_ms": own_call + tops * send_call})
+            line += (f"; {args.dp} dp pieces: MEGATRON_COMPUTE {row['megatron_cpu_ms']:6.2f} ms, "
+                     f"MEGATRON_COMPUTE_PROTO {row['proto_cpu_ms']:6.2f} ms")
         rows.append(row)
-        print(f"{nodes:5d} x {per_node:2d} = {nodes * per_node:6d} ranks: controller CPU per no-op call "
-              f"{row['controller_cpu_ms']:8.2f} ms = {own:8.2f} in process + {tops} sends x {send:.2f} ms "
-              f"({calls} calls; the stand-in agents spent {row['agents_stand_in_ms']:.2f} ms)", flush=True)
+        print(line + f" ({calls} calls)", flush=True)
     ray.kill(sink)
     out: dict = {"rows": rows}
-    if len(rows) >= 3:
-        a, b, c = fit(rows, "controller_cpu_ms")
-        out["fit"] = {"a": a, "per_node": b, "per_rank": c}
-        print(f"controller_cpu_ms ≈ {a:.3f} + {b:.4f}·nodes + {c:.4f}·ranks ms "
-              f"(1,024 x 8: {a + b * 1024 + c * 8192:.1f} ms; target: 10 ms)")
+    if args.dp:
+        out["ray_floor_ms"] = ray_floor_ms(args.dp)
+        print(f"Ray's own floor under the MEGATRON_COMPUTE_PROTO call: {args.dp} ray.put of the pieces and one "
+              f"ray.get of {args.dp} outputs, {out['ray_floor_ms']:.1f} ms of the controller's CPU (same pieces, same run)")
+    kinds = (("controller_cpu_ms", "no-op", "fit", 10), ("megatron_cpu_ms", f"MEGATRON_COMPUTE dp={args.dp}", "fit_megatron", None),
+             ("proto_cpu_ms", f"MEGATRON_COMPUTE_PROTO dp={args.dp}", "fit_proto", 30))
+    for key, what, name, target in kinds:
+        measured = [r for r in rows if key in r]
+        if len(measured) >= 3:
+            a, b, c = fit(measured, key)
+            out[name] = {"a": a, "per_node": b, "per_rank": c}
+            print(f"{what}: controller CPU ≈ {a:.3f} + {b:.4f}·nodes + {c:.4f}·ranks ms "
+                  f"(1,024 x 8: {a + b * 1024 + c * 8192:.1f} ms" + (f"; target: {target} ms)" if target else ")"))
     by_shape = {(r["nodes"], r["per_node"]): r for r in rows}
     for (nodes, per_node), row in by_shape.items():
         double = by_shape.get((nodes, 2 * per_node))
         if double:
-            change = double["controller_cpu_ms"] / row["controller_cpu_ms"] - 1
-            print(f"{nodes} nodes, {per_node} -> {2 * per_node} ranks per node: controller CPU {change:+.0%} "
-                  f"(target: under 10 %)")
+            for key, what, _, _ in kinds:
+                if key in row and key in double:
+                    change = double[key] / row[key] - 1
+                    print(f"{nodes} nodes, {per_node} -> {2 * per_node} ranks per node, {what.split(' ')[0]}: controller "
+                          f"CPU {change:+.0%} (target: under 10 %)")
     return out
 
 
@@ -500,6 +598,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kill", action="store_true", help="also run the SIGKILL drills (one node)")
     ap.add_argument("--scale", help="instead: the controller alone at shapes NODESxRANKS (e.g. 1024x8,4096x8) against "
                                     "in-process agents whose ranks answer at once (--fanout: the tree's width, default 8)")
+    ap.add_argument("--dp", type=int, help="with --scale: also MEGATRON_COMPUTE(_PROTO) calls with this many dp pieces")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     out = scale(args) if args.scale else cluster(args) if args.cluster else one_node(args)

@@ -68,6 +68,11 @@ class ControlWorker(Worker):
         log, self.log = self.log, []
         return log
 
+    @register(Dispatch.MEGATRON_COMPUTE)
+    def shifted(self, value: int) -> int:
+        """Megatron dispatch with one inline value per dp rank: the dp rank's value plus this rank."""
+        return value + self.rank
+
     @register(Dispatch.DP_COMPUTE)
     def per_rank(self, value: int) -> int:
         return value * 10 + self.rank
@@ -83,6 +88,19 @@ class ControlWorker(Worker):
         """Blocking: the same, for a chain that starts with a blocking call."""
         self._note("rows_now", len(data))
         return DataProto.from_dict({"y": data.batch["x"] * 10 + self.rank})
+
+    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
+    def rows_megatron(self, data: DataProto) -> DataProto:
+        """Megatron dispatch of a batch: each row's ``x`` times 10 plus this rank (collect ranks' outputs kept)."""
+        return DataProto.from_dict({"y": data.batch["x"] * 10 + self.rank})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def scribble(self, data: DataProto) -> list[int]:
+        """Adds ``rank + 1`` to its input in place, waits for the other ranks to do the same, and
+        reads it back: with a private (copy-on-write) input it sees its own change alone."""
+        data.batch["x"].add_(self.rank + 1)
+        time.sleep(0.3)
+        return [int(v) for v in data.batch["x"]]
 
     @register(Dispatch.ONE_TO_ALL)
     def total(self, data: DataProto) -> list[int]:

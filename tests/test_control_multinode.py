@@ -18,14 +18,18 @@ PATHS = ("agent", "tree", "ray")
 
 def scenarios(cluster) -> dict:
     """Runs inside the driver process: every scenario on both paths, one report."""
+    import gc
     import os
     import threading
     import time
 
     import ray
 
+    import torch
+
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from rankmesh.backends.ray.agent import subtree
+    from rankmesh.data import DataProto
     from rankmesh.errors import AgentLostError, WorkerDiedError, WorkerError
     from tests.control_workers import ControlWorker, kill_after
 
@@ -43,6 +47,31 @@ def scenarios(cluster) -> dict:
         got["agents"] = len(getattr(wg._executor.session, "agents", {}))
         got["nodes"] = len({i["node_id"] for i in wg._hosts.info})
         got["per_rank"] = wg.per_rank([1, 2, 3, 4, 5, 6])
+        # Twice: the first call of a selection carries its plans to the agents, the second its key alone.
+        got["shifted"] = [wg.shifted([10, 20, 30, 40, 50, 60]) for _ in range(2)]
+        # Data calls: a batch split by dp, and a future handed to the next call (the agents fetch neither).
+        before = dict(wg._executor.stats.by_carrier)
+        batch = DataProto.from_dict({"x": torch.arange(6)})
+        got["rows"] = wg.rows_now(batch).batch["y"].tolist()
+        got["total"] = wg.total(wg.rows_later(batch))
+        got["data_carriers"] = {k: v - before.get(k, 0) for k, v in wg._executor.stats.by_carrier.items()
+                                if v != before.get(k, 0)}
+        # One piece read by every rank (four on one node), each writing into it: nobody sees another's write.
+        got["scribble"] = wg.scribble(DataProto.from_dict({"x": torch.tensor([100, 200])}))
+        # Nothing of a data call stays referenced by the controller once it returned.
+        core = ray._private.worker.global_worker.core_worker
+        gc.collect()
+        held = len(core.get_all_reference_counts())
+        for _ in range(3):
+            wg.rows_now(batch)
+        end = time.monotonic() + 10
+        while True:
+            gc.collect()
+            got["refs_left"] = len(core.get_all_reference_counts()) - held
+            if got["refs_left"] <= 0 or time.monotonic() > end:
+                break
+            time.sleep(0.2)
+        wg.history()
         future = wg.slow_append("first", 0.3)
         wg.echo("second")
         future.get()
@@ -110,6 +139,13 @@ def test_a_group_across_nodes_runs_every_call_on_both_paths(report, path):
     session_thread = [["rankmesh-session"]] * 6
     assert (got["threads"] == session_thread) == (path != "ray")
     assert got["per_rank"] == [10, 21, 32, 43, 54, 65]  # value * 10 + rank, by hand
+    assert got["shifted"] == [[10, 21, 32, 43, 54, 65]] * 2  # the dp rank's value + rank, by hand, both calls
+    assert got["rows"] == [0, 11, 22, 33, 44, 55]  # row x = rank: x * 10 + rank, by hand
+    assert got["total"] == [[0, 11, 22, 33, 44, 55]] * 6  # every rank fetched the future's rows itself
+    # The blocking data calls take the agents; the non-blocking one Ray's tasks (its outputs are ObjectRefs).
+    assert got["data_carriers"] == ({"ray": 3} if path == "ray" else {"agent": 2, "ray": 1})
+    assert got["scribble"] == [[100 + r + 1, 200 + r + 1] for r in range(6)]  # copy-on-write: each rank its own write
+    assert got["refs_left"] <= 0  # nothing pinned
     assert got["order"] == [[["slow", "first"], ["echo", "second"]]] * 6  # JSON turns tuples into lists
     assert got["error"]["rank"] == 4 and "rank 4 refuses" in got["error"]["text"]
     assert got["after_error"] == [1] * 6

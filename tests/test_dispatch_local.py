@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from rankmesh.backend import GroupCall
 from rankmesh.backends.local import LocalExecutor, LocalWorkerGroup, fetch_local
 from rankmesh.data import DataProtoFuture
 from rankmesh.dispatch import Dispatch, DispatchRegistry, Execute, MeshSpec, register
@@ -40,7 +41,7 @@ class CountingExecutor:
         return self.inner.share(obj)
 
     def submit(self, role, method, calls, deadline=None):
-        self.calls.append(list(calls))
+        self.calls.append(calls.rank_calls() if isinstance(calls, GroupCall) else list(calls))
         return self.inner.submit(role, method, calls, deadline)
 
     call_timeout_s = None

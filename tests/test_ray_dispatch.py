@@ -139,7 +139,7 @@ def test_one_put_for_a_piece_shared_by_four_ranks(holder_group, monkeypatch):
     submit = ex.submit
 
     def spy(role, method, calls, deadline=None):
-        seen.extend(calls)
+        seen.extend(calls.rank_calls())  # a GroupCall: the shares, and which rank runs which
         return submit(role, method, calls, deadline)
 
     monkeypatch.setattr(ex, "submit", spy)

@@ -10,6 +10,8 @@ backend without probing for optional methods.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
@@ -60,6 +62,59 @@ class RankCall:
     receive: str | None = None
     keep: int = 0
     blocking: bool = True
+
+
+#: Keys of selections made to be reused (:meth:`Selection.reusable`): carriers cache what they
+#: derive from one (a node's plan) under its key, so no two selections may share one.
+_SELECTION_KEYS = itertools.count(1)
+
+
+@dataclass(frozen=True, eq=False)
+class Selection:
+    """Which ranks a call reaches and which of the call's shares each one runs: ``ranks[i]`` runs share ``share[i]``.
+
+    Why a selection and not a list of per-rank calls: most calls send one of a few distinct
+    shares (one per dp piece, with or without an output) to many ranks, in the same pattern on
+    every call of a method.  A selection made once per pattern (:meth:`reusable`: a dispatch
+    plan's, reused by every call of it) has a ``key``, under which a carrier keeps what it
+    derives from it (each node's part), so a call costs its sender the shares and the key, not a
+    record per rank.  ``key=None``: made for one call (a user mode's, a step's).
+    """
+
+    ranks: tuple[int, ...]
+    share: tuple[int, ...]
+    key: int | None = None
+
+    @classmethod
+    def reusable(cls, ranks: Sequence[int], share: Sequence[int]) -> "Selection":
+        """A selection with a key of its own, to be kept and reused by every call of one pattern."""
+        return cls(tuple(ranks), tuple(share), next(_SELECTION_KEYS))
+
+    @classmethod
+    def each(cls, ranks: Sequence[int]) -> "Selection":
+        """Rank ``ranks[i]`` runs share ``i`` (a call of per-rank shares, made for one call)."""
+        return cls(tuple(ranks), tuple(range(len(ranks))))
+
+    def mapped(self, ranks: Sequence[int]) -> "Selection":
+        """The same pattern on other rank numbers (``ranks[r]`` for each ``r``: a view's ranks in its group), keyed anew."""
+        return Selection(tuple(ranks[r] for r in self.ranks), self.share, None if self.key is None else next(_SELECTION_KEYS))
+
+
+@dataclass(frozen=True)
+class GroupCall:
+    """One call to many ranks: its distinct shares, and which ranks run which (:class:`Selection`).
+
+    Each share is a :class:`RankCall` whose ``rank`` is not used (-1).  A backend that runs
+    calls rank by rank expands it (:meth:`rank_calls`); the Ray backend's node path sends the
+    shares once and the selection's key (``docs/control_plane.md``).
+    """
+
+    shares: tuple[RankCall, ...]
+    selection: Selection
+
+    def rank_calls(self) -> list[RankCall]:
+        shares = self.shares
+        return [dataclasses.replace(shares[s], rank=r) for r, s in zip(self.selection.ranks, self.selection.share)]
 
 
 @dataclass(frozen=True)
@@ -173,9 +228,10 @@ class Backend(Protocol):
         """Ship ``obj`` once (e.g. one ``ray.put``) so that several ranks can receive it."""
 
     def submit(
-        self, role: str | None, method: str, calls: Sequence[RankCall], deadline: Deadline | None = None
-    ) -> list[Any]:
-        """Start ``method`` of ``role``'s worker on the ranks named in ``calls``; one pending handle per call.
+        self, role: str | None, method: str, calls: "Sequence[RankCall] | GroupCall", deadline: Deadline | None = None
+    ) -> Sequence[Any]:
+        """Start ``method`` of ``role``'s worker on the ranks named in ``calls``; one pending handle per
+        rank call (a :class:`GroupCall`: per rank of its selection, in order).
 
         ``role`` selects the worker object inside a process that hosts several colocated roles
         (``None`` for a process with a single worker).  ``deadline`` (``None``: :attr:`call_timeout_s`

@@ -18,9 +18,10 @@ import enum
 import os
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from rankmesh.backend import Backend, RankCall, Shared, check_receive
+from rankmesh.backend import Backend, GroupCall, RankCall, Selection, Shared, check_receive
 from rankmesh.binding import EXECUTE_ALL, Binding, BoundMethod, MethodTable, PerRank
 from rankmesh.deadline import Deadline
 from rankmesh.dispatch.modes import DispatchRegistry, Execute, UserMode
@@ -109,6 +110,34 @@ class TimedGroup:
         return f"{self._group!r}.with_timeout({', '.join(limits)})"
 
 
+@dataclass(frozen=True)
+class CallLayout:
+    """A plan as a call's shape: which share each running rank runs, and where the collected outputs are.
+
+    A share is one piece with or without an output (``shares[i] = (piece, collected)``: a rank
+    outside the collect set runs its piece and sends nothing back); ``selection`` is reusable
+    (:meth:`rankmesh.backend.Selection.reusable`), so carriers keep what they derive from it;
+    ``order[i]`` is where the ``i``-th collect rank's output is among the running ranks';
+    ``collects_all``: every running rank is collected, in order (the outputs are the collected ones).
+    """
+
+    selection: Selection
+    shares: tuple[tuple[int, bool], ...]
+    order: tuple[int, ...]
+    collects_all: bool
+
+    @classmethod
+    def of(cls, plan: DispatchPlan, broadcast: bool) -> "CallLayout":
+        """The layout of ``plan``'s calls; ``broadcast``: every rank gets piece 0 (nothing was split)."""
+        collect = set(plan.collect_ranks)
+        shares: dict[tuple[int, bool], int] = {}
+        index = [shares.setdefault((0 if broadcast else plan.piece_of_rank[r], r in collect), len(shares))
+                 for r in plan.run_ranks]
+        where = {r: i for i, r in enumerate(plan.run_ranks)}
+        order = tuple(where[r] for r in plan.collect_ranks)
+        return cls(Selection.reusable(plan.run_ranks, index), tuple(shares), order, order == tuple(range(len(plan.run_ranks))))
+
+
 class WorkerGroup:
     """A group of ranks running one worker class, driven like one local object.
 
@@ -145,6 +174,7 @@ class WorkerGroup:
         self.reshard_session: Any = None
         self._weight_versions = [0] * table.mesh.size("dp")  # per dp replica, as the controller recorded them
         self._views: dict[tuple[int, ...], ReplicaGroup] = {}  # wg.replicas(...), made once per selection
+        self._layouts: dict[tuple[int, bool], tuple[DispatchPlan, CallLayout]] = {}  # (id(plan), broadcast) -> its layout
         for name, bound in table.methods.items():
             setattr(self, name, GroupMethod(self, bound))
 
@@ -164,6 +194,7 @@ class WorkerGroup:
         self._registered_plans.clear()
         self._adhoc.clear()
         self._views.clear()
+        self._layouts.clear()
         self.reshard_session = None
         self._weight_versions = list(weight_versions)
         for name, bound in table.methods.items():
@@ -408,16 +439,18 @@ class WorkerGroup:
         plan = binding.plan if binding.plan is not None else self._late_plan(spec, site)
         deadline = Deadline.after(self.call_timeout_s if timeout is None else timeout)  # the call's one deadline
         split = split_call(spec, plan.n_pieces, args, kwargs, site, binding.method.padding)
-        per_rank = [split.pieces[0 if split.broadcast else plan.piece_of_rank[r]] for r in plan.run_ranks]
-        collect = set(plan.collect_ranks)
-        if seen is not None:
+        layout = self._layout(plan, split.broadcast)
+        if seen is None:
+            pending = self._submit_pieces(binding, split.pieces, layout, deadline)
+        else:
             seen.phase("split")
-        pending = self._submit(binding, plan.run_ranks, per_rank, collect, seen, deadline)
-        where = {r: i for i, r in enumerate(plan.run_ranks)}
-        order = [where[r] for r in plan.collect_ranks]
+            per_rank = [split.pieces[0 if split.broadcast else plan.piece_of_rank[r]] for r in plan.run_ranks]
+            pending = self._submit(binding, plan.run_ranks, per_rank, set(plan.collect_ranks), seen, deadline)
+        order = layout.order
 
         def finish(outputs: list[Any]) -> Any:
-            return join_outputs(spec, split, [outputs[i] for i in order], plan.collect_ranks, site)
+            collected = outputs if layout.collects_all else [outputs[i] for i in order]
+            return join_outputs(spec, split, collected, plan.collect_ranks, site)
 
         if binding.method.blocking:
             # concat writes every collected tensor into a fresh batch: borrow them as read-only
@@ -476,6 +509,52 @@ class WorkerGroup:
         ranks = (0,) if binding.method.execute_mode is Execute.RANK_ZERO else tuple(range(world))
         return ranks, [(tuple(a[r] for a in arg_lists), {k: v[r] for k, v in kwarg_lists.items()}) for r in ranks]
 
+    def _layout(self, plan: DispatchPlan, broadcast: bool) -> CallLayout:
+        """``plan``'s layout (made once per plan: every call of a method reuses it)."""
+        kept = self._layouts.get((id(plan), broadcast))
+        if kept is not None and kept[0] is plan:
+            return kept[1]
+        layout = CallLayout.of(plan, broadcast)
+        self._layouts[(id(plan), broadcast)] = (plan, layout)
+        return layout
+
+    def _submit_pieces(self, binding: Binding, pieces: Sequence[tuple[Args, Kwargs]], layout: CallLayout,
+                       deadline: Deadline) -> Sequence[Any]:
+        """Ship each piece's objects once and submit the call as its shares and the layout's selection
+        (:class:`~rankmesh.backend.GroupCall`): nothing per rank on the controller."""
+        shipped = self._shipper(None)
+        receive = self._receive or binding.method.receive
+        blocking = binding.method.blocking
+        shares = tuple(RankCall(-1, *shipped(pieces[piece]), collected, False, receive, 0, blocking)
+                       for piece, collected in layout.shares)
+        return self._executor.submit(binding.role, binding.target, GroupCall(shares, layout.selection), deadline)
+
+    def _shipper(self, seen: ObservedCall | None) -> Callable[[tuple[Args, Kwargs]], tuple[Args, Kwargs]]:
+        """``shipped(piece)``: ``piece`` with every distinct non-trivial object shipped once
+        (``executor.share``) and replaced by its handle; the same piece object twice is shipped once."""
+        shared: dict[int, Shared] = {}
+
+        def ship(value: Any) -> Any:
+            if isinstance(value, _INLINE_TYPES) or (isinstance(value, bytes) and len(value) <= _INLINE_BYTES):
+                return value
+            handle = shared.get(id(value))
+            if handle is None:
+                handle = shared[id(value)] = self._executor.share(value)
+                if seen is not None:
+                    seen.shipped(value)
+            return handle
+
+        pieces: dict[int, tuple[Args, Kwargs]] = {}
+
+        def shipped(piece: tuple[Args, Kwargs]) -> tuple[Args, Kwargs]:
+            out = pieces.get(id(piece))
+            if out is None:
+                args, kwargs = piece
+                out = pieces[id(piece)] = (tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()})
+            return out
+
+        return shipped
+
     def _submit(
         self,
         binding: Binding,
@@ -491,31 +570,11 @@ class WorkerGroup:
         whether it sends its timing back with its output or keeps it under a key
         (``RankCall.keep``: a non-blocking call, whose outputs travel on inside a future).
         """
-        shared: dict[int, Shared] = {}
-
-        def ship(value: Any) -> Any:
-            if isinstance(value, _INLINE_TYPES) or (isinstance(value, bytes) and len(value) <= _INLINE_BYTES):
-                return value
-            handle = shared.get(id(value))
-            if handle is None:
-                handle = shared[id(value)] = self._executor.share(value)
-                if seen is not None:
-                    seen.shipped(value)
-            return handle
-
+        shipped = self._shipper(seen)
         timed = seen is not None
         keep = 0 if seen is None else seen.timed(len(ranks))
         receive = self._receive or binding.method.receive
         blocking = binding.method.blocking
-        pieces: dict[int, tuple[Args, Kwargs]] = {}  # a piece every rank gets (a broadcast) is shipped once, as one object
-
-        def shipped(piece: tuple[Args, Kwargs]) -> tuple[Args, Kwargs]:
-            out = pieces.get(id(piece))
-            if out is None:
-                args, kwargs = piece
-                out = pieces[id(piece)] = (tuple(ship(a) for a in args), {k: ship(v) for k, v in kwargs.items()})
-            return out
-
         calls = [
             RankCall(rank, *shipped(piece), rank in collect, timed, receive, keep, blocking)
             for rank, piece in zip(ranks, per_rank)

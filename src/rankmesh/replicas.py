@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from rankmesh.backend import Backend, Change, RankCall, Shared
+from rankmesh.backend import Backend, Change, GroupCall, RankCall, Selection, Shared
 from rankmesh.deadline import Deadline
 from rankmesh.dispatch.spec import DispatchPlan
 from rankmesh.dispatch.split import CallSite
@@ -125,6 +125,16 @@ class RankSubset:
         self.selection = selection
         self.world_size = len(selection.ranks)
         self.taken_at = backend.generation  # the group's generation this view was taken in
+        self._mapped: dict[int, Selection] = {}  # a reusable selection's key -> the same one in group ranks
+
+    def _in_group(self, chosen: Selection) -> Selection:
+        """``chosen`` (view ranks) in group ranks; a reusable one is mapped once and kept, its key its own."""
+        if chosen.key is None:
+            return chosen.mapped(self.selection.ranks)
+        mapped = self._mapped.get(chosen.key)
+        if mapped is None:
+            mapped = self._mapped[chosen.key] = chosen.mapped(self.selection.ranks)
+        return mapped
 
     @property
     def generation(self) -> int:
@@ -158,10 +168,16 @@ class RankSubset:
         return self.backend.share(obj)
 
     def submit(
-        self, role: str | None, method: str, calls: Sequence[RankCall], deadline: Deadline | None = None
-    ) -> list[Any]:
+        self, role: str | None, method: str, calls: Sequence[RankCall] | GroupCall, deadline: Deadline | None = None
+    ) -> Sequence[Any]:
         self.check_current(method)
         ranks = self.selection.ranks
+        if isinstance(calls, GroupCall):
+            chosen = calls.selection
+            bad = [r for r in chosen.ranks if not 0 <= r < self.world_size]
+            if bad:
+                raise DispatchError(f"{method}: ranks {bad} are outside the {self.selection.label} view ({self.world_size} ranks)")
+            return self.backend.submit(role, method, GroupCall(calls.shares, self._in_group(chosen)), deadline)
         for call in calls:
             if not 0 <= call.rank < self.world_size:
                 raise DispatchError(f"{method}: rank {call.rank} is outside the {self.selection.label} view ({self.world_size} ranks)")

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from rankmesh.backend import Change, RankCall, Shared, merge_failures
+from rankmesh.backend import Change, GroupCall, RankCall, Shared, merge_failures
 from rankmesh.deadline import Deadline
 from rankmesh.data import DataProtoFuture
 from rankmesh.errors import BackendError, DispatchError, WorkerError
@@ -239,9 +239,11 @@ class LocalExecutor:
         return Shared(store_object(obj))
 
     def submit(
-        self, role: str | None, method: str, calls: Sequence[RankCall], deadline: Deadline | None = None
+        self, role: str | None, method: str, calls: Sequence[RankCall] | GroupCall, deadline: Deadline | None = None
     ) -> list[LocalPending]:
         """Run every call now, in the given (rank) order; errors are kept for :meth:`fetch` (nothing to bound)."""
+        if isinstance(calls, GroupCall):
+            calls = calls.rank_calls()
         if self._closed:
             raise BackendError(f"cannot call {method}: the worker group has been shut down")
         workers = self._role(role)

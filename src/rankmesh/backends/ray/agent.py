@@ -2,10 +2,13 @@
 
 Why: with a call session the controller's cost per call stops growing with ranks on its own
 node, but a group spanning nodes cannot share one ring (shared memory is per machine).  An agent
-on each node writes that node's ring (:class:`.session.CallSession`): a call costs one Ray task
-per node, carrying that node's share of the call (its headers and plan, :class:`.wire.Command`,
-sized by the controller so that every carrier falls back to Ray's tasks at the same size), and
-one answer per node with the outcome of each of its ranks.
+on each node writes that node's ring (:class:`.session.CallSession`).  A call travels down the
+tree as its description: the call's shares (encoded headers) and the key of its rank selection
+(:class:`rankmesh.backend.Selection`).  The first call with a selection also carries each node's
+plan for it (which reader runs which share); every agent keeps the plans of its subtree under
+the key, so later calls of the same pattern carry no per-rank data at all, and the controller's
+work per call does not grow with ranks (``docs/control_plane.md``).  The controller sizes each
+command, so every carrier falls back to Ray's tasks at the same size.
 
 **The tree.**  One Ray task costs its sender about as much as a task per rank did (~0.9 ms of
 CPU here, ``docs/control_plane.md``), so a flat send would still cost the controller a second
@@ -19,8 +22,11 @@ it forwards, writes its ring, and waits for its ranks and its children in the on
 and :meth:`NodeAgent.close` run on its control thread: the controller gives a call up when it
 abandons it, and the agent then answers with what it has.
 
-**Answers.**  A :class:`NodeAnswer` holds each finished rank's :class:`~.waiting.Outcome` and the
-ranks still running (after a failure's grace, or the call's deadline).  A child agent that died
+**Answers.**  A :class:`NodeAnswer` is a subtree's answer: the outputs that are not ``None`` (a
+rank outside the collect set sends none), the failed ranks' errors, and the ranks still running
+(after a failure's grace, or the call's deadline); every other rank the call named finished with
+``None``.  The controller fills its outputs from the answers (:meth:`AgentSession.outputs`) and
+reads them rank by rank only when something failed or ran late (:class:`AgentAnswers`).  A child agent that died
 is answered for its ranks as :class:`~rankmesh.errors.AgentLostError`; the controller then asks
 those ranks' processes themselves (:meth:`AgentSession.poll`), so a rank is reported dead only if
 its own process is gone, and the ranks of a dead agent are never confused with another node's.
@@ -30,19 +36,22 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import ray
 
+from rankmesh.backend import Selection
 from rankmesh.deadline import Deadline
 from rankmesh.errors import AgentLostError, WorkerDiedError
 from rankmesh.mesh import RankCoords
 
 from .calls import CallRecord, Outcome, Pending
-from .session import COMMAND_MARGIN, CallSession
-from .waiting import PROCESS_DIED, gather
-from .wire import COMMAND_BYTES, Command, command_plan, encode_command
+from .session import COMMAND_MARGIN, PLANS_MAX, TAKE_PARKED_S, CallSession
+from .tasks import ready_refs
+from .waiting import PROCESS_DIED, Gathered, gather, translate_error
+from .wire import COMMAND_BYTES, Command, encode_command
 
 CONTROL_GROUP = "control"
 #: Children per agent, and agents the controller sends to: up to 8 nodes take one level, 72 two,
@@ -54,16 +63,40 @@ PROBE_S = 2.0
 #: (seconds): a full ring means a rank there still runs an earlier call, and the controller is told.
 WRITE_WAIT_S = 30.0
 
-#: One node's share of a call: the distinct headers and, per reader, (header index, sequence number).
-NodeWork = tuple[tuple[bytes, ...], tuple]
+#: Each node's plan for one selection (node id -> per reader, the share it runs or ``None``).
+NodePlans = dict[str, tuple[int | None, ...]]
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A rank's output left in its node's object store (a data call's): the controller fetches it,
+    and nobody on the way (the agents) ever holds its bytes."""
+
+    ref: Any
+
+
+def _fetch_stored(value: Any) -> Any:
+    """``value``, or the output a :class:`Stored` refers to (fetched from its node's store)."""
+    return ray.get(value.ref, timeout=TAKE_PARKED_S) if isinstance(value, Stored) else value
 
 
 @dataclass(frozen=True)
 class NodeAnswer:
-    """A subtree's answer to a call: the outcome of each finished rank, and the ranks still running."""
+    """A subtree's answer to a call: the outputs that are not ``None``, the failed ranks' errors, and
+    the ranks still running; every other rank the call named finished with ``None``."""
 
-    outcomes: dict[int, Outcome] = field(default_factory=dict)
+    values: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, BaseException] = field(default_factory=dict)
     unfinished: tuple[int, ...] = ()
+
+    @property
+    def clean(self) -> bool:
+        """Every rank finished without an error."""
+        return not self.errors and not self.unfinished
+
+
+def _lost(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 class AgentAnswers:
@@ -74,34 +107,100 @@ class AgentAnswers:
     name = "agent"
 
     def __init__(self) -> None:
-        self._answers: dict[Any, NodeAnswer | BaseException] = {}
+        self._answers: dict[Any, tuple[NodeAnswer, frozenset[int]] | BaseException] = {}
+
+    def read(self, refs: Sequence[Any], within: float) -> None:
+        """Read the answers among ``refs`` that come within ``within`` seconds (kept for :meth:`poll`)."""
+        refs = [ref for ref in dict.fromkeys(refs) if ref not in self._answers]
+        if not refs:
+            return
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=within, fetch_local=False)
+        for ref in ready:
+            try:
+                answer = ray.get(ref)
+                self._answers[ref] = (answer, frozenset(answer.unfinished))
+            except Exception as exc:  # noqa: BLE001 - the agent died (or lost its plans): its ranks are asked
+                self._answers[ref] = exc
 
     def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
-        refs = list(dict.fromkeys(p.handle for p in pending if p.handle not in self._answers))
-        if refs:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=within, fetch_local=False)
-            for ref in ready:
-                try:
-                    self._answers[ref] = ray.get(ref)
-                except PROCESS_DIED as exc:
-                    self._answers[ref] = exc
+        self.read([p.handle for p in pending], within)
         got: dict[int, Outcome] = {}
         for i, p in enumerate(pending):
             answer = self._answers.get(p.handle)
+            if answer is None:
+                continue
             if isinstance(answer, BaseException):
                 got[i] = Outcome(error=AgentLostError(
-                    f"the node agent serving rank {p.rank} (node {p.node}) died during {p.method}: "
-                    f"{str(answer).strip().splitlines()[0] if str(answer).strip() else type(answer).__name__}",
-                    [p.rank]))
-            elif answer is not None and p.rank in answer.outcomes:
-                got[i] = answer.outcomes[p.rank]
-            elif answer is not None and p.rank not in answer.unfinished:
-                got[i] = Outcome(error=AgentLostError(f"rank {p.rank}: its node agent answered without it", [p.rank]))
+                    f"the node agent serving rank {p.rank} (node {p.node}) died during {p.method}: {_lost(answer)}", [p.rank]))
+                continue
+            node_answer, unfinished = answer
+            if p.rank in node_answer.errors:
+                got[i] = Outcome(error=node_answer.errors[p.rank])
+            elif p.rank not in unfinished:
+                try:
+                    got[i] = Outcome(_fetch_stored(node_answer.values.get(p.rank)))
+                except Exception as exc:  # noqa: BLE001 - its owner (the agent) or its node is gone: the rank's error
+                    got[i] = Outcome(error=exc)
         return got
 
     def forget(self, handles: Sequence[Any]) -> None:
         for handle in handles:
             self._answers.pop(handle, None)
+
+
+class ChildAnswers:
+    """An agent's carrier for its children's answers (``name = "child"``): one pending per child,
+    done when the child answered, failed when anything in its subtree failed (the wait loop's
+    fail-fast grace then starts) or the child's agent died."""
+
+    name = "child"
+
+    def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
+        refs = [p.handle for p in pending]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=within, fetch_local=False)
+        got: dict[int, Outcome] = {}
+        done = set(ready)
+        for i, ref in enumerate(refs):
+            if ref not in done:
+                continue
+            try:
+                answer = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - the child's agent died (or lost its plans)
+                got[i] = Outcome(error=exc)
+                continue
+            first_error = next(iter(answer.errors.values()), None)
+            got[i] = Outcome(answer, first_error)
+        return got
+
+
+class RankTasks:
+    """An agent's carrier for the Ray tasks it sent its own node's ranks (``name = "task"``: a data
+    call, :meth:`.host.WorkerHost.execute_for`).  A pending's handle is ``(flag, output)``, the
+    task's two returns: done once the flag is in; the output stays in the store (:class:`Stored`)."""
+
+    name = "task"
+
+    def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
+        done = ready_refs([p.handle[0] for p in pending], within)
+        got: dict[int, Outcome] = {}
+        for i, p in enumerate(pending):
+            flag, output = p.handle
+            if flag not in done:
+                continue
+            try:
+                got[i] = Outcome(Stored(output) if ray.get(flag) else None)
+            except Exception as exc:  # noqa: BLE001 - the rank's error (or its death), as the controller names it
+                got[i] = Outcome(error=translate_error(p, exc))
+        return got
+
+
+@dataclass
+class Route:
+    """What an agent keeps of one selection: its subtree's plans, its own node's, and the ranks the selection names below each child."""
+
+    plans: NodePlans  # this subtree's nodes' plans
+    mine: tuple[int | None, ...] | None  # this node's plan, None when the call names none of its ranks
+    children: dict[str, tuple[int, ...]]  # child node id -> the ranks the call names in its subtree
 
 
 class NodeAgent:
@@ -113,6 +212,9 @@ class NodeAgent:
         self._node = ""
         self._children: dict[str, tuple[Any, tuple[str, ...]]] = {}
         self._ranks_of: dict[str, list[int]] = {}
+        self._routes: dict[int, Route] = {}  # a selection's key -> what this agent keeps of it
+        self._told: dict[str, set[int]] = {}  # child -> the keys whose plans it was sent
+        self._open: dict[int, Any] = {}  # rank -> the flag of the last Ray task sent to it, not seen finished
         self._given_up: set[int] = set()
         self._lock = threading.Lock()  # guards _given_up and _session between the two threads
 
@@ -134,40 +236,114 @@ class NodeAgent:
         self._node = node
         self._children = {child: (handle, tuple(subtree)) for child, (handle, subtree) in (children or {}).items()}
         self._ranks_of = {n: list(r) for n, r in (ranks_of or {}).items()}
+        self._routes, self._told, self._open = {}, {child: set() for child in self._children}, {}
         return os.getpid()
 
-    def call(self, call_id: int, method: str, work: Mapping[str, NodeWork], timeout_s: float | None,
-             generation: int = 0) -> NodeAnswer:
-        """Run ``work`` (by node id: this node's and its subtree's) and wait for every rank.
+    def _route(self, key: int | None, plans: NodePlans | None) -> Route | None:
+        """What this agent does for selection ``key`` (its ``plans``, sent with the call the first time)."""
+        if plans is None:
+            return self._routes.get(key) if key is not None else None
+        children = {}
+        for child, (_, below) in self._children.items():
+            called = tuple(r for n in below if n in plans for r, share in zip(self._ranks_of.get(n, ()), plans[n])
+                           if share is not None)
+            if called:
+                children[child] = called
+        mine = plans.get(self._node)
+        route = Route(plans, mine if mine is not None and any(s is not None for s in mine) else None, children)
+        if key is not None and len(self._routes) < PLANS_MAX:
+            self._routes[key] = route
+        return route
 
-        Children get their subtrees' shares first; this node's ranks run meanwhile."""
+    def call(self, call_id: int, method: str, headers: tuple[bytes, ...], refs: tuple[tuple[Any, ...], ...],
+             key: int | None, plans: NodePlans | None, timeout_s: float | None, generation: int = 0) -> NodeAnswer:
+        """Run call ``call_id`` (its encoded ``headers``) on the ranks of this subtree that selection
+        ``key`` names, and wait for every one of them.  ``refs[s]``: share ``s``'s objects in the
+        store (a data call's pieces; ``()``: none), held here under Ray's own serialization.
+        ``plans``: the selection's plans for this subtree's nodes, sent with the first call of it
+        (``None`` after: this agent keeps them).
+
+        Children get the call first; this node's ranks run meanwhile.  A rank whose share has
+        objects gets it as a Ray task (Ray fetches each piece into this node's store once, and
+        each rank reads it there, copy-on-write); the others through the node's ring.  A rank
+        with a Ray task of this agent not seen finished gets a Ray task too (Ray keeps one
+        caller's tasks in order), and a Ray task to a rank with an unanswered ring call runs
+        after it (:meth:`.host.WorkerHost.execute_for`)."""
         deadline = Deadline.after(timeout_s)
-        session = self._session
+        route = self._route(key, plans)
+        if route is None:  # the controller thinks this agent keeps the plans, and it does not: say so, name nobody
+            raise AgentLostError(f"{method}: node agent {self._node} has no plans for selection {key}; "
+                                 "the group starts new agents", [])
         pending: list[Pending] = []
-        for child, (handle, subtree) in self._children.items():
-            share = {n: work[n] for n in subtree if n in work}
-            if share:
-                ref = handle.call.remote(call_id, method, share, deadline.timeout(), generation)
-                ranks = [r for n in subtree if n in share for r, piece in zip(self._ranks_of.get(n, []), share[n][1])
-                         if piece is not None]
-                pending += [Pending(ref, r, method, None, None, "agent", call_id, generation) for r in ranks]
-        mine = work.get(self._node)
-        if mine is not None:
+        for child, called in route.children.items():
+            handle, below = self._children[child]
+            told = self._told[child]
+            send = None if key is not None and key in told else {n: route.plans[n] for n in below if n in route.plans}
+            if key is not None and len(told) < PLANS_MAX:
+                told.add(key)
+            ref = handle.call.remote(call_id, method, headers, refs, key, send, deadline.timeout(), generation)
+            pending.append(Pending(ref, called[0], method, child, None, ChildAnswers.name, call_id, generation))
+        session = self._session
+        if route.mine is not None:
+            called = [r for r, share in zip(self._node_ranks(), route.mine) if share is not None]
             if session is None:
-                return NodeAnswer({r: Outcome(error=AgentLostError(f"{method}: the node agent's call session is closed", [r]))
-                                   for r in _called(self._node_ranks(), mine)})
-            headers, plan = mine
-            called = _called(session.ranks, mine)
-            try:
-                message = session.encode(Command(call_id, call_id, headers, plan))
-                session.write(message, call_id, method, deadline.bounded(WRITE_WAIT_S), called)
-            except Exception as exc:  # noqa: BLE001 - a full or aborted ring: every rank of this node fails with it
-                return NodeAnswer({r: Outcome(error=exc) for r in called})
-            pending += [Pending(call_id, r, method, None, None, session.name, call_id, generation) for r in called]
-        return self._wait(call_id, pending, deadline, {"session": session, "agent": AgentAnswers()})
+                return self._merge(pending, {}, {r: AgentLostError(f"{method}: the node agent's call session is closed", [r])
+                                                 for r in called}, route, ())
+            by_task = {r: share for r, share in zip(session.ranks, route.mine)
+                       if share is not None and ((refs and refs[share]) or r in self._open)}
+            plan = route.mine if not by_task else tuple(None if r in by_task else s for r, s in zip(session.ranks, route.mine))
+            ring = [r for r in called if r not in by_task]
+            if ring:
+                try:
+                    message = session.encode(Command(call_id, call_id, headers, plan))
+                    session.write(message, call_id, method, deadline.bounded(WRITE_WAIT_S), ring)
+                except Exception as exc:  # noqa: BLE001 - a full or aborted ring: every rank of this node fails with it
+                    return self._merge(pending, {}, {r: exc for r in ring}, route, ())
+                pending += [Pending(call_id, r, method, None, None, session.name, call_id, generation) for r in ring]
+            if by_task:
+                owed = session.last_unanswered()
+                for rank, share in by_task.items():
+                    flag, output = session.actors[rank].execute_for.options(num_returns=2).remote(
+                        call_id, owed.get(rank, 0), deadline.timeout(), headers[share], *(refs[share] if refs else ()))
+                    self._open[rank] = flag
+                    pending.append(Pending((flag, output), rank, method, None, None, RankTasks.name, call_id, generation))
+        got = self._wait(call_id, pending, deadline,
+                         {"session": session, ChildAnswers.name: ChildAnswers(), RankTasks.name: RankTasks()})
+        for i in got.outcomes:  # this agent's Ray tasks seen finished: a later call may take the ring again
+            p = pending[i]
+            if p.carrier == RankTasks.name and self._open.get(p.rank) is p.handle[0]:
+                del self._open[p.rank]
+        return self._merge(pending, got.outcomes, {}, route, got.unfinished)
+
+    def _merge(self, pending: Sequence[Pending], outcomes: Mapping[int, Outcome], errors: Mapping[int, BaseException],
+               route: Route, unfinished: Sequence[int]) -> NodeAnswer:
+        """One answer for the subtree: this node's ranks' outcomes, and every child's answer."""
+        values: dict[int, Any] = {}
+        errors = dict(errors)
+        late: list[int] = []
+        for i, p in enumerate(pending):
+            outcome = outcomes.get(i)
+            if p.carrier == ChildAnswers.name:
+                called = route.children[p.node]
+                if outcome is None:
+                    late.extend(called)
+                elif isinstance(outcome.value, NodeAnswer):
+                    values.update(outcome.value.values)
+                    errors.update(outcome.value.errors)
+                    late.extend(outcome.value.unfinished)
+                else:  # the child's agent died: its ranks' outcome is unknown (the controller asks their processes)
+                    why = f"the node agent of node {p.node} died during {p.method}: {_lost(outcome.error)}"
+                    errors.update((r, AgentLostError(why, [r])) for r in called)
+            elif outcome is None:
+                late.append(p.rank)
+            elif outcome.error is not None:
+                errors[p.rank] = outcome.error
+            elif outcome.value is not None:
+                values[p.rank] = outcome.value
+        return NodeAnswer(values, errors, tuple(sorted(late)))
 
     def _wait(self, call_id: int, pending: Sequence[Pending], deadline: Deadline, carriers: Mapping[str, Any],
-              stop_on_failure: bool = True) -> NodeAnswer:
+              stop_on_failure: bool = True) -> Gathered:
         """The one wait loop: until done, failed (its grace over), past the deadline, or given up."""
         def given_up() -> bool:
             with self._lock:
@@ -176,8 +352,7 @@ class NodeAgent:
         got = gather(pending, deadline, carriers, stop_on_failure=stop_on_failure, stop=given_up)
         with self._lock:
             self._given_up.discard(call_id)
-        outcomes = {pending[i].rank: outcome for i, outcome in got.outcomes.items()}
-        return NodeAnswer(outcomes, tuple(sorted(pending[i].rank for i in got.unfinished)))
+        return got
 
     def _node_ranks(self) -> tuple[int, ...]:
         return () if self._session is None else self._session.ranks
@@ -195,10 +370,6 @@ class NodeAgent:
             session, self._session = self._session, None
         if session is not None:
             session.close(stop=False)
-
-
-def _called(ranks: Sequence[int], work: NodeWork) -> list[int]:
-    return [r for r, piece in zip(ranks, work[1]) if piece is not None]
 
 
 def start_agents(node_ids: Sequence[str]) -> dict[str, Any]:
@@ -234,9 +405,51 @@ def subtree(node: str, children: Mapping[str, Sequence[str]]) -> list[str]:
 # ----- the controller's end ------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What the controller keeps of one selection for its agents: the tops the call goes to, each
+    top's subtree plans, each selected rank's top (an index into ``tops``), the largest node plan
+    (to size a command) and each selected rank's place in the call's outputs."""
+
+    tops: tuple[str, ...]
+    plans: dict[str, NodePlans]
+    top_of: tuple[int, ...]
+    biggest: tuple[int | None, ...]
+    index_of: dict[int, int]
+
+
+class AgentCall(Sequence[Pending]):
+    """The pending calls of one call sent to node agents: one answer per top agent, the ranks' pendings made only if asked for.
+
+    The controller's usual wait reads the top agents' answers whole (:meth:`AgentSession.outputs`);
+    a call that failed or ran late is waited for rank by rank, as every carrier's is.
+    """
+
+    def __init__(self, record: CallRecord, refs: Sequence[Any], plan: Plan) -> None:
+        self.record, self.refs, self.plan = record, list(refs), plan
+        self.answers: dict[Any, NodeAnswer] = {}  # the top agents' answers read so far (AgentSession.outputs)
+        self.call_id, self.generation, self.method = record.call_id, record.generation, record.method
+        self._each: list[Pending] | None = None
+
+    def each(self) -> list[Pending]:
+        if self._each is None:
+            refs, top_of = self.refs, self.plan.top_of
+            self._each = self.record.pending(AgentSession.name, [refs[top_of[i]] for i in range(len(top_of))])
+        return self._each
+
+    def __len__(self) -> int:
+        return len(self.plan.top_of)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.each()[index]
+
+    def __iter__(self) -> Any:
+        return iter(self.each())
+
+
 class AgentSession:
     """The controller's end of a group's node agents: one call is one Ray task to each of at most
-    ``fanout`` agents, which forward their subtrees' shares (see the module docstring).
+    ``fanout`` agents, which forward it down their subtrees (see the module docstring).
 
     ``node_ids[r]`` is rank ``r``'s Ray node; every node gets an agent (the controller's own too,
     so that one path serves the whole group).  A carrier (``name = "agent"``), as
@@ -255,12 +468,15 @@ class AgentSession:
         for rank, node in enumerate(node_ids):
             self.by_node.setdefault(node, []).append(rank)
         self.node_of = {rank: node for node, ranks in self.by_node.items() for rank in ranks}
+        self.reader_of = {rank: i for ranks in self.by_node.values() for i, rank in enumerate(ranks)}
         self.tops, self.children = agent_tree(list(self.by_node), fanout)
         self.top_of = {n: top for top in self.tops for n in subtree(top, self.children)}
         self.agents: dict[str, Any] = {}
         self._answers = AgentAnswers()
         self._lock = threading.Lock()
-        self._unsettled: dict[int, int] = {}  # rank -> the last call sent to it whose outcome was not read yet
+        self._plans: dict[int, Plan] = {}  # a selection's key -> its plan (made once)
+        self._told: set[int] = set()  # the keys whose plans the agents keep
+        self._unsettled: dict[int, tuple[int, ...] | set[int]] = {}  # call id -> its ranks whose outcome was not read
 
     def open(self, timeout_s: float = 60.0) -> None:
         self.agents = start_agents(list(self.by_node))
@@ -288,36 +504,83 @@ class AgentSession:
 
     # ----- sending ----------------------------------------------------------------------------
 
-    def prepare(self, call: CallRecord) -> dict[str, NodeWork] | None:
-        """Each node's share of ``call``, or ``None``: not inline, a rank no agent serves, or a node's
-        share too big for its ring (the same size rule as the controller's own session)."""
-        if not self.agents or not call.inline or any(rank not in self.served for rank in call.ranks):
+    def _plan(self, selection: Selection) -> Plan | None:
+        """The agents' plan for ``selection`` (kept under its key), or ``None``: a rank no agent serves."""
+        plan = self._plans.get(selection.key) if selection.key is not None else None
+        if plan is not None:
+            return plan
+        if not self.served.issuperset(selection.ranks):
             return None
-        per_node: dict[str, list[tuple[int, bytes, int]]] = {}
-        for part in call.parts:
-            per_node.setdefault(self.node_of[part.rank], []).append((part.rank, part.header, part.seq))
-        work = {}
-        for node, node_parts in per_node.items():
-            headers, plan = command_plan(self.by_node[node], node_parts)
-            if len(encode_command(Command(call.call_id, call.call_id, headers, plan))) + COMMAND_MARGIN > COMMAND_BYTES:
-                return None
-            work[node] = (headers, plan)
-        return work
+        node_of, reader_of, top_of = self.node_of, self.reader_of, self.top_of
+        per_node: dict[str, list[int | None]] = {}
+        for rank, share in zip(selection.ranks, selection.share):
+            node = node_of[rank]
+            readers = per_node.get(node)
+            if readers is None:
+                readers = per_node[node] = [None] * len(self.by_node[node])
+            readers[reader_of[rank]] = share
+        tops = tuple(dict.fromkeys(top_of[n] for n in per_node))
+        plans: dict[str, NodePlans] = {top: {} for top in tops}
+        for node, readers in per_node.items():
+            plans[top_of[node]][node] = tuple(readers)
+        at = {top: i for i, top in enumerate(tops)}
+        plan = Plan(tops, plans, tuple(at[top_of[node_of[r]]] for r in selection.ranks),
+                    max((p for top in plans.values() for p in top.values()), key=len),
+                    {r: i for i, r in enumerate(selection.ranks)})
+        if selection.key is not None and len(self._plans) < PLANS_MAX:
+            self._plans[selection.key] = plan
+        return plan
 
-    def send(self, call: CallRecord, work: Mapping[str, NodeWork]) -> list[Pending]:
-        per_top: dict[str, dict[str, NodeWork]] = {}
-        for node, share in work.items():
-            per_top.setdefault(self.top_of[node], {})[node] = share
-        refs = {top: self.agents[top].call.remote(call.call_id, call.method, share, call.deadline.timeout(), call.generation)
-                for top, share in per_top.items()}
+    def prepare(self, call: CallRecord) -> tuple[Plan, tuple[bytes, ...], tuple[tuple[Any, ...], ...]] | None:
+        """The call's plan, headers and each share's objects in the store, or ``None``: a
+        non-blocking call (its outputs are ObjectRefs others fetch), a traced data call, a rank no
+        agent serves, or a command too big for a node's ring (the same size rule as the
+        controller's own session)."""
+        if not self.agents or not call.blocking or any(share.keep or (share.trace and share.refs) for share in call.shares):
+            return None
+        plan = self._plan(call.selection)
+        if plan is None:
+            return None
+        headers = tuple(share.header for share in call.shares)
+        if len(encode_command(Command(call.call_id, call.call_id, headers, plan.biggest))) + COMMAND_MARGIN > COMMAND_BYTES:
+            return None
+        refs = tuple(share.refs for share in call.shares) if any(share.refs for share in call.shares) else ()
+        return plan, headers, refs
+
+    def send(self, call: CallRecord, prepared: tuple[Plan, tuple[bytes, ...], tuple[tuple[Any, ...], ...]]) -> AgentCall:
+        plan, headers, objects = prepared
+        key = call.selection.key
+        told = key is not None and key in self._told
+        timeout = call.deadline.timeout()
+        refs = [self.agents[top].call.remote(call.call_id, call.method, headers, objects, key,
+                                             None if told else plan.plans[top], timeout, call.generation)
+                for top in plan.tops]
+        if key is not None and not told and len(self._told) < PLANS_MAX:
+            self._told.add(key)
         with self._lock:
-            self._unsettled.update((rank, call.call_id) for rank in call.ranks)
-        return call.pending(self.name, [refs[self.top_of[self.node_of[rank]]] for rank in call.ranks])
+            self._unsettled[call.call_id] = call.ranks
+        return AgentCall(call, refs, plan)
 
     def last_unanswered(self) -> dict[int, int]:
         """Rank -> the last call sent to it whose outcome was not read (a Ray task waits for it there)."""
         with self._lock:
-            return dict(self._unsettled)
+            calls = sorted(self._unsettled.items())
+        return {rank: call_id for call_id, ranks in calls for rank in ranks}
+
+    def _settled(self, call_id: int, ranks: Sequence[int] | None = None) -> None:
+        """The outcomes of ``ranks`` (``None``: every rank) of call ``call_id`` were read."""
+        with self._lock:
+            if ranks is None:
+                self._unsettled.pop(call_id, None)
+                return
+            left = self._unsettled.get(call_id)
+            if left is None:
+                return
+            left = set(left).difference(ranks)
+            if left:
+                self._unsettled[call_id] = left
+            else:
+                del self._unsettled[call_id]
 
     def give_up(self, pending: Sequence[Pending]) -> None:
         """The caller abandoned these calls: every agent answers them with what it has."""
@@ -331,6 +594,46 @@ class AgentSession:
 
     # ----- answers ------------------------------------------------------------------------------
 
+    def outputs(self, call: AgentCall, within: float) -> tuple[str, list[Any] | None]:
+        """The call read whole: ``("done", outputs)`` (every selected rank's output, in selection
+        order) once every top agent answered with nothing failed or late; ``("failed", None)`` as
+        soon as an answer holds a failure or a rank still running (or its agent died);
+        ``("waiting", None)`` when ``within`` seconds passed first.  Answers read stay with the call."""
+        end = time.monotonic() + within
+        answers = call.answers
+        left = [ref for ref in call.refs if ref not in answers]
+        while left:
+            ready, left = ray.wait(left, num_returns=len(left), timeout=0, fetch_local=True)
+            if not ready:
+                ready, left = ray.wait(left, num_returns=1, timeout=max(0.0, end - time.monotonic()), fetch_local=True)
+                if not ready:
+                    return "waiting", None
+            for ref in ready:
+                try:
+                    answer = answers[ref] = ray.get(ref)
+                except Exception:  # noqa: BLE001 - an agent died: sorted out rank by rank
+                    return "failed", None
+                if not answer.clean:
+                    return "failed", None
+        outputs: list[Any] = [None] * len(call)
+        index_of = call.plan.index_of
+        stored: list[tuple[int, Any]] = []
+        for answer in answers.values():
+            for rank, value in answer.values.items():
+                if isinstance(value, Stored):
+                    stored.append((index_of[rank], value.ref))
+                else:
+                    outputs[index_of[rank]] = value
+        if stored:  # a data call's outputs: from the ranks' nodes' stores, straight to the controller
+            try:
+                fetched = ray.get([ref for _, ref in stored], timeout=TAKE_PARKED_S)
+            except Exception:  # noqa: BLE001 - sorted out rank by rank (the rank's error, named)
+                return "failed", None
+            for (at, _), value in zip(stored, fetched):
+                outputs[at] = value
+        self._settled(call.call_id)
+        return "done", outputs
+
     def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
         """The ranks' outcomes in their agents' answers; a lost agent's ranks are asked whether they live."""
         got = self._answers.poll(pending, within, first)
@@ -342,10 +645,11 @@ class AgentSession:
                 if p.rank in dead:
                     got[i] = Outcome(error=WorkerDiedError(p.rank, p.method, f"its process is gone (with its node agent): "
                                                            f"{dead[p.rank]}", p.node, coords={p.rank: p.coords}))
-        with self._lock:
-            for i in got:  # an outcome of the rank's last call sent settles it; one of an older call does not
-                if self._unsettled.get(pending[i].rank) == pending[i].call_id:
-                    del self._unsettled[pending[i].rank]
+        by_call: dict[int, list[int]] = {}
+        for i in got:
+            by_call.setdefault(pending[i].call_id, []).append(pending[i].rank)
+        for call_id, ranks in by_call.items():
+            self._settled(call_id, ranks)
         waiting = {p.handle for i, p in enumerate(pending) if i not in got}
         self._answers.forget([p.handle for p in pending if p.handle not in waiting])  # answers read whole
         return got
@@ -359,5 +663,5 @@ class AgentSession:
             try:
                 ray.get(ref)
             except PROCESS_DIED as exc:
-                dead[refs[ref]] = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                dead[refs[ref]] = _lost(exc)
         return dead

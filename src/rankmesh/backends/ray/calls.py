@@ -10,29 +10,30 @@ in one loop (:mod:`.waiting`).  What passes between them is defined here, once: 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+from rankmesh.backend import Selection
 from rankmesh.deadline import NEVER, Deadline
 from rankmesh.mesh import RankCoords
 
 
 @dataclass(frozen=True)
 class RankPart:
-    """One rank's share of a :class:`CallRecord`.
+    """One share of a :class:`CallRecord`, and (with ``rank`` set) one rank's part of it.
 
-    ``seq``: the rank's sequence number of the call (one count per rank, every carrier alike).
     ``header``: the encoded method slot and inline arguments (:class:`.wire.CallHeader`).
     ``refs``: the arguments by reference, the shared objects Ray resolves before the method runs
     (only Ray's tasks carry them).  ``slot``: the header's call slot on Ray's tasks
     (:class:`.wire.HeaderCache`).  ``trace``/``keep``: a traced call, and a non-blocking one's
     timing key.  ``after``: on Ray's tasks, the id of the rank's last call session call it must run
     after (0: none; :mod:`.order`), waited for at most ``after_s`` seconds on the host (``None``:
-    as long as it runs).  ``node``/``coords`` name the rank in errors.
+    as long as it runs).  ``node``/``coords`` name the rank in errors.  A share has ``rank=-1``.
     """
 
     rank: int
-    seq: int
     header: bytes
     refs: tuple[Any, ...] = ()
     slot: int | None = None
@@ -46,28 +47,53 @@ class RankPart:
 
 @dataclass(frozen=True)
 class CallRecord:
-    """One call, as every carrier takes it: id, generation, deadline, method and each rank's share.
+    """One call, as every carrier takes it: id, generation, deadline, method, its shares and who runs which.
 
+    ``shares`` are the call's distinct shares (each encoded once) and ``selection`` says which
+    rank runs which (:class:`rankmesh.backend.Selection`): a carrier that reaches ranks in bulk
+    (node agents) sends the shares and the selection's key; one that reaches them one by one
+    (Ray's tasks) takes :attr:`parts`, each rank's part, made on first use.  The call id is also
+    every rank's sequence number of the call: ids only grow, and a host accepts gaps.
     ``method`` names the call in errors and answers; ``deadline`` bounds every wait on its way
     (a free ring slot, the ranks' earlier calls, the answers); ``blocking=False``: its outputs go
-    into a future that other processes may fetch.
+    into a future that other processes may fetch.  ``nodes``/``coords`` (by rank) name the
+    ranks in errors.
     """
 
     call_id: int
     generation: int
     method: str
-    parts: tuple[RankPart, ...]
+    shares: tuple[RankPart, ...]
+    selection: Selection
     deadline: Deadline = NEVER
     blocking: bool = True
+    nodes: Sequence[str | None] = ()
+    coords: Sequence[RankCoords | None] = ()
+
+    @classmethod
+    def of_parts(cls, call_id: int, generation: int, method: str, parts: Sequence[RankPart], deadline: Deadline = NEVER,
+                 blocking: bool = True) -> "CallRecord":
+        """A record whose every rank has a part of its own (steps, per-rank calls): the parts are its shares."""
+        record = cls(call_id, generation, method, tuple(parts), Selection.each([p.rank for p in parts]), deadline, blocking)
+        record.__dict__["parts"] = record.shares  # already each rank's part (cached_property's slot)
+        return record
 
     @property
-    def ranks(self) -> list[int]:
-        return [part.rank for part in self.parts]
+    def ranks(self) -> tuple[int, ...]:
+        return self.selection.ranks
+
+    @functools.cached_property
+    def parts(self) -> tuple[RankPart, ...]:
+        """Each rank's part, in selection order (made once, for the carriers that need them)."""
+        shares, nodes, coords = self.shares, self.nodes, self.coords
+        return tuple(dataclasses.replace(shares[s], rank=r, node=nodes[r] if nodes else None,
+                                         coords=coords[r] if coords else None)
+                     for r, s in zip(self.selection.ranks, self.selection.share))
 
     @property
     def inline(self) -> bool:
         """Whether every argument travels inside the headers and the outputs come back at once (what a ring can carry)."""
-        return self.blocking and not any(part.refs or part.keep for part in self.parts)
+        return self.blocking and not any(share.refs or share.keep for share in self.shares)
 
     def pending(self, carrier: str, handles: Sequence[Any]) -> list[Pending]:
         """One :class:`Pending` per part, each with the carrier's handle for it."""

@@ -6,9 +6,9 @@ One call, one path, whichever carrier takes it (``docs/architecture.md``, "One c
    rank a sequence number, and encodes each rank's share once (:mod:`.wire`; equal shares once
    for all, slot-only headers once per host set);
 2. **the carrier**: the group's call session when it is open and the call is blocking, has only
-   inline arguments and fits a command slot (:mod:`.session`, or the node agents of a group
-   across nodes, :mod:`.agent`); else one Ray task per rank (:mod:`.tasks`).  The size rule is
-   the same on every path: a call too big for a slot takes Ray's tasks;
+   inline arguments and fits a command slot (:mod:`.session`); the node agents of a group across
+   nodes take data calls too (:mod:`.agent`); else one Ray task per rank (:mod:`.tasks`).  The
+   size rule is the same on every path: a call too big for a slot takes Ray's tasks;
 3. **the order**: before sending, the call waits for what its ranks still run on other carriers,
    and for their abandoned calls, within its deadline (:mod:`.order`; waiting for an abandoned call
    is logged at once and bounded by ``abandoned_wait_s`` when the call has no deadline);
@@ -43,15 +43,16 @@ from typing import Any, Mapping, Sequence
 
 import ray
 
-from rankmesh.backend import Change, RankCall, Shared
+from rankmesh.backend import Change, GroupCall, RankCall, Selection, Shared
 from rankmesh.deadline import Deadline
 from rankmesh.errors import AgentLostError, BackendError, RankMeshError, RingError, StaleViewError, WorkerDiedError
 from rankmesh.mesh import RankCoords
 from rankmesh.serialization import receiving
+from rankmesh.tracing.marks import FETCH
 from rankmesh.sharedmem import register_store_processes
 from rankmesh.validate import optional_seconds, positive_int, positive_seconds
 
-from .agent import AGENT_FANOUT, AgentSession
+from .agent import AGENT_FANOUT, AgentCall, AgentSession
 from .hangs import gather_hangs
 from .hosts import HostSet
 from .order import Abandoned, Ledger
@@ -59,7 +60,7 @@ from .runtime import raylet_pids
 from .session import CallSession
 from .tasks import RayTasks, ready_refs, step_part
 from .calls import CallRecord, Carrier, Pending, RankPart
-from .waiting import Gathered, combine_errors, fetch_outputs, gather, timed_out
+from .waiting import POLL_INTERVAL, Gathered, combine_errors, fetch_outputs, gather, timed_out
 from .wire import encode_rank_call
 
 logger = logging.getLogger(__name__)
@@ -190,8 +191,8 @@ class RayExecutor:
         self._failed: RankMeshError | None = None
         self.token = uuid.uuid4().hex
         self._send_lock = threading.RLock()  # a call's id, sequence numbers, order and writes: one sender at a time
-        self._ids = itertools.count(1)
-        self._seq = [0] * self.world_size
+        self._ids = itertools.count(1)  # call ids, also every rank's sequence numbers (they only grow)
+        self._checked: set[int] = set()  # keys of the selections whose ranks were checked against the world size
         self._ledger = Ledger(self.world_size)
         self._failed_outputs: list[Pending] = []  # Ray outputs of failed calls that no caller will read (settle)
         self._bounds: dict[int, Deadline] = {}  # call id -> the deadline of a call sent behind an abandoned one
@@ -307,8 +308,9 @@ class RayExecutor:
                 self.session_note = ""
 
     def control_paths(self) -> list[str]:
-        """Per rank, how blocking calls with inline arguments reach it: ``"session"`` (the
-        controller's ring), ``"agent"`` (its node agent's ring) or ``"ray"`` (a task per rank)."""
+        """Per rank, how blocking calls reach it: ``"session"`` (the controller's ring; inline
+        arguments only), ``"agent"`` (its node agent: its ring, or its Ray task for a data call) or
+        ``"ray"`` (a task per rank)."""
         session = self.session
         if session is None or self.control == "ray":
             return ["ray"] * self.world_size
@@ -359,7 +361,7 @@ class RayExecutor:
         with self._send_lock:
             self.world_size = len(self.hosts.actors)
             self.coords = list(coords)
-            self._seq = [0] * self.world_size
+            self._checked.clear()
             self._ledger.resize(self.world_size)
             self._new_generation(what, renumbered=True)
         self._recovered()
@@ -433,15 +435,14 @@ class RayExecutor:
         return Shared(ray.put(obj))
 
     def submit(
-        self, role: str | None, method: str, calls: Sequence[RankCall], deadline: Deadline | None = None
-    ) -> list[Pending]:
+        self, role: str | None, method: str, calls: Sequence[RankCall] | GroupCall, deadline: Deadline | None = None
+    ) -> Sequence[Pending]:
         deadline = deadline if deadline is not None else Deadline.after(self.call_timeout_s)
+        if isinstance(calls, GroupCall) and any(share.trace for share in calls.shares):
+            calls = calls.rank_calls()  # a traced call's first rank sends the fetch mark: rank by rank
         with self._send_lock:
             self._check_usable(method)
-            world = self.world_size
-            bad = [call.rank for call in calls if not 0 <= call.rank < world]
-            if bad:
-                raise BackendError(f"{method}: ranks {bad} are outside the group's ranks (0..{world - 1})")
+            self._check_ranks(method, calls)
             if self._failed_outputs:
                 self.settle()
             record = self._record(role, method, calls, deadline)
@@ -459,9 +460,11 @@ class RayExecutor:
                     after_s = self.abandoned_wait_s + AFTER_GRACE_S if set(after) & set(self._ledger.abandoned()) else None
                 parts = tuple(dataclasses.replace(p, after=after[p.rank], after_s=after_s) if p.rank in after else p
                               for p in record.parts)
-                record = dataclasses.replace(record, parts=parts)
+                record = CallRecord.of_parts(record.call_id, record.generation, record.method, parts, record.deadline,
+                                             record.blocking)
             if bound is not deadline:  # it queues behind an abandoned call: its wait ends at the bound
-                record = dataclasses.replace(record, deadline=bound)
+                record = CallRecord.of_parts(record.call_id, record.generation, record.method, record.parts, bound,
+                                             record.blocking)
                 self._bounds[record.call_id] = bound
                 while len(self._bounds) > BOUNDS_MAX:
                     self._bounds.pop(next(iter(self._bounds)))
@@ -470,31 +473,54 @@ class RayExecutor:
         self.stats.add(calls=len(pending), carrier=carrier.name)
         return pending
 
-    def _record(self, role: str | None, method: str, calls: Sequence[RankCall], deadline: Deadline) -> CallRecord:
-        """The call's one record: its id, the generation, each rank's sequence number and share, encoded once.
+    def _check_ranks(self, method: str, calls: Sequence[RankCall] | GroupCall) -> None:
+        """Refuse ranks outside the group (a reusable selection is checked once per group size)."""
+        if isinstance(calls, GroupCall):
+            key = calls.selection.key
+            if key is not None and key in self._checked:
+                return
+            ranks: Sequence[int] = calls.selection.ranks
+        else:
+            key, ranks = None, [call.rank for call in calls]
+        world = self.world_size
+        bad = [rank for rank in ranks if not 0 <= rank < world]
+        if bad:
+            raise BackendError(f"{method}: ranks {bad} are outside the group's ranks (0..{world - 1})")
+        if key is not None:
+            self._checked.add(key)
 
-        Calls with the same arguments share one encoding (a broadcast is pickled once); a header
-        of shared values only is encoded once per host set (:class:`.wire.HeaderCache`).  A call
-        that is never sent leaves a gap in its ranks' sequence numbers, which the hosts accept.
+    def _record(self, role: str | None, method: str, calls: Sequence[RankCall] | GroupCall, deadline: Deadline) -> CallRecord:
+        """The call's one record: its id, the generation, its shares (each encoded once) and who runs which.
+
+        A :class:`GroupCall` brings its shares and selection; a list of rank calls is made one:
+        calls with the same arguments share one encoding (a broadcast is pickled once).  A header
+        of shared values only is encoded once per host set (:class:`.wire.HeaderCache`).  The
+        call id is every rank's sequence number: a call never sent leaves a gap, which hosts accept.
         """
-        memo: dict[tuple[Any, ...], tuple[bytes, list[Any], int | None]] = {}
-        parts = []
-        seq, nodes, coords, cache = self._seq, self.nodes, self.coords, self.headers
-        marked = False  # a traced blocking call's first rank sends the fetch mark (rankmesh.tracing.marks)
-        for call in calls:
-            fetch_mark = call.trace and not call.keep and not marked
-            marked = marked or fetch_mark
-            # The group hands every rank of a broadcast the same argument objects: one encoding for all.
-            key = (id(call.args), id(call.kwargs), call.return_output, call.trace, call.receive, fetch_mark)
-            encoded = memo.get(key)
-            if encoded is None:
-                encoded = memo[key] = encode_rank_call(role, method, call, cache, fetch_mark)
-            header, refs, slot = encoded
-            rank = call.rank
-            seq[rank] += 1
-            parts.append(RankPart(rank, seq[rank], header, tuple(refs), slot, call.trace, call.keep, nodes[rank], coords[rank]))
-        blocking = all(call.blocking for call in calls)
-        return CallRecord(next(self._ids), self.generation, method, tuple(parts), deadline, blocking)
+        cache = self.headers
+        if isinstance(calls, GroupCall):
+            shares = tuple(_share(role, method, share, cache, False) for share in calls.shares)
+            selection = calls.selection
+            blocking = all(share.blocking for share in calls.shares)
+        else:
+            memo: dict[tuple[Any, ...], int] = {}
+            encoded: list[RankPart] = []
+            index = []
+            marked = False  # a traced blocking call's first rank sends the fetch mark (rankmesh.tracing.marks)
+            for call in calls:
+                fetch_mark = call.trace and not call.keep and not marked
+                marked = marked or fetch_mark
+                # The group hands every rank of a broadcast the same argument objects: one encoding for all.
+                key = (id(call.args), id(call.kwargs), call.return_output, call.trace, call.receive, call.keep, fetch_mark)
+                at = memo.get(key)
+                if at is None:
+                    at = memo[key] = len(encoded)
+                    encoded.append(_share(role, method, call, cache, fetch_mark))
+                index.append(at)
+            shares, selection = tuple(encoded), Selection(tuple(call.rank for call in calls), tuple(index))
+            blocking = all(call.blocking for call in calls)
+        return CallRecord(next(self._ids), self.generation, method, shares, selection, deadline, blocking,
+                          self.nodes, self.coords)
 
     # ----- order (.order) -------------------------------------------------------------------------
 
@@ -567,6 +593,11 @@ class RayExecutor:
         if not pending:
             return []
         deadline = deadline if deadline is not None else Deadline.after(self.call_timeout_s if timeout is None else timeout)
+        if isinstance(pending, AgentCall):
+            outputs = self._agent_outputs(pending, deadline, borrow, self.stall_warn_s if stall_warn_s is None else stall_warn_s)
+            if outputs is not None:
+                return outputs
+            pending = pending.each()  # something failed or ran late: rank by rank, as every carrier's calls
         if self._bounds:
             for bound in {id(b): b for p in pending if (b := self._bounds.pop(p.call_id, None)) is not None}.values():
                 if bound.end is not None and (deadline.end is None or bound.end < deadline.end):
@@ -596,6 +627,28 @@ class RayExecutor:
         slow = [pending[i] for i in got.unfinished]
         raise timed_out(pending, slow, deadline.seconds or 0.0, got.waited_s, self.fail, self.inspect,
                         self.advice([p.rank for p in slow]))
+
+    def _agent_outputs(self, call: AgentCall, deadline: Deadline, borrow: bool, stall_warn_s: float | None) -> list[Any] | None:
+        """A call on the node agents, read whole: every rank's output once all top agents answered
+        and nothing failed; ``None`` as soon as something failed, the call runs past its deadline or
+        ``stall_warn_s``, or the group's agents changed (the caller then waits rank by rank, with
+        the loop's grace, hang report and stall warning)."""
+        session = self.session
+        if not isinstance(session, AgentSession) or call.generation != self.generation or call.call_id in self._bounds:
+            return None
+        start = time.monotonic()
+        warn_at = None if stall_warn_s is None else start + stall_warn_s
+        with receiving("borrow") if borrow else contextlib.nullcontext():
+            while True:
+                limit = POLL_INTERVAL if warn_at is None else max(0.0, min(POLL_INTERVAL, warn_at - time.monotonic()))
+                state, outputs = session.outputs(call, deadline.within(limit))
+                if state == "done":
+                    FETCH.ready_ns = time.time_ns()
+                    if self._ledger.tracking:
+                        self._ledger.finished("ray", call.call_id, call.record.ranks)
+                    return outputs
+                if state == "failed" or deadline.expired() or (warn_at is not None and time.monotonic() >= warn_at):
+                    return None
 
     def _given_up(self, pending: Sequence[Pending], got: Gathered) -> None:
         """The caller gives up ``pending``'s unfinished ranks: remember them, and let their answers go."""
@@ -673,8 +726,14 @@ class RayExecutor:
         with self._send_lock:  # steps are awaited before the group takes calls again: the ledger need not know them
             parts = tuple(step_part(rank, step, () if args is None else args[i], self.nodes[rank], self.coords[rank])
                           for i, rank in enumerate(ranks))
-            record = CallRecord(next(self._ids), self.generation, what or step, parts)
+            record = CallRecord.of_parts(next(self._ids), self.generation, what or step, parts)
             return self._tasks.send(record)
+
+
+def _share(role: str | None, method: str, call: RankCall, cache: Any, fetch_mark: bool) -> RankPart:
+    """One share of a call, encoded (:func:`.wire.encode_rank_call`); its ``rank`` is set per rank later."""
+    header, refs, slot = encode_rank_call(role, method, call, cache, fetch_mark)
+    return RankPart(-1, header, tuple(refs), slot, call.trace, call.keep)
 
 
 def _by_call(pending: Sequence[Pending], outcomes: Mapping[int, Any]) -> list[tuple[int, list[int]]]:

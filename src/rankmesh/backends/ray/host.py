@@ -306,6 +306,22 @@ class WorkerHost:
                 f"(sent before this one) to end, and it still runs (call {state.call_id} is the last this rank read)")
         return self.execute(header, *shared, enter_ns=enter_ns, keep=keep)
 
+    def execute_for(self, call_id: int, after: int, timeout_s: float | None, header: bytes, *shared: Any) -> tuple[bool, Any]:
+        """A call a node agent sent as a Ray task (a data call: its pieces come as ``shared``, fetched
+        by Ray from this node's store): :meth:`execute_after` ``after``, and once it ended the
+        session counts call ``call_id`` finished (a Ray task the controller sends after it waits
+        for that).  Returns ``(whether there is an output, the output)``, two objects: the agent
+        reads the flag and hands the controller the output's reference, never its bytes.
+        """
+        try:
+            if after:
+                output = self.execute_after(after, timeout_s, 0, False, header, *shared)
+            else:
+                output = self.execute(header, *shared)
+            return output is not None, output
+        finally:
+            self._session_state.finished(call_id)
+
     def fence(self) -> None:
         """Nothing: it returns once every Ray task sent before it has (the controller's order, :mod:`.order`)."""
 

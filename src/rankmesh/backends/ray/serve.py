@@ -111,7 +111,7 @@ def serve(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable
                 state.finished(command.call_id)  # not this rank's: it is done with it as soon as it read it
                 continue
             enter_ns = time.time_ns()
-            at, seq = piece
+            at, seq = piece, command.call_id  # a call's id is its sequence number on every rank
             if seq <= state.seq:
                 raise RingError(f"call {command.call_id} has sequence number {seq}, after {state.seq}: out of order")
             state.seq, state.call_id = seq, command.call_id

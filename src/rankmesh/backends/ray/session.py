@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 #: The longest a parked output's fetch (one ``take_parked`` Ray call) may take (seconds).
 TAKE_PARKED_S = 120.0
+#: Reusable selections whose command plans a session keeps (by key; others are planned per call).
+PLANS_MAX = 4096
 #: Bytes a node's command may grow by between the controller sizing it and its agent writing it
 #: (the agent sets the command's floor from what its ranks still owe).
 COMMAND_MARGIN = 64
@@ -83,6 +85,7 @@ class CallSession:
         self._epoll: select.epoll | None = None  # every reply ring's doorbell and host pidfd, registered once
         self._rank_of_fd: dict[int, int] = {}
         self._exited: set[int] = set()  # ranks whose host process exited
+        self._plans: dict[int, tuple[int | None, ...]] = {}  # a reusable selection's key -> the command's plan
 
     # ----- opening and closing ----------------------------------------------------------------
 
@@ -164,10 +167,17 @@ class CallSession:
     def prepare(self, call: CallRecord) -> Command | None:
         """The command for ``call``, or ``None``: not inline, a rank this session does not serve, a
         message that does not fit a slot, or a full ring (a reader still runs an earlier call)."""
-        if self.ring is None or not call.inline or not self.served.issuperset(call.ranks):
+        if self.ring is None or not call.inline:
             return None
-        headers, plan = command_plan(self.ranks, [(p.rank, p.header, p.seq) for p in call.parts])
-        message = self.encode(Command(call.call_id, call.call_id, headers, plan))
+        selection = call.selection
+        plan = self._plans.get(selection.key) if selection.key is not None else None
+        if plan is None:
+            if not self.served.issuperset(selection.ranks):
+                return None
+            plan = command_plan(self.ranks, selection)
+            if selection.key is not None and len(self._plans) < PLANS_MAX:
+                self._plans[selection.key] = plan
+        message = self.encode(Command(call.call_id, call.call_id, tuple(share.header for share in call.shares), plan))
         if len(message) > COMMAND_BYTES or self.full():
             return None
         return message

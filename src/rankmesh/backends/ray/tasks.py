@@ -129,12 +129,12 @@ def step_part(rank: int, step: str, args: tuple[Any, ...] = (), node: str | None
               coords: RankCoords | None = None) -> RankPart:
     """Rank ``rank``'s share of a call of host step ``step(*args)`` (:data:`.host.STEPS`)."""
     header = encode_rank_call(None, step, RankCall(rank, tuple(args)), None, step=True)[0]
-    return RankPart(rank, 0, header, node=node, coords=coords)
+    return RankPart(rank, header, node=node, coords=coords)
 
 
 def start_step(actor: Any, rank: int, step: str, args: tuple[Any, ...] = (), what: str | None = None,
                node: str | None = None, coords: RankCoords | None = None, call_id: int = 0, generation: int = 0) -> Pending:
     """Send host step ``step(*args)`` to ``actor`` (rank ``rank``'s process, or a spare's) as a call
     on Ray's tasks, for a process no executor drives yet; its pending (named ``what``, default the step)."""
-    call = CallRecord(call_id, generation, what or step, (step_part(rank, step, args, node, coords),))
+    call = CallRecord.of_parts(call_id, generation, what or step, (step_part(rank, step, args, node, coords),))
     return RayTasks().send(call, actors={rank: actor})[0]

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 from ray import cloudpickle
 
-from rankmesh.backend import RankCall, Shared
+from rankmesh.backend import RankCall, Selection, Shared
 
 
 @dataclass(frozen=True)
@@ -222,15 +222,16 @@ STOP = b"stop"
 class Command:
     """One call as a session's command ring carries it to every reader.
 
-    ``headers`` are the call's distinct encoded :class:`CallHeader`; ``plan[reader]`` is ``None``
-    (the reader's rank is not called) or ``(header index, sequence number)``.  ``floor``: the
-    host may drop outputs it parked for calls below this id (the controller read or gave them up).
+    ``headers`` are the call's shares, each an encoded :class:`CallHeader`; ``plan[reader]`` is
+    ``None`` (the reader's rank is not called) or the index of the header it runs.  The call id
+    is every reader's sequence number of the call.  ``floor``: the host may drop outputs it
+    parked for calls below this id (the controller read or gave them up).
     """
 
     call_id: int
     floor: int
     headers: tuple[bytes, ...]
-    plan: tuple[tuple[int, int] | None, ...]
+    plan: tuple[int | None, ...]
 
 
 def encode_command(command: Command) -> bytes:
@@ -242,18 +243,16 @@ def decode_command(message: bytes) -> Command:
     return Command(call_id, floor, tuple(headers), tuple(plan))
 
 
-def command_plan(readers: Sequence[int], parts: Sequence[tuple[int, bytes, int]]) -> tuple[tuple[bytes, ...], tuple]:
-    """``(headers, plan)`` of a command: ``parts`` are ``(rank, header, seq)``, ``readers[i]`` is reader ``i``'s rank.
-
-    Equal headers (a broadcast call) are carried once.
-    """
-    index: dict[bytes, int] = {}
+def command_plan(readers: Sequence[int], selection: Selection) -> tuple[int | None, ...]:
+    """A command's plan for ``readers`` (reader ``i`` is rank ``readers[i]``): each reader's share
+    index in ``selection``, ``None`` for a reader it does not call."""
     reader_of = {rank: i for i, rank in enumerate(readers)}
-    plan: list[tuple[int, int] | None] = [None] * len(readers)
-    for rank, header, seq in parts:
-        at = index.setdefault(header, len(index))
-        plan[reader_of[rank]] = (at, seq)
-    return tuple(index), tuple(plan)
+    plan: list[int | None] = [None] * len(readers)
+    for rank, share in zip(selection.ranks, selection.share):
+        at = reader_of.get(rank)
+        if at is not None:
+            plan[at] = share
+    return tuple(plan)
 
 
 def encode_answer(call_id: int, status: int, value: Any, limit: int, park: Callable[[int, Any], None]) -> bytes:
