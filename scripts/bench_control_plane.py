@@ -18,6 +18,9 @@ for groups of NODES x RANKS, through node agents, and fits ``a + b·nodes + c·r
 controller's CPU and to the p50 round trip, extrapolated to 1,024 nodes x 8 ranks.  With
 ``--fanout F`` the agents are also measured in a tree ``F`` wide (``agent_fanout``), and a tree
 model (the controller's CPU per send and per rank, the tree's depth) is extrapolated to 1,024 nodes.
+With ``--data`` the call timed is a ``MEGATRON_COMPUTE_PROTO`` call instead of a no-op (mesh
+``tp`` = ranks per node, ``dp`` = nodes, 4 rows per piece): on the agent path the pieces travel by
+reference through the agents, so the controller's CPU should not move with the ranks per node.
 
 ``--scale NODESxRANKS,...`` measures the controller alone at shapes no machine here could start
 (1,024 x 8, 4,096 x 8): the real group, executor, agent session and wait loop, against in-process
@@ -35,6 +38,7 @@ before and after.
     python scripts/bench_control_plane.py --ranks 8 --calls 200 --kill
     python scripts/bench_control_plane.py --cluster 1x2,2x2,4x2,8x2,2x4,4x4 --calls 300
     python scripts/bench_control_plane.py --cluster 2x2,4x2,8x2 --fanout 2 --calls 300   # and a tree 2 wide
+    python scripts/bench_control_plane.py --cluster 2x2,2x4,2x8 --data --calls 200      # a data call, per ranks per node
     python scripts/bench_control_plane.py --scale 128x8,256x8,512x8,1024x8,1024x16,4096x8   # the controller alone
 """
 
@@ -62,12 +66,13 @@ PATHS = ("session", "ray")
 TREE_PATHS = ("agent", "tree", "ray")  # --cluster with --fanout: flat agents, agents in a tree, Ray
 
 
-def make_group(pool_nodes: list[int]):
-    """A group of ControlWorkers, ``pool_nodes[i]`` ranks on node entry ``i``, its session opened."""
+def make_group(pool_nodes: list[int], mesh=None):
+    """A group of ControlWorkers, ``pool_nodes[i]`` ranks on node entry ``i``, its session opened
+    (``mesh``: its mesh, default ``dp`` = every rank)."""
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from tests.control_workers import ControlWorker
 
-    wg = RayWorkerGroup(RayResourcePool(pool_nodes, use_gpu=False), RayClassWithInitArgs(ControlWorker))
+    wg = RayWorkerGroup(RayResourcePool(pool_nodes, use_gpu=False), RayClassWithInitArgs(ControlWorker), mesh=mesh)
     wg.set_control("auto")
     wg.noop()  # opens the session (or the node agents)
     paths = set(wg._executor.control_paths())
@@ -103,18 +108,21 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def block(wg, n: int) -> tuple[list[float], float, float]:
-    """``n`` back-to-back no-op calls: their round trips, the controller's CPU seconds and the ranks' (all together)."""
+def block(wg, n: int, call=None) -> tuple[list[float], float, float, float]:
+    """``n`` back-to-back calls of ``call()`` (default ``wg.noop()``): their round trips, the
+    controller's CPU seconds (its process: Ray's threads too), the ranks' (all together), and the
+    calling thread's alone (rankmesh's own work)."""
+    call = call or wg.noop
     times = []
     ranks = pids(wg)
     ranks_cpu = cpu_s(ranks)
-    cpu = time.process_time()
+    cpu, own = time.process_time(), time.thread_time()
     for _ in range(n):
         start = time.perf_counter()
-        wg.noop()
+        call()
         times.append(time.perf_counter() - start)
-    cpu = time.process_time() - cpu
-    return times, cpu, cpu_s(ranks) - ranks_cpu
+    cpu, own = time.process_time() - cpu, time.thread_time() - own
+    return times, cpu, cpu_s(ranks) - ranks_cpu, own
 
 
 def skew(wg, samples: int) -> list[float]:
@@ -126,28 +134,32 @@ def skew(wg, samples: int) -> list[float]:
     return out
 
 
-def measure(wg, label: dict, args: argparse.Namespace, idle: bool, paths: tuple[str, ...] = PATHS) -> list[dict]:
-    """Every path of ``paths`` on one group, alternating by block: one row per path."""
+def measure(wg, label: dict, args: argparse.Namespace, idle: bool, paths: tuple[str, ...] = PATHS, call=None) -> list[dict]:
+    """Every path of ``paths`` on one group, alternating by block (``call()`` each time, default a
+    no-op): one row per path."""
     times = {p: [] for p in paths}
     cpu = {p: 0.0 for p in paths}
+    own = {p: 0.0 for p in paths}
     ranks_cpu = {p: 0.0 for p in paths}
     skews = {p: [] for p in paths}
     reported = {}
     for path in paths:  # warm up
         use(wg, path, args.fanout)
-        block(wg, args.block)
+        block(wg, args.block, call)
     for _ in range(max(1, args.calls // args.block)):
         for path in paths:
             reported[path] = use(wg, path, args.fanout)
-            t, c, rc = block(wg, args.block)
+            t, c, rc, o = block(wg, args.block, call)
             times[path] += t
             cpu[path] += c
+            own[path] += o
             ranks_cpu[path] += rc
             skews[path] += skew(wg, 10)
     rows = []
     for path in paths:
         row = {**label, "path": reported[path], "p50_ms": 1e3 * statistics.median(times[path]),
                "p99_ms": 1e3 * pct(times[path], 0.99), "controller_cpu_ms": 1e3 * cpu[path] / len(times[path]),
+               "controller_thread_ms": 1e3 * own[path] / len(times[path]),
                "ranks_cpu_ms": 1e3 * ranks_cpu[path] / len(times[path]),
                "skew_p50_ms": statistics.median(skews[path]), "skew_p99_ms": pct(skews[path], 0.99)}
         if idle:
@@ -251,13 +263,13 @@ def fit(rows: list[dict], key: str) -> tuple[float, float, float]:
 
 def print_rows(rows: list[dict], cluster: bool) -> None:
     first = f"{'nodes':>5} " if cluster else ""
-    print(f"{first}{'ranks':>5} {'path':>8} {'p50 ms':>8} {'p99 ms':>8} {'ctl CPU ms':>10} {'ranks CPU':>9} {'skew p50':>9} {'skew p99':>9}"
-          f" {'after idle':>10} {'idle CPU/rank':>13}")
+    print(f"{first}{'ranks':>5} {'path':>8} {'p50 ms':>8} {'p99 ms':>8} {'ctl CPU ms':>10} {'ctl thread':>10} {'ranks CPU':>9} "
+          f"{'skew p50':>9} {'skew p99':>9} {'after idle':>10} {'idle CPU/rank':>13}")
     for r in rows:
         idle = f"{r['after_idle_ms']:10.3f} {r['idle_cpu_per_rank']:13.2%}" if "after_idle_ms" in r else ""
         first = f"{r['nodes']:5d} " if cluster else ""
         print(f"{first}{r['ranks']:5d} {r['path']:>8} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['controller_cpu_ms']:10.3f} "
-              f"{r['ranks_cpu_ms']:9.3f} {r['skew_p50_ms']:9.3f} {r['skew_p99_ms']:9.3f} {idle}")
+              f"{r['controller_thread_ms']:10.3f} {r['ranks_cpu_ms']:9.3f} {r['skew_p50_ms']:9.3f} {r['skew_p99_ms']:9.3f} {idle}")
 
 
 def one_node(args: argparse.Namespace) -> dict:
@@ -298,9 +310,24 @@ def cluster(args: argparse.Namespace) -> dict:
     paths = TREE_PATHS if args.fanout else ("agent", "ray")
     rows = []
     for nodes, ranks_per_node in shapes:
-        wg = make_group([ranks_per_node] * nodes)
+        mesh, call = None, None
+        if args.data:  # a megatron data call: dp = nodes pieces whatever the ranks per node
+            import torch
+
+            from rankmesh.data import DataProto
+            from rankmesh.mesh import RankMesh
+
+            mesh = RankMesh(tp=ranks_per_node, dp=nodes)
+            batch = DataProto.from_dict({"x": torch.arange(4 * nodes)})
+        wg = make_group([ranks_per_node] * nodes, mesh)
+        if args.data:
+            expected = [int(x) * 10 + r for r in range(0, nodes * ranks_per_node, ranks_per_node) for x in range(4 * r // ranks_per_node, 4 * r // ranks_per_node + 4)]
+            assert wg.rows_megatron(batch).batch["y"].tolist() == expected  # each piece from its dp rank's collect rank (tp 0)
+
+            def call():
+                return wg.rows_megatron(batch)
         try:
-            rows += measure(wg, {"nodes": nodes, "ranks": nodes * ranks_per_node}, args, idle=False, paths=paths)
+            rows += measure(wg, {"nodes": nodes, "ranks": nodes * ranks_per_node}, args, idle=False, paths=paths, call=call)
         finally:
             wg.shutdown()
     print("agent: one Ray task per node per call, each node's agent writes its ring; ray: one Ray task per rank")
@@ -595,6 +622,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--idle-samples", type=int, default=5)
     ap.add_argument("--idle-cpu-s", type=float, default=10.0, help="how long the ranks' idle CPU is measured")
     ap.add_argument("--fanout", type=int, help="with --cluster: also measure the agents in a tree this wide")
+    ap.add_argument("--data", action="store_true", help="with --cluster: time a MEGATRON_COMPUTE_PROTO call (mesh tp = "
+                    "ranks per node, dp = nodes, 4 rows per piece) instead of a no-op")
     ap.add_argument("--kill", action="store_true", help="also run the SIGKILL drills (one node)")
     ap.add_argument("--scale", help="instead: the controller alone at shapes NODESxRANKS (e.g. 1024x8,4096x8) against "
                                     "in-process agents whose ranks answer at once (--fanout: the tree's width, default 8)")

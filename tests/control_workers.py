@@ -95,6 +95,20 @@ class ControlWorker(Worker):
         return DataProto.from_dict({"y": data.batch["x"] * 10 + self.rank})
 
     @register(Dispatch.ONE_TO_ALL)
+    def rows_fail_on(self, data: DataProto) -> int:
+        """A data call that fails on the rank named by the batch's first ``x``."""
+        if self.rank == int(data.batch["x"][0]):
+            raise ValueError(f"rank {self.rank} refuses the batch")
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rows_nap(self, data: DataProto) -> int:
+        """A data call that sleeps the batch's first ``x`` seconds, then notes it ran."""
+        time.sleep(float(data.batch["x"][0]))
+        self._note("rows_nap", float(data.batch["x"][0]))
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
     def scribble(self, data: DataProto) -> list[int]:
         """Adds ``rank + 1`` to its input in place, waits for the other ranks to do the same, and
         reads it back: with a private (copy-on-write) input it sees its own change alone."""

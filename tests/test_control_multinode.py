@@ -30,7 +30,7 @@ def scenarios(cluster) -> dict:
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from rankmesh.backends.ray.agent import subtree
     from rankmesh.data import DataProto
-    from rankmesh.errors import AgentLostError, WorkerDiedError, WorkerError
+    from rankmesh.errors import AgentLostError, HangError, WorkerDiedError, WorkerError
     from tests.control_workers import ControlWorker, kill_after
 
     report: dict = {}
@@ -58,6 +58,20 @@ def scenarios(cluster) -> dict:
                                 if v != before.get(k, 0)}
         # One piece read by every rank (four on one node), each writing into it: nobody sees another's write.
         got["scribble"] = wg.scribble(DataProto.from_dict({"x": torch.tensor([100, 200])}))
+        # A data call's failure names its rank; one past its deadline is a HangError, and the next
+        # call (inline) queues behind it on those ranks.
+        try:
+            wg.rows_fail_on(DataProto.from_dict({"x": torch.tensor([3])}))
+        except WorkerError as exc:
+            got["data_error"] = {"rank": exc.rank, "text": str(exc)}
+        wg.history()
+        try:
+            wg.with_timeout(1.0).rows_nap(DataProto.from_dict({"x": torch.tensor([2.5])}))
+            got["data_hang"] = None
+        except HangError as exc:
+            got["data_hang"] = sorted(exc.ranks)
+        got["after_data_hang"] = wg.echo("after")
+        got["after_data_hang_order"] = [[m for m, _, _ in log] for log in wg.history()]
         # Nothing of a data call stays referenced by the controller once it returned.
         core = ray._private.worker.global_worker.core_worker
         gc.collect()
@@ -146,6 +160,10 @@ def test_a_group_across_nodes_runs_every_call_on_both_paths(report, path):
     assert got["data_carriers"] == ({"ray": 3} if path == "ray" else {"agent": 2, "ray": 1})
     assert got["scribble"] == [[100 + r + 1, 200 + r + 1] for r in range(6)]  # copy-on-write: each rank its own write
     assert got["refs_left"] <= 0  # nothing pinned
+    assert got["data_error"]["rank"] == 3 and "rank 3 refuses the batch" in got["data_error"]["text"]
+    assert got["data_hang"] == list(range(6))
+    assert got["after_data_hang"] == ["after"] * 6
+    assert got["after_data_hang_order"] == [["rows_nap", "echo"]] * 6  # the abandoned call first, then the next
     assert got["order"] == [[["slow", "first"], ["echo", "second"]]] * 6  # JSON turns tuples into lists
     assert got["error"]["rank"] == 4 and "rank 4 refuses" in got["error"]["text"]
     assert got["after_error"] == [1] * 6
