@@ -396,8 +396,8 @@ class InstantAgents:
     :class:`~rankmesh.backends.ray.agent.NodeAnswer` (put with ``ray.put``, so that the
     controller reads it through Ray, as it reads a real answer).  Its ranks all finish at once:
     no failure, nothing late.  A rank whose share asks for its output answers ``None`` to a call
-    without objects in the store (a no-op) and, to a data call, a one-row ``DataProto`` left in
-    the store (``Stored``, as a real agent answers: the controller fetches it).  What a stand-in
+    without objects in the store (a no-op) and, to a data call, a one-row ``DataProto`` inside the
+    answer (as a real agent answers an output under ``agent.INLINE_BYTES``).  What a stand-in
     spends is an agent's work, not the controller's: it is counted in ``spent_s`` (the calling
     thread's CPU) and taken off the controller's.  ``shares`` keeps the last calls' arguments, to
     time real sends of them (:func:`send_cost_ms`).
@@ -427,7 +427,7 @@ class InstantAgent:
         import ray
         import torch
 
-        from rankmesh.backends.ray.agent import NodeAnswer, Stored
+        from rankmesh.backends.ray.agent import NodeAnswer
         from rankmesh.data import DataProto
 
         shared = self.shared
@@ -439,8 +439,8 @@ class InstantAgent:
             sends = [shared.outputs.setdefault(h, pickle.loads(h).return_output) for h in headers]
             for node, plan in (plans if plans is not None else self.routes[key]).items():
                 for rank, share in zip(shared.ranks_of[node], plan):
-                    if share is not None and sends[share]:
-                        values[rank] = Stored(ray.put(DataProto.from_dict({"y": torch.zeros(1)})))
+                    if share is not None and sends[share]:  # small: inside the answer, as a real agent sends it
+                        values[rank] = DataProto.from_dict({"y": torch.zeros(1)})
         ref = ray.put(NodeAnswer(values))
         shared.shares.append((call_id, method, headers, refs, key, plans, timeout_s, generation))
         del shared.shares[:-64]
@@ -513,18 +513,16 @@ def controller_ms(agents, call, calls: int) -> tuple[float, float]:
 
 def ray_floor_ms(dp: int, repeat: int = 20) -> float:
     """What Ray alone costs the controller for a data call of ``dp`` one-row pieces: a ``ray.put`` of
-    each piece and one ``ray.get`` of ``dp`` one-row outputs (ms, the calling thread's CPU)."""
+    each piece (ms, the calling thread's CPU; the outputs, small, come inside the agents' answers)."""
     import ray
     import torch
 
     from rankmesh.data import DataProto
 
     pieces = DataProto.from_dict({"x": torch.arange(dp)}).chunk(dp)
-    outputs = [ray.put(DataProto.from_dict({"y": torch.zeros(1)})) for _ in range(dp)]
     start = time.thread_time()
     for _ in range(repeat):
         refs = [ray.put(piece) for piece in pieces]
-        ray.get(outputs)
     del refs
     return (time.thread_time() - start) / repeat * 1000
 
@@ -588,8 +586,8 @@ def scale(args: argparse.Namespace) -> dict:
     out: dict = {"rows": rows}
     if args.dp:
         out["ray_floor_ms"] = ray_floor_ms(args.dp)
-        print(f"Ray's own floor under the MEGATRON_COMPUTE_PROTO call: {args.dp} ray.put of the pieces and one "
-              f"ray.get of {args.dp} outputs, {out['ray_floor_ms']:.1f} ms of the controller's CPU (same pieces, same run)")
+        print(f"Ray's own floor under the MEGATRON_COMPUTE_PROTO call: {args.dp} ray.put of the pieces, "
+              f"{out['ray_floor_ms']:.1f} ms of the controller's CPU (same pieces, same run)")
     kinds = (("controller_cpu_ms", "no-op", "fit", 10), ("megatron_cpu_ms", f"MEGATRON_COMPUTE dp={args.dp}", "fit_megatron", None),
              ("proto_cpu_ms", f"MEGATRON_COMPUTE_PROTO dp={args.dp}", "fit_proto", 30))
     for key, what, name, target in kinds:

@@ -222,3 +222,32 @@ def test_control_setting_is_checked_before_ray_starts(monkeypatch):
     assert time.perf_counter() - started < 2 and ray.is_initialized() == ray_was_up
     text = str(info.value)
     assert "RANKMESH_CONTROL='sesion' is not a control mode" in text and "'auto'" in text and "'ray'" in text, text
+
+
+def test_a_rank_task_of_an_agent_answers_small_outputs_inline_and_large_ones_by_reference(groups):
+    """The agent's carrier for its node's data-call tasks (``agent.RankTasks``), run here against a
+    real host's ``execute_for``: an output Ray returned inside the task's reply (``echo``, a few
+    bytes) comes back as its value; one left in the store (``big``, 2 MiB, over Ray's 100 KiB
+    direct-call size) as a ``Stored`` reference to it; a rank that runs nothing back (``noop``)
+    as ``None``.  Expected by hand from the methods' outputs."""
+    from rankmesh.backend import RankCall
+    from rankmesh.backends.ray.agent import RankTasks, Stored
+    from rankmesh.backends.ray.calls import Pending
+    from rankmesh.backends.ray.wire import encode_rank_call
+
+    host = groups["ray"].executor.hosts.actors[0]
+    calls = [("echo", ("tiny",)), ("big", (2 << 20,)), ("noop", ())]
+    pending = []
+    for method, args in calls:
+        header = encode_rank_call(None, method, RankCall(0, args))[0]
+        handle = tuple(host.execute_for.options(num_returns=2).remote(0, 0, None, header))  # call 0: no session to tell
+        pending.append(Pending(handle, 0, method, carrier=RankTasks.name))
+    got = {}
+    end = time.monotonic() + 30
+    while len(got) < len(pending) and time.monotonic() < end:
+        left = [i for i in range(len(pending)) if i not in got]
+        got.update((left[k], outcome) for k, outcome in RankTasks().poll([pending[i] for i in left], 1.0).items())
+    assert all(o.error is None for o in got.values()), got
+    assert got[0].value == "tiny"
+    assert isinstance(got[1].value, Stored) and ray.get(got[1].value.ref) == bytes([0]) * (2 << 20)
+    assert got[2].value is None

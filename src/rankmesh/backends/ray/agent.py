@@ -63,6 +63,11 @@ PROBE_S = 2.0
 #: (seconds): a full ring means a rank there still runs an earlier call, and the controller is told.
 WRITE_WAIT_S = 30.0
 
+#: A data call's output up to this size comes back inside its agent's answer; a larger one stays in
+#: its rank's node's store (:class:`Stored`).  Ray's own default ``max_direct_call_object_size``:
+#: up to it, Ray returns a task's output inside the task's reply, so the agent already holds it.
+INLINE_BYTES = 100 * 1024
+
 #: Each node's plan for one selection (node id -> per reader, the share it runs or ``None``).
 NodePlans = dict[str, tuple[int | None, ...]]
 
@@ -176,22 +181,48 @@ class ChildAnswers:
 class RankTasks:
     """An agent's carrier for the Ray tasks it sent its own node's ranks (``name = "task"``: a data
     call, :meth:`.host.WorkerHost.execute_for`).  A pending's handle is ``(flag, output)``, the
-    task's two returns: done once the flag is in; the output stays in the store (:class:`Stored`)."""
+    task's two returns: done once the flag is in.
+
+    An output Ray already brought back with the task's reply (up to :data:`INLINE_BYTES`) is
+    answered inline; a larger one stays in the rank's node's store and is answered by reference
+    (:class:`Stored`), for the controller to fetch from there."""
 
     name = "task"
 
     def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
         done = ready_refs([p.handle[0] for p in pending], within)
         got: dict[int, Outcome] = {}
+        outputs: dict[int, Any] = {}
         for i, p in enumerate(pending):
             flag, output = p.handle
             if flag not in done:
                 continue
             try:
-                got[i] = Outcome(Stored(output) if ray.get(flag) else None)
+                if ray.get(flag):
+                    outputs[i] = output
+                else:
+                    got[i] = Outcome(None)
             except Exception as exc:  # noqa: BLE001 - the rank's error (or its death), as the controller names it
-                got[i] = Outcome(error=translate_error(p, exc))
+                got[i] = Outcome(error=translate_error(pending[i], exc))
+        if outputs:
+            got.update((i, Outcome(value)) for i, value in _small_inline(outputs).items())
         return got
+
+
+def _small_inline(outputs: Mapping[int, Any]) -> dict[int, Any]:
+    """Each output (a task's return ref, by index) as its value when it is small enough for Ray to
+    have returned it inside the task's reply (:data:`INLINE_BYTES`), else as a :class:`Stored`
+    reference.  The sizes come from the owner's record (``get_object_locations``), which knows
+    them once the task replied, before any location is registered."""
+    try:
+        where = ray.experimental.get_object_locations(list(outputs.values()))
+    except Exception:  # noqa: BLE001 - no location service: every output by reference
+        where = {}
+    out: dict[int, Any] = {}
+    for i, ref in outputs.items():
+        size = (where.get(ref) or {}).get("object_size")
+        out[i] = ray.get(ref) if size is not None and size <= INLINE_BYTES else Stored(ref)
+    return out
 
 
 @dataclass
