@@ -45,6 +45,7 @@ before and after.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -310,7 +311,7 @@ def cluster(args: argparse.Namespace) -> dict:
     paths = TREE_PATHS if args.fanout else ("agent", "ray")
     rows = []
     for nodes, ranks_per_node in shapes:
-        mesh, call = None, None
+        mesh, batch = None, None
         if args.data:  # a megatron data call: dp = nodes pieces whatever the ranks per node
             import torch
 
@@ -320,12 +321,12 @@ def cluster(args: argparse.Namespace) -> dict:
             mesh = RankMesh(tp=ranks_per_node, dp=nodes)
             batch = DataProto.from_dict({"x": torch.arange(4 * nodes)})
         wg = make_group([ranks_per_node] * nodes, mesh)
-        if args.data:
-            expected = [int(x) * 10 + r for r in range(0, nodes * ranks_per_node, ranks_per_node) for x in range(4 * r // ranks_per_node, 4 * r // ranks_per_node + 4)]
-            assert wg.rows_megatron(batch).batch["y"].tolist() == expected  # each piece from its dp rank's collect rank (tp 0)
-
-            def call():
-                return wg.rows_megatron(batch)
+        call = None
+        if batch is not None:
+            # Piece d (rows 4d..4d+3) comes back from dp rank d's collect rank, tp 0: rank d * ranks_per_node.
+            expected = [x * 10 + d * ranks_per_node for d in range(nodes) for x in range(4 * d, 4 * d + 4)]
+            assert wg.rows_megatron(batch).batch["y"].tolist() == expected
+            call = functools.partial(wg.rows_megatron, batch)
         try:
             rows += measure(wg, {"nodes": nodes, "ranks": nodes * ranks_per_node}, args, idle=False, paths=paths, call=call)
         finally:

@@ -221,7 +221,7 @@ def _small_inline(outputs: Mapping[int, Any]) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for i, ref in outputs.items():
         size = (where.get(ref) or {}).get("object_size")
-        out[i] = ray.get(ref) if size is not None and size <= INLINE_BYTES else Stored(ref)
+        out[i] = ray.get(ref, timeout=TAKE_PARKED_S) if size is not None and size <= INLINE_BYTES else Stored(ref)
     return out
 
 

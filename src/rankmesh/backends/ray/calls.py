@@ -10,7 +10,6 @@ in one loop (:mod:`.waiting`).  What passes between them is defined here, once: 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
@@ -73,10 +72,9 @@ class CallRecord:
     @classmethod
     def of_parts(cls, call_id: int, generation: int, method: str, parts: Sequence[RankPart], deadline: Deadline = NEVER,
                  blocking: bool = True) -> "CallRecord":
-        """A record whose every rank has a part of its own (steps, per-rank calls): the parts are its shares."""
-        record = cls(call_id, generation, method, tuple(parts), Selection.each([p.rank for p in parts]), deadline, blocking)
-        record.__dict__["parts"] = record.shares  # already each rank's part (cached_property's slot)
-        return record
+        """A record whose every rank has a part of its own (steps, per-rank calls): the parts are its
+        shares, each naming its rank and node (the record has no ``nodes`` of its own)."""
+        return cls(call_id, generation, method, tuple(parts), Selection.each([p.rank for p in parts]), deadline, blocking)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -84,11 +82,15 @@ class CallRecord:
 
     @functools.cached_property
     def parts(self) -> tuple[RankPart, ...]:
-        """Each rank's part, in selection order (made once, for the carriers that need them)."""
+        """Each rank's part, in selection order (made once, for the carriers that need them: Ray's tasks)."""
         shares, nodes, coords = self.shares, self.nodes, self.coords
-        return tuple(dataclasses.replace(shares[s], rank=r, node=nodes[r] if nodes else None,
-                                         coords=coords[r] if coords else None)
-                     for r, s in zip(self.selection.ranks, self.selection.share))
+        if not nodes:  # made of its parts (of_parts)
+            return shares
+        parts = []
+        for r, s in zip(self.selection.ranks, self.selection.share):
+            share = shares[s]
+            parts.append(RankPart(r, share.header, share.refs, share.slot, share.trace, share.keep, nodes[r], coords[r]))
+        return tuple(parts)
 
     @property
     def inline(self) -> bool:
@@ -96,10 +98,13 @@ class CallRecord:
         return self.blocking and not any(share.refs or share.keep for share in self.shares)
 
     def pending(self, carrier: str, handles: Sequence[Any]) -> list[Pending]:
-        """One :class:`Pending` per part, each with the carrier's handle for it."""
-        method, call_id, generation = self.method, self.call_id, self.generation
-        return [Pending(handle, part.rank, method, part.node, part.coords, carrier, call_id, generation)
-                for part, handle in zip(self.parts, handles)]
+        """One :class:`Pending` per selected rank, in order, each with the carrier's handle for it."""
+        method, call_id, generation, nodes, coords = self.method, self.call_id, self.generation, self.nodes, self.coords
+        if not nodes:  # made of its parts (of_parts): they name their nodes
+            return [Pending(handle, part.rank, method, part.node, part.coords, carrier, call_id, generation)
+                    for part, handle in zip(self.parts, handles)]
+        return [Pending(handle, rank, method, nodes[rank], coords[rank], carrier, call_id, generation)
+                for rank, handle in zip(self.selection.ranks, handles)]
 
 
 @dataclass(frozen=True, eq=False)
