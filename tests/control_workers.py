@@ -117,6 +117,12 @@ class ControlWorker(Worker):
         return [int(v) for v in data.batch["x"]]
 
     @register(Dispatch.ONE_TO_ALL)
+    def append_rank(self, values: list) -> list:
+        """Appends this rank to its argument in place and returns it: each call must see the list as sent."""
+        values.append(self.rank)
+        return values
+
+    @register(Dispatch.ONE_TO_ALL)
     def total(self, data: DataProto) -> list[int]:
         """Every rank's view of a batch it was handed (a future materialized on the rank): its ``y`` column."""
         self._note("total", len(data))

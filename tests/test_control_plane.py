@@ -160,6 +160,53 @@ def test_futures_chain_across_paths(groups, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_an_inline_argument_written_by_one_call_is_sent_afresh_to_the_next(groups, path):
+    """A rank decodes each call's arguments afresh: a method that writes its (inline) argument
+    changes nothing a later call with the same argument receives.  Expected by hand: ``append_rank``
+    appends the rank to the list it was sent, so every call returns ``[7, rank]``."""
+    wg = groups[path]
+    for _ in range(3):
+        assert wg.append_rank([7]) == [[7, r] for r in range(4)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_small_batch_rides_inside_the_call_and_each_rank_writes_its_own_copy(groups, path):
+    """A DataProto that pickles to at most Ray's inline size (100 KiB) travels inside the call's
+    header, not through the object store: no put, and on the default path the call takes the
+    session (read from the thread that ran it).  Each rank unpickles its own copy: ``scribble``
+    adds ``rank + 1`` in place and reads back only its own write (expected by hand), and the
+    caller's batch is unchanged.  A batch over the size, and a small one whose ``meta_info``
+    holds an ObjectRef (pickled outside Ray's serialization it would stay pinned), take the store
+    (one put each) and Ray's tasks."""
+    import torch
+
+    from rankmesh import DataProto
+
+    wg = groups[path]
+    stats = wg.executor.stats
+    wg.history()
+    small = DataProto.from_dict({"x": torch.tensor([100, 200])})
+    puts = stats.puts
+    assert wg.scribble(small) == [[100 + r + 1, 200 + r + 1] for r in range(4)]
+    assert small.batch["x"].tolist() == [100, 200]
+    assert wg.rows_nap(DataProto.from_dict({"x": torch.tensor([0.0, 0.0])})) == [0, 1, 2, 3]
+    assert stats.puts == puts
+    logs = wg.history()
+    assert [[m for m, _, _ in log] for log in logs] == [["rows_nap"]] * 4
+    assert [threads_of(log) == {SESSION_THREAD} for log in logs] == [path == "session"] * 4
+
+    big = torch.zeros(128 << 10, dtype=torch.float32)  # 512 KiB: over the size
+    holds_ref = {"ref": ray.put(1)}
+    for batch in (DataProto.from_dict({"x": big}), DataProto.from_dict({"x": torch.zeros(2)}, meta_info=holds_ref)):
+        puts = stats.puts
+        assert wg.rows_nap(batch) == [0, 1, 2, 3]
+        assert stats.puts == puts + 1
+        logs = wg.history()
+        assert [[m for m, _, _ in log] for log in logs] == [["rows_nap"]] * 4
+        assert all(SESSION_THREAD not in threads_of(log) for log in logs)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_a_rank_killed_mid_call_is_named_within_two_seconds(ray_session, path):
     before = ring_fds()
     wg = make_group(path)

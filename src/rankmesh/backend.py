@@ -224,8 +224,9 @@ class Backend(Protocol):
     @property
     def failed(self) -> BaseException | None: ...
 
-    def share(self, obj: Any) -> Shared:
-        """Ship ``obj`` once (e.g. one ``ray.put``) so that several ranks can receive it."""
+    def share(self, obj: Any) -> Any:
+        """Ship ``obj`` once (e.g. one ``ray.put``) so that several ranks can receive it: a
+        :class:`Shared` handle, or ``obj`` itself where the backend sends it inside the call (small)."""
 
     def submit(
         self, role: str | None, method: str, calls: "Sequence[RankCall] | GroupCall", deadline: Deadline | None = None

@@ -51,7 +51,7 @@ from .calls import CallRecord, Outcome, Pending
 from .session import COMMAND_MARGIN, PLANS_MAX, TAKE_PARKED_S, CallSession
 from .tasks import ready_refs
 from .waiting import PROCESS_DIED, Gathered, gather, translate_error
-from .wire import COMMAND_BYTES, Command, encode_command
+from .wire import COMMAND_BYTES, INLINE_BYTES, Command, encode_command
 
 CONTROL_GROUP = "control"
 #: Children per agent, and agents the controller sends to: up to 8 nodes take one level, 72 two,
@@ -62,11 +62,6 @@ PROBE_S = 2.0
 #: The longest an agent waits for a free slot in its node's ring when the call has no deadline
 #: (seconds): a full ring means a rank there still runs an earlier call, and the controller is told.
 WRITE_WAIT_S = 30.0
-
-#: A data call's output up to this size comes back inside its agent's answer; a larger one stays in
-#: its rank's node's store (:class:`Stored`).  Ray's own default ``max_direct_call_object_size``:
-#: up to it, Ray returns a task's output inside the task's reply, so the agent already holds it.
-INLINE_BYTES = 100 * 1024
 
 #: Each node's plan for one selection (node id -> per reader, the share it runs or ``None``).
 NodePlans = dict[str, tuple[int | None, ...]]

@@ -61,7 +61,7 @@ from .session import CallSession
 from .tasks import RayTasks, ready_refs, step_part
 from .calls import CallRecord, Carrier, Pending, RankPart
 from .waiting import POLL_INTERVAL, Gathered, combine_errors, fetch_outputs, gather, timed_out
-from .wire import encode_rank_call
+from .wire import encode_rank_call, travels_inline
 
 logger = logging.getLogger(__name__)
 
@@ -428,8 +428,10 @@ class RayExecutor:
 
     # ----- calls ----------------------------------------------------------------------------------
 
-    def share(self, obj: Any) -> Shared:
-        if isinstance(obj, Shared):
+    def share(self, obj: Any) -> Any:
+        """``obj`` itself where it rides inside the call (:func:`.wire.travels_inline`: small, no Ray
+        handle inside), else one ``ray.put`` of it."""
+        if isinstance(obj, Shared) or travels_inline(obj):
             return obj
         self.stats.add(puts=1)
         return Shared(ray.put(obj))

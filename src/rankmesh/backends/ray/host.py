@@ -338,7 +338,7 @@ class WorkerHost:
             if call.trace:  # a traced call: the output travels back with this rank's timing
                 traced = timed_call(
                     invoke, worker, call.method, call.args, call.kwargs,
-                    enter_ns=enter_ns, inputs=shared, return_output=call.return_output, receive=call.receive,
+                    enter_ns=enter_ns, inputs=(call.args, call.kwargs), return_output=call.return_output, receive=call.receive,
                 )
                 if call.fetch_mark:  # the call's first rank: the controller notes when it unpickles this
                     traced.insert(0, FETCH_MARK)

@@ -23,14 +23,15 @@ from typing import Any, Callable
 from rankmesh.errors import RingError
 from rankmesh.ring import Ring, RingSpec, receive_ring, send_ring
 
-from .wire import ERROR, OK, REPLY_BYTES, REPLY_SLOTS, STOP, CallHeader, decode_command, encode_answer, error_parts
+from .wire import ERROR, OK, REPLY_BYTES, REPLY_SLOTS, STOP, CallHeader, decode_command, encode_answer, error_parts, reusable
 
 logger = logging.getLogger(__name__)
 
 #: The longest an answer waits for room on the reply ring (the writer reads every answer it is
 #: owed before it sends the rank another call, so a full ring means the writer is gone or stuck).
 REPLY_WAIT_S = 300.0
-#: Decoded headers kept per session (a group binds a fixed set of methods).
+#: Decoded headers kept per session (a group binds a fixed set of methods); only those whose
+#: arguments are immutable (:func:`.wire.reusable`).
 DECODED_MAX = 1024
 
 #: ``run(header, seq, enter_ns)``: run one call on the host (under its lock).
@@ -120,7 +121,7 @@ def serve(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable
                 call = decoded.get(header)
                 if call is None:
                     call = pickle.loads(header)
-                    if len(decoded) < DECODED_MAX:
+                    if len(decoded) < DECODED_MAX and reusable(call):
                         decoded[header] = call
                 answer = encode_answer(command.call_id, OK, run(call, seq, enter_ns), REPLY_BYTES, state.park)
             except Exception as exc:  # noqa: BLE001 - the writer raises it, naming the rank

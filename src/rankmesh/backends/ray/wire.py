@@ -9,7 +9,10 @@ installed on the host, ``call_<slot>(*shared_values)``: see :class:`HeaderCache`
 * every :class:`~rankmesh.backend.Shared` reference of the call becomes a *top-level* task
   argument, so Ray fetches it before the method starts (in parallel with the other ranks)
   instead of the worker calling ``ray.get`` mid-method.  Inside the header the arguments refer to
-  those values through :class:`SharedSlot` placeholders.
+  those values through :class:`SharedSlot` placeholders;
+* an argument that pickles to at most :data:`INLINE_BYTES` and holds no Ray handle is not shared
+  at all: it rides inside the header (:func:`travels_inline`), so a call with small batches costs
+  no put and can take a session's ring or the node agents.
 
 So a shared object takes three shapes on its way: ``Shared(ObjectRef)`` in the controller, a
 ``SharedSlot(i)`` in the header, and the value itself (this rank's private copy, rebuilt by the
@@ -26,13 +29,79 @@ worker method: recovery and lifecycle steps are calls like any other (:mod:`.hos
 
 from __future__ import annotations
 
+import enum
 import pickle
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+import numpy as np
+import ray
+import torch
 from ray import cloudpickle
 
 from rankmesh.backend import RankCall, Selection, Shared
+from rankmesh.data import DataProto
+
+
+#: An argument object up to this many pickled bytes rides inside its call's header instead of the
+#: object store (:func:`travels_inline`); so does an output inside its answer (:mod:`.agent`).
+#: Ray's own default ``max_direct_call_object_size``: the size up to which Ray itself sends an
+#: object inside a task's message rather than through the store.
+INLINE_BYTES = 100 * 1024
+
+
+class _CappedSink:
+    """A pickle file that counts bytes and stops the pickler past its cap (nothing is kept)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.size = cap, 0
+
+    def write(self, data: Any) -> int:
+        self.size += memoryview(data).nbytes
+        if self.size > self.cap:
+            raise OverflowError(f"pickles to more than {self.cap} bytes")
+        return len(data)
+
+
+class _InlineProbe(cloudpickle.CloudPickler):
+    """The header's own pickler, stopped at a Ray handle: one pickled outside Ray's serialization is pinned for good."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
+            raise pickle.PicklingError(f"holds a {type(obj).__name__}")
+        return super().reducer_override(obj)
+
+
+def _known_bytes(obj: Any) -> int | None:
+    """The bytes ``obj`` certainly holds, read without pickling (tensors, arrays, a DataProto's tensors); else ``None``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, np.ndarray) and obj.dtype != object:
+        return obj.nbytes
+    if isinstance(obj, DataProto):  # its tensors alone may already be too big
+        return 0 if obj.batch is None else obj.batch.bytes()
+    return None
+
+
+def travels_inline(obj: Any, cap: int = INLINE_BYTES) -> bool:
+    """Whether ``obj`` (a call argument) rides inside the call's header rather than through the store.
+
+    Why: a small batch put in the object store costs a put, a task per rank and a fetch per rank;
+    inside the header it costs a few microseconds of pickling, and the call can take a session's
+    ring or the node agents (which carry only what travels inside the call).  It qualifies when
+    it pickles to at most ``cap`` bytes and holds no ObjectRef or actor handle (a future passed
+    along must travel under Ray's own serialization, or it stays pinned).  Each rank unpickles its
+    own copy, so the copy-on-write rule holds: a rank that writes its input changes nobody else's.
+    The probe stops at ``cap`` bytes, so a large object costs little to refuse.
+    """
+    known = _known_bytes(obj)
+    if known is not None and known > cap:
+        return False
+    try:
+        _InlineProbe(_CappedSink(cap), protocol=5).dump(obj)
+    except Exception:  # noqa: BLE001 - too big, a Ray handle, or it does not pickle: the store takes it (and says why)
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -182,6 +251,26 @@ def encode_rank_call(
     )
     slot = None if key is None else cache.put(key, encoded)
     return encoded, refs, slot
+
+
+#: Argument values a decoded header may hand several calls: nothing a method can write in place.
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, SharedSlot)
+
+
+def reusable(call: CallHeader) -> bool:
+    """Whether one decoding of ``call`` may serve every call with the same header bytes.
+
+    Why: a method may write its arguments in place (append to a list, add to a batch); a later
+    call sent the same bytes must still receive what was sent.  Only immutable values (and tuples
+    of them) qualify; an inline batch, list or dict is decoded afresh for each call.
+    """
+
+    def immutable(value: Any) -> bool:
+        if isinstance(value, tuple):
+            return all(immutable(v) for v in value)
+        return isinstance(value, _IMMUTABLE) or isinstance(value, enum.Enum)
+
+    return all(immutable(a) for a in call.args) and all(immutable(v) for v in call.kwargs.values())
 
 
 def decode_call(header: bytes, values: tuple[Any, ...]) -> CallHeader:
