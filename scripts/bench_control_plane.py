@@ -397,8 +397,8 @@ class InstantAgents:
     :class:`~rankmesh.backends.ray.agent.NodeAnswer` (put with ``ray.put``, so that the
     controller reads it through Ray, as it reads a real answer).  Its ranks all finish at once:
     no failure, nothing late.  A rank whose share asks for its output answers ``None`` to a call
-    without objects in the store (a no-op) and, to a data call, a one-row ``DataProto`` inside the
-    answer (as a real agent answers an output under ``agent.INLINE_BYTES``).  What a stand-in
+    without a batch (a no-op) and, to a data call (a batch inline or in the store), a one-row
+    ``DataProto`` inside the answer (as a real agent answers an output under ``agent.INLINE_BYTES``).  What a stand-in
     spends is an agent's work, not the controller's: it is counted in ``spent_s`` (the calling
     thread's CPU) and taken off the controller's.  ``shares`` keeps the last calls' arguments, to
     time real sends of them (:func:`send_cost_ms`).
@@ -429,6 +429,7 @@ class InstantAgent:
         import torch
 
         from rankmesh.backends.ray.agent import NodeAnswer
+        from rankmesh.backends.ray.wire import SharedSlot
         from rankmesh.data import DataProto
 
         shared = self.shared
@@ -436,8 +437,13 @@ class InstantAgent:
         if plans is not None and key is not None:
             self.routes[key] = plans
         values = {}
-        if refs:  # a data call: every rank whose share sends an output leaves one row in the store
-            sends = [shared.outputs.setdefault(h, pickle.loads(h).return_output) for h in headers]
+        sends = [shared.outputs.get(h) for h in headers]
+        for i, h in enumerate(headers):
+            if sends[i] is None:  # a data call's share (a batch inline, or in the store) that sends an output
+                call = pickle.loads(h)
+                data = any(isinstance(a, (DataProto, SharedSlot)) for a in (*call.args, *call.kwargs.values()))
+                sends[i] = shared.outputs[h] = data and call.return_output
+        if any(sends):  # every rank whose share sends an output answers one row
             for node, plan in (plans if plans is not None else self.routes[key]).items():
                 for rank, share in zip(shared.ranks_of[node], plan):
                     if share is not None and sends[share]:  # small: inside the answer, as a real agent sends it

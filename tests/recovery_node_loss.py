@@ -2,7 +2,9 @@
 
 Runs as a subprocess driver (``python -m tests.recovery_node_loss``; one cluster connection per
 process): a CPU-less head plus three 2-CPU raylets on 127.0.0.1, a 4-rank group (dp 4) on the
-first two, ``remove_node`` of the second, then a call with ``on_rank_death="replace"``: the dead
+first two, ``remove_node`` of the second (and the wait for its processes to exit, as a real
+node's go with it: a call on the ring would otherwise still reach them), then a call with
+``on_rank_death="replace"``: the dead
 ranks are replaced, Ray having re-placed their bundles on the spare third node, and the call
 returns the undisturbed result.  Prints one ``REPORT {json}`` line.  Used by
 ``tests/test_recovery_multinode.py`` and ``scripts/fault_drill.py``.
@@ -10,6 +12,8 @@ returns the undisturbed result.  Prints one ``REPORT {json}`` line.  Used by
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 from tests.drivers import print_report
@@ -40,6 +44,7 @@ def run() -> dict:
         report["ranks_on_victim"] = [r for r in range(4) if placed[r] == victim_index]
         cluster.remove_node(nodes[victim_index], allow_graceful=False)
         removed = time.monotonic()
+        report["victims_killed"] = gone_or_killed([before[r]["pid"] for r in report["ranks_on_victim"]], 10.0)
         report["result"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])  # undisturbed: 10.0 on every rank
         report["seconds"] = time.monotonic() - removed
         rep = wg.replacements[-1] if wg.replacements else None
@@ -59,6 +64,26 @@ def run() -> dict:
         ray.shutdown()
         cluster.shutdown()
     return report
+
+
+def gone_or_killed(pids: list[int], wait_s: float) -> list[int]:
+    """Wait up to ``wait_s`` for ``pids`` to exit; SIGKILL those that have not. Returns the killed ones."""
+    end = time.monotonic() + wait_s
+    left = list(pids)
+    while left and time.monotonic() < end:
+        left = [p for p in left if _alive(p)]
+        time.sleep(0.05)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def shrink_then_grow(cluster, nodes) -> dict:
@@ -109,8 +134,13 @@ def shrink_then_grow(cluster, nodes) -> dict:
         victim = by_node[wg.node_of(2)]
         out["refill_on_victim"] = by_node[refill.node_id] == victim
         out["ranks_on_victim"] = [r for r in range(4) if by_node[wg.node_of(r)] == victim]
+        pids = [a["pid"] for r, a in enumerate(wg.whoami()) if r in out["ranks_on_victim"]] + [refill.pid]
         cluster.remove_node(nodes[victim], allow_graceful=False)
         removed = time.monotonic()
+        # A node that is gone takes its processes with it; a simulated node's workers notice their
+        # raylet's death on their own, so wait for that (and kill what lingers), or the next call
+        # may still reach them through the ring.
+        out["victims_killed"] = gone_or_killed(pids, 10.0)
         out["result"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])  # on tp2·dp1: ranks 0, 1 sum 1 + 2
         out["seconds"] = time.monotonic() - removed
         shrunk = wg.remeshes[-1] if wg.remeshes else None

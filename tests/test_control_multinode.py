@@ -29,6 +29,7 @@ def scenarios(cluster) -> dict:
 
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from rankmesh.backends.ray.agent import subtree
+    from rankmesh.backends.ray.tasks import output_refs
     from rankmesh.data import DataProto
     from rankmesh.errors import AgentLostError, HangError, WorkerDiedError, WorkerError
     from tests.control_workers import ControlWorker, kill_after
@@ -56,6 +57,19 @@ def scenarios(cluster) -> dict:
         got["total"] = wg.total(wg.rows_later(batch))
         got["data_carriers"] = {k: v - before.get(k, 0) for k, v in wg._executor.stats.by_carrier.items()
                                 if v != before.get(k, 0)}
+        # A non-blocking call's handles are ObjectRefs of the ranks' outputs (what verl's execute_all_async
+        # gives), and its ranks' errors come back through them, naming the rank.
+        before = dict(wg._executor.stats.by_carrier)
+        handles = output_refs(wg.slow_append("handles", 0.0).handles)  # as the verl layer's execute_all_async
+        got["handles"] = [type(h).__name__ for h in handles]
+        got["handle_values"] = ray.get(handles, timeout=60)
+        try:
+            wg.slow_append("bad", "not seconds").get()
+            got["future_error"] = None
+        except WorkerError as exc:
+            got["future_error"] = {"rank": exc.rank, "text": str(exc)}
+        got["future_carriers"] = {k: v - before.get(k, 0) for k, v in wg._executor.stats.by_carrier.items()
+                                  if v != before.get(k, 0)}
         # One piece read by every rank (four on one node), each writing into it: nobody sees another's write.
         got["scribble"] = wg.scribble(DataProto.from_dict({"x": torch.tensor([100, 200])}))
         # A data call's failure names its rank; one past its deadline is a HangError, and the next
@@ -78,6 +92,7 @@ def scenarios(cluster) -> dict:
         held = len(core.get_all_reference_counts())
         for _ in range(3):
             wg.rows_now(batch)
+            wg.total(wg.rows_later(batch))  # a future handed along: its refs travel under Ray's serialization
         end = time.monotonic() + 10
         while True:
             gc.collect()
@@ -156,8 +171,12 @@ def test_a_group_across_nodes_runs_every_call_on_both_paths(report, path):
     assert got["shifted"] == [[10, 21, 32, 43, 54, 65]] * 2  # the dp rank's value + rank, by hand, both calls
     assert got["rows"] == [0, 11, 22, 33, 44, 55]  # row x = rank: x * 10 + rank, by hand
     assert got["total"] == [[0, 11, 22, 33, 44, 55]] * 6  # every rank fetched the future's rows itself
-    # The blocking data calls take the agents; the non-blocking one Ray's tasks (its outputs are ObjectRefs).
-    assert got["data_carriers"] == ({"ray": 3} if path == "ray" else {"agent": 2, "ray": 1})
+    # Blocking and non-blocking data calls take the agents (a non-blocking call's outputs are ObjectRefs
+    # its agents own), or Ray's tasks on the ray path.
+    assert got["data_carriers"] == ({"ray": 3} if path == "ray" else {"agent": 3})
+    assert got["future_carriers"] == ({"ray": 2} if path == "ray" else {"agent": 2})
+    assert got["handles"] == ["ObjectRef"] * 6 and got["handle_values"] == [None] * 6
+    assert got["future_error"]["rank"] == 0 and "cannot be interpreted as an integer" in got["future_error"]["text"]
     assert got["scribble"] == [[100 + r + 1, 200 + r + 1] for r in range(6)]  # copy-on-write: each rank its own write
     assert got["refs_left"] <= 0  # nothing pinned
     assert got["data_error"]["rank"] == 3 and "rank 3 refuses the batch" in got["data_error"]["text"]

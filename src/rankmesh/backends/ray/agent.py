@@ -30,6 +30,11 @@ reads them rank by rank only when something failed or ran late (:class:`AgentAns
 is answered for its ranks as :class:`~rankmesh.errors.AgentLostError`; the controller then asks
 those ranks' processes themselves (:meth:`AgentSession.poll`), so a rank is reported dead only if
 its own process is gone, and the ranks of a dead agent are never confused with another node's.
+
+**Non-blocking calls** (:meth:`NodeAgent.submit`) travel down the same tree, but every called
+rank gets a Ray task from its agent, and each agent answers as soon as its subtree's tasks are
+sent, with their outputs' ObjectRefs (which it owns): the controller's future holds one ref per
+rank, as on Ray's own tasks (:class:`AgentSends`), and never the data.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from rankmesh.mesh import RankCoords
 
 from .calls import CallRecord, Outcome, Pending
 from .session import COMMAND_MARGIN, PLANS_MAX, TAKE_PARKED_S, CallSession
-from .tasks import ready_refs
+from .tasks import RayTasks, ready_refs
 from .waiting import PROCESS_DIED, Gathered, gather, translate_error
 from .wire import COMMAND_BYTES, INLINE_BYTES, Command, encode_command
 
@@ -62,6 +67,10 @@ PROBE_S = 2.0
 #: The longest an agent waits for a free slot in its node's ring when the call has no deadline
 #: (seconds): a full ring means a rank there still runs an earlier call, and the controller is told.
 WRITE_WAIT_S = 30.0
+
+#: The longest a non-blocking call waits for an agent to have sent its subtree's ranks their tasks,
+#: when the call has no deadline (seconds): the agent first finishes the call it runs.
+SUBMIT_WAIT_S = 300.0
 
 #: Each node's plan for one selection (node id -> per reader, the share it runs or ``None``).
 NodePlans = dict[str, tuple[int | None, ...]]
@@ -301,13 +310,12 @@ class NodeAgent:
             raise AgentLostError(f"{method}: node agent {self._node} has no plans for selection {key}; "
                                  "the group starts new agents", [])
         pending: list[Pending] = []
+        if self._open:  # this agent's Ray tasks seen finished: their ranks may take the ring again
+            done = ready_refs(list(self._open.values()), 0)
+            self._open = {r: flag for r, flag in self._open.items() if flag not in done}
         for child, called in route.children.items():
-            handle, below = self._children[child]
-            told = self._told[child]
-            send = None if key is not None and key in told else {n: route.plans[n] for n in below if n in route.plans}
-            if key is not None and len(told) < PLANS_MAX:
-                told.add(key)
-            ref = handle.call.remote(call_id, method, headers, refs, key, send, deadline.timeout(), generation)
+            ref = self._children[child][0].call.remote(
+                call_id, method, headers, refs, key, self._plans_for(child, key, route), deadline.timeout(), generation)
             pending.append(Pending(ref, called[0], method, child, None, ChildAnswers.name, call_id, generation))
         session = self._session
         if route.mine is not None:
@@ -340,6 +348,58 @@ class NodeAgent:
             if p.carrier == RankTasks.name and self._open.get(p.rank) is p.handle[0]:
                 del self._open[p.rank]
         return self._merge(pending, got.outcomes, {}, route, got.unfinished)
+
+    def submit(self, call_id: int, method: str, headers: tuple[bytes, ...], refs: tuple[tuple[Any, ...], ...],
+               key: int | None, plans: NodePlans | None, timeout_s: float | None, generation: int = 0) -> dict[int, Any]:
+        """Send non-blocking call ``call_id`` to the ranks of this subtree that selection ``key``
+        names, and return at once each rank's output reference (``{rank: ObjectRef}``), owned by
+        this agent (its child's, for a rank below): the controller's future holds them, and
+        another group's ranks fetch them from the producers' stores.  Arguments as :meth:`call`'s.
+
+        Every rank gets a Ray task (a non-blocking call's outputs are ObjectRefs), after the ring
+        call it has not finished (the host waits for it), and stays open here, so this agent's
+        next call to it is a Ray task too (Ray keeps one caller's tasks in order).  ``timeout_s``
+        bounds the wait for the children's sends; a child that fails to send fails the call."""
+        deadline = Deadline.after(timeout_s)
+        route = self._route(key, plans)
+        if route is None:
+            raise AgentLostError(f"{method}: node agent {self._node} has no plans for selection {key}; "
+                                 "the group starts new agents", [])
+        sent = [(child, called, self._children[child][0].submit.remote(
+                    call_id, method, headers, refs, key, self._plans_for(child, key, route), deadline.timeout(), generation))
+                for child, called in route.children.items()]
+        outputs: dict[int, Any] = {}
+        if route.mine is not None:
+            session = self._session
+            if session is None:
+                raise AgentLostError(f"{method}: the node agent of node {self._node} has no call session",
+                                     [r for r, share in zip(self._node_ranks(), route.mine) if share is not None])
+            owed = session.last_unanswered()
+            for rank, share in zip(session.ranks, route.mine):
+                if share is not None:
+                    flag, outputs[rank] = session.actors[rank].execute_for.options(num_returns=2).remote(
+                        call_id, owed.get(rank, 0), None, headers[share], *(refs[share] if refs else ()))
+                    self._open[rank] = flag
+        for child, called, ref in sent:
+            try:
+                outputs.update(ray.get(ref, timeout=deadline.timeout()))
+            except Exception as exc:  # noqa: BLE001 - the child (or one below it) did not send: the call fails, naming its ranks
+                if isinstance(exc, AgentLostError):
+                    raise
+                raise AgentLostError(f"{method}: the node agent of node {child} did not send its ranks the call: "
+                                     f"{_lost(exc)}", list(called)) from exc
+        return outputs
+
+    def _plans_for(self, child: str, key: int | None, route: Route) -> NodePlans | None:
+        """The plans to send ``child`` with a call of selection ``key``: its subtree's, the first
+        time; ``None`` once it keeps them."""
+        told = self._told[child]
+        if key is not None and key in told:
+            return None
+        if key is not None and len(told) < PLANS_MAX:
+            told.add(key)
+        below = self._children[child][1]
+        return {n: route.plans[n] for n in below if n in route.plans}
 
     def _merge(self, pending: Sequence[Pending], outcomes: Mapping[int, Outcome], errors: Mapping[int, BaseException],
                route: Route, unfinished: Sequence[int]) -> NodeAnswer:
@@ -473,6 +533,39 @@ class AgentCall(Sequence[Pending]):
         return iter(self.each())
 
 
+class AgentSends(Sequence[Pending]):
+    """A non-blocking call sent to the node agents, until each top agent said its subtree's ranks
+    have their tasks (:meth:`resolve`): then one Ray-task pending per rank, whose handle is the
+    ObjectRef of the rank's output (an agent owns it), as a future's parts are on Ray's tasks."""
+
+    def __init__(self, record: CallRecord, refs: Sequence[Any]) -> None:
+        self.record, self.refs = record, list(refs)
+
+    def __len__(self) -> int:
+        return len(self.record.selection.ranks)
+
+    def __getitem__(self, index: Any) -> Any:
+        raise TypeError("a non-blocking call on the node agents has no pendings until resolve()")
+
+    def resolve(self) -> list[Pending]:
+        """Wait for the top agents' sends (bounded: the call's deadline, else :data:`SUBMIT_WAIT_S`);
+        raises :class:`~rankmesh.errors.AgentLostError` naming the ranks when an agent did not send."""
+        record = self.record
+        try:
+            answers = ray.get(self.refs, timeout=record.deadline.bounded(SUBMIT_WAIT_S).timeout())
+        except Exception as exc:  # noqa: BLE001 - an agent died or is stuck in an earlier call: say which ranks
+            cause = getattr(exc, "cause", exc)  # an agent's own AgentLostError comes wrapped by Ray
+            if isinstance(cause, AgentLostError):
+                raise AgentLostError(str(cause), cause.ranks) from exc
+            raise AgentLostError(
+                f"{record.method}: the node agents did not say within the call's bound that every rank was sent "
+                f"the call ({_lost(exc)}); the next call starts new agents", list(record.ranks)) from exc
+        outputs: dict[int, Any] = {}
+        for answer in answers:
+            outputs.update(answer)
+        return record.pending(RayTasks.name, [outputs[rank] for rank in record.selection.ranks])
+
+
 class AgentSession:
     """The controller's end of a group's node agents: one call is one Ray task to each of at most
     ``fanout`` agents, which forward it down their subtrees (see the module docstring).
@@ -503,6 +596,7 @@ class AgentSession:
         self._plans: dict[int, Plan] = {}  # a selection's key -> its plan (made once)
         self._told: set[int] = set()  # the keys whose plans the agents keep
         self._unsettled: dict[int, tuple[int, ...] | set[int]] = {}  # call id -> its ranks whose outcome was not read
+        self._submitted: dict[int, int] = {}  # rank -> the last non-blocking call sent to it (its host marks it done)
 
     def open(self, timeout_s: float = 60.0) -> None:
         self.agents = start_agents(list(self.by_node))
@@ -558,11 +652,10 @@ class AgentSession:
         return plan
 
     def prepare(self, call: CallRecord) -> tuple[Plan, tuple[bytes, ...], tuple[tuple[Any, ...], ...]] | None:
-        """The call's plan, headers and each share's objects in the store, or ``None``: a
-        non-blocking call (its outputs are ObjectRefs others fetch), a traced data call, a rank no
-        agent serves, or a command too big for a node's ring (the same size rule as the
-        controller's own session)."""
-        if not self.agents or not call.blocking or any(share.keep or (share.trace and share.refs) for share in call.shares):
+        """The call's plan, headers and each share's objects in the store, or ``None``: a traced
+        data call or traced non-blocking call, a rank no agent serves, or a command too big for a
+        node's ring (the same size rule as the controller's own session)."""
+        if not self.agents or any(share.keep or (share.trace and share.refs) for share in call.shares):
             return None
         plan = self._plan(call.selection)
         if plan is None:
@@ -573,25 +666,41 @@ class AgentSession:
         refs = tuple(share.refs for share in call.shares) if any(share.refs for share in call.shares) else ()
         return plan, headers, refs
 
-    def send(self, call: CallRecord, prepared: tuple[Plan, tuple[bytes, ...], tuple[tuple[Any, ...], ...]]) -> AgentCall:
+    def send(self, call: CallRecord, prepared: tuple[Plan, tuple[bytes, ...], tuple[tuple[Any, ...], ...]]
+             ) -> AgentCall | AgentSends:
+        """One Ray task per top agent: ``call`` (blocking: :meth:`NodeAgent.call`, answered once
+        it ran; non-blocking: :meth:`NodeAgent.submit`, answered once sent, :meth:`AgentSends.resolve`)."""
         plan, headers, objects = prepared
         key = call.selection.key
         told = key is not None and key in self._told
         timeout = call.deadline.timeout()
-        refs = [self.agents[top].call.remote(call.call_id, call.method, headers, objects, key,
-                                             None if told else plan.plans[top], timeout, call.generation)
-                for top in plan.tops]
+        if call.blocking:
+            send = [agent.call for agent in (self.agents[top] for top in plan.tops)]
+        else:
+            send = [agent.submit for agent in (self.agents[top] for top in plan.tops)]
+        refs = [method.remote(call.call_id, call.method, headers, objects, key, None if told else plan.plans[top],
+                              timeout, call.generation)
+                for method, top in zip(send, plan.tops)]
         if key is not None and not told and len(self._told) < PLANS_MAX:
             self._told.add(key)
         with self._lock:
-            self._unsettled[call.call_id] = call.ranks
-        return AgentCall(call, refs, plan)
+            if call.blocking:
+                self._unsettled[call.call_id] = call.ranks
+            else:  # its outcomes are read by the future's owner, not here; its hosts mark it done (execute_for)
+                self._submitted.update((rank, call.call_id) for rank in call.ranks)
+        return AgentCall(call, refs, plan) if call.blocking else AgentSends(call, refs)
 
     def last_unanswered(self) -> dict[int, int]:
-        """Rank -> the last call sent to it whose outcome was not read (a Ray task waits for it there)."""
+        """Rank -> the last call sent to it whose outcome was not read, or the last non-blocking call
+        sent to it (done or not: its host knows): a Ray task waits for it there."""
         with self._lock:
             calls = sorted(self._unsettled.items())
-        return {rank: call_id for call_id, ranks in calls for rank in ranks}
+            owed = dict(self._submitted)
+        for call_id, ranks in calls:
+            for rank in ranks:
+                if call_id > owed.get(rank, 0):
+                    owed[rank] = call_id
+        return owed
 
     def _settled(self, call_id: int, ranks: Sequence[int] | None = None) -> None:
         """The outcomes of ``ranks`` (``None``: every rank) of call ``call_id`` were read."""

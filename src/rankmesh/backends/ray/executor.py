@@ -52,7 +52,7 @@ from rankmesh.tracing.marks import FETCH
 from rankmesh.sharedmem import register_store_processes
 from rankmesh.validate import optional_seconds, positive_int, positive_seconds
 
-from .agent import AGENT_FANOUT, AgentCall, AgentSession
+from .agent import AGENT_FANOUT, AgentCall, AgentSends, AgentSession
 from .hangs import gather_hangs
 from .hosts import HostSet
 from .order import Abandoned, Ledger
@@ -473,6 +473,12 @@ class RayExecutor:
             pending = carrier.send(record, prepared)
             self._ledger.sent(carrier.name, record.call_id, record.ranks)
         self.stats.add(calls=len(pending), carrier=carrier.name)
+        if isinstance(pending, AgentSends):  # a non-blocking call on the agents: their sends, waited for unlocked
+            try:
+                return pending.resolve()
+            except AgentLostError:
+                self._end_session()  # the next call starts new agents
+                raise
         return pending
 
     def _check_ranks(self, method: str, calls: Sequence[RankCall] | GroupCall) -> None:

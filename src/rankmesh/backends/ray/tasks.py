@@ -1,7 +1,8 @@
 """The Ray-task carrier: one Ray task per rank, the way every call can travel.
 
-Calls with object-store arguments, non-blocking calls (their outputs are ObjectRefs that other
-groups' workers fetch), host steps, and any call a session cannot take travel this way.  Sending
+Calls with object-store arguments on one node, non-blocking calls on one node (their outputs are
+ObjectRefs that other groups' workers fetch), host steps, and any call a session or the node
+agents cannot take travel this way.  Sending
 (:meth:`RayTasks.start`) picks the host method for one rank's encoded call (:mod:`.wire`): a
 header installed as a call slot runs as ``call_<slot>(*shared)`` (or ``bare_<slot>()``), without
 a header argument; a traced call's rank reads its clock on arrival (``execute_traced``); a
@@ -99,9 +100,10 @@ def output_refs(pending: Sequence[Pending]) -> list[Any]:
     """The ObjectRefs of ``pending``'s outputs, in order: what ``ray.get`` takes (verl's futures).
 
     Only this carrier's handles are ObjectRefs of the ranks' outputs (a session's are call ids on
-    a ring, an agent's the answer of a whole subtree).  A non-blocking call always travels here
-    (:attr:`.calls.CallRecord.inline` is false for it), so its :attr:`rankmesh.GroupFuture.handles`
-    give their refs; another carrier's pending is refused, naming it.
+    a ring, an agent's blocking call the answer of a whole subtree).  A non-blocking call's
+    pendings are always this carrier's: sent here, or across nodes by the node agents, which hand
+    back their ranks' output refs (:class:`.agent.AgentSends`), so its
+    :attr:`rankmesh.GroupFuture.handles` give their refs; another carrier's pending is refused, naming it.
     """
     other = sorted({p.carrier for p in pending if p.carrier != RayTasks.name})
     if other:
