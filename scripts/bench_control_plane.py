@@ -519,8 +519,9 @@ def controller_ms(agents, call, calls: int) -> tuple[float, float]:
 
 
 def ray_floor_ms(dp: int, repeat: int = 20) -> float:
-    """What Ray alone costs the controller for a data call of ``dp`` one-row pieces: a ``ray.put`` of
-    each piece (ms, the calling thread's CPU; the outputs, small, come inside the agents' answers)."""
+    """What Ray's store costs the controller for ``dp`` one-row pieces: a ``ray.put`` of each (ms, the
+    calling thread's CPU).  The group sends such small pieces inside the call's headers instead; a
+    piece over 100 KiB pays this put."""
     import ray
     import torch
 
@@ -593,8 +594,9 @@ def scale(args: argparse.Namespace) -> dict:
     out: dict = {"rows": rows}
     if args.dp:
         out["ray_floor_ms"] = ray_floor_ms(args.dp)
-        print(f"Ray's own floor under the MEGATRON_COMPUTE_PROTO call: {args.dp} ray.put of the pieces, "
-              f"{out['ray_floor_ms']:.1f} ms of the controller's CPU (same pieces, same run)")
+        print(f"The same pieces through Ray's store: {args.dp} ray.put, {out['ray_floor_ms']:.1f} ms of the "
+              "controller's CPU (same run); the call sends these one-row pieces inside its headers instead "
+              "(up to 100 KiB a piece), a piece over that costs a put")
     kinds = (("controller_cpu_ms", "no-op", "fit", 10), ("megatron_cpu_ms", f"MEGATRON_COMPUTE dp={args.dp}", "fit_megatron", None),
              ("proto_cpu_ms", f"MEGATRON_COMPUTE_PROTO dp={args.dp}", "fit_proto", 30))
     for key, what, name, target in kinds:

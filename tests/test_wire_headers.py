@@ -122,32 +122,40 @@ def test_the_fetch_mark_is_in_the_key_and_survives_decoding():
 
 
 def test_what_travels_inside_a_header_is_small_and_holds_no_ray_handle():
-    """``travels_inline``: at most INLINE_BYTES pickled (the boundary measured by pickling with the
+    """``inline``: at most INLINE_BYTES pickled (the boundary measured by pickling with the
     header's own pickler here, an independent count), no ObjectRef or actor handle anywhere inside
     (one pickled outside Ray's serialization stays pinned), and anything that does not pickle
-    takes the store (which says why).  A large tensor is refused from its size alone."""
+    takes the store (which says why).  A large tensor is refused from its size alone.  A header
+    carrying an inline object decodes to a copy of the object, as sent."""
     import numpy as np
     import ray
     import torch
     from ray import cloudpickle
 
-    from rankmesh.backends.ray.wire import INLINE_BYTES, travels_inline
+    from rankmesh.backends.ray.wire import INLINE_BYTES, inline
     from rankmesh.data import DataProto
 
     def pickled(obj: Any) -> int:
         return len(cloudpickle.dumps(obj, protocol=5))
 
+    def travels(obj: Any) -> bool:
+        return inline(obj) is not None
+
     fits = b"x" * (INLINE_BYTES - 64)
     while pickled(fits) < INLINE_BYTES:
         fits += b"x"
-    assert pickled(fits) == INLINE_BYTES and travels_inline(fits)
-    assert not travels_inline(fits + b"x")
+    assert pickled(fits) == INLINE_BYTES and travels(fits)
+    assert not travels(fits + b"x")
     batch = DataProto.from_dict({"x": torch.arange(8)}, non_tensors={"s": np.array(list("abcdefgh"), dtype=object)})
-    assert travels_inline(batch)
-    assert not travels_inline(DataProto.from_dict({"x": torch.zeros(INLINE_BYTES + 1, dtype=torch.uint8)}))
-    assert not travels_inline(np.zeros(INLINE_BYTES + 1, dtype=np.uint8))
+    assert travels(batch)
+    header = encode_rank_call(None, "compute", RankCall(0, (inline(batch), 3), {"b": inline([1, 2])}))[0]
+    call = pickle.loads(header)
+    assert torch.equal(call.args[0].batch["x"], torch.arange(8)) and list(call.args[0].non_tensor_batch["s"]) == list("abcdefgh")
+    assert call.args[1] == 3 and call.kwargs == {"b": [1, 2]}
+    assert not travels(DataProto.from_dict({"x": torch.zeros(INLINE_BYTES + 1, dtype=torch.uint8)}))
+    assert not travels(np.zeros(INLINE_BYTES + 1, dtype=np.uint8))
     ref = ray.ObjectRef.nil()
-    assert not travels_inline(DataProto.from_dict({"x": torch.arange(2)}, meta_info={"deep": [{"ref": ref}]}))
-    assert not travels_inline([1, 2, ref])
-    assert travels_inline(lambda: 3)  # cloudpickle's by-value function, as in a header
-    assert not travels_inline(__import__("threading").Lock())  # does not pickle
+    assert not travels(DataProto.from_dict({"x": torch.arange(2)}, meta_info={"deep": [{"ref": ref}]}))
+    assert not travels([1, 2, ref])
+    assert travels(lambda: 3)  # cloudpickle's by-value function, as in a header
+    assert not travels(__import__("threading").Lock())  # does not pickle

@@ -61,7 +61,7 @@ from .session import CallSession
 from .tasks import RayTasks, ready_refs, step_part
 from .calls import CallRecord, Carrier, Pending, RankPart
 from .waiting import POLL_INTERVAL, Gathered, combine_errors, fetch_outputs, gather, timed_out
-from .wire import encode_rank_call, travels_inline
+from .wire import encode_rank_call, inline
 
 logger = logging.getLogger(__name__)
 
@@ -429,10 +429,13 @@ class RayExecutor:
     # ----- calls ----------------------------------------------------------------------------------
 
     def share(self, obj: Any) -> Any:
-        """``obj`` itself where it rides inside the call (:func:`.wire.travels_inline`: small, no Ray
-        handle inside), else one ``ray.put`` of it."""
-        if isinstance(obj, Shared) or travels_inline(obj):
+        """``obj`` pickled once to ride inside the call (:func:`.wire.inline`: small, no Ray handle
+        inside), else one ``ray.put`` of it."""
+        if isinstance(obj, Shared):
             return obj
+        small = inline(obj)
+        if small is not None:
+            return small
         self.stats.add(puts=1)
         return Shared(ray.put(obj))
 

@@ -11,7 +11,7 @@ installed on the host, ``call_<slot>(*shared_values)``: see :class:`HeaderCache`
   instead of the worker calling ``ray.get`` mid-method.  Inside the header the arguments refer to
   those values through :class:`SharedSlot` placeholders;
 * an argument that pickles to at most :data:`INLINE_BYTES` and holds no Ray handle is not shared
-  at all: it rides inside the header (:func:`travels_inline`), so a call with small batches costs
+  at all: it rides inside the header (:func:`inline`), so a call with small batches costs
   no put and can take a session's ring or the node agents.
 
 So a shared object takes three shapes on its way: ``Shared(ObjectRef)`` in the controller, a
@@ -44,23 +44,25 @@ from rankmesh.data import DataProto
 
 
 #: An argument object up to this many pickled bytes rides inside its call's header instead of the
-#: object store (:func:`travels_inline`); so does an output inside its answer (:mod:`.agent`).
+#: object store (:func:`inline`); so does an output inside its answer (:mod:`.agent`).
 #: Ray's own default ``max_direct_call_object_size``: the size up to which Ray itself sends an
 #: object inside a task's message rather than through the store.
 INLINE_BYTES = 100 * 1024
 
 
 class _CappedSink:
-    """A pickle file that counts bytes and stops the pickler past its cap (nothing is kept)."""
+    """A pickle file that keeps what it is written, and stops the pickler past its cap."""
 
     def __init__(self, cap: int) -> None:
-        self.cap, self.size = cap, 0
+        self.cap, self.size, self.parts = cap, 0, []
 
     def write(self, data: Any) -> int:
-        self.size += memoryview(data).nbytes
+        size = memoryview(data).nbytes
+        self.size += size
         if self.size > self.cap:
             raise OverflowError(f"pickles to more than {self.cap} bytes")
-        return len(data)
+        self.parts.append(bytes(data))
+        return size
 
 
 class _InlineProbe(cloudpickle.CloudPickler):
@@ -83,25 +85,40 @@ def _known_bytes(obj: Any) -> int | None:
     return None
 
 
-def travels_inline(obj: Any, cap: int = INLINE_BYTES) -> bool:
-    """Whether ``obj`` (a call argument) rides inside the call's header rather than through the store.
+class Inline:
+    """A call argument pickled once, riding inside its header (:func:`inline`): the header
+    carries these bytes, and unpickling the header gives each rank its own copy of the object."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return pickle.loads, (self.payload,)
+
+
+def inline(obj: Any, cap: int = INLINE_BYTES) -> Inline | None:
+    """``obj`` pickled for the inside of a call's header, or ``None``: it goes through the store.
 
     Why: a small batch put in the object store costs a put, a task per rank and a fetch per rank;
-    inside the header it costs a few microseconds of pickling, and the call can take a session's
-    ring or the node agents (which carry only what travels inside the call).  It qualifies when
-    it pickles to at most ``cap`` bytes and holds no ObjectRef or actor handle (a future passed
-    along must travel under Ray's own serialization, or it stays pinned).  Each rank unpickles its
-    own copy, so the copy-on-write rule holds: a rank that writes its input changes nobody else's.
-    The probe stops at ``cap`` bytes, so a large object costs little to refuse.
+    inside the header it costs one pickling, and the call can take a session's ring or the node
+    agents (which carry only what travels inside the call).  It qualifies when it pickles to at
+    most ``cap`` bytes and holds no ObjectRef or actor handle (a future passed along must travel
+    under Ray's own serialization, or it stays pinned).  Each rank unpickles its own copy, so the
+    copy-on-write rule holds: a rank that writes its input changes nobody else's.  Pickling stops
+    at ``cap`` bytes, so a large object costs little to refuse; the bytes are kept, so the object
+    is pickled once however many headers (shares) carry it.
     """
     known = _known_bytes(obj)
     if known is not None and known > cap:
-        return False
+        return None
+    sink = _CappedSink(cap)
     try:
-        _InlineProbe(_CappedSink(cap), protocol=5).dump(obj)
+        _InlineProbe(sink, protocol=5).dump(obj)
     except Exception:  # noqa: BLE001 - too big, a Ray handle, or it does not pickle: the store takes it (and says why)
-        return False
-    return True
+        return None
+    return Inline(b"".join(sink.parts))
 
 
 @dataclass(frozen=True)
@@ -254,7 +271,7 @@ def encode_rank_call(
 
 
 #: Argument values a decoded header may hand several calls: nothing a method can write in place.
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, SharedSlot)
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, SharedSlot)  # an Inline decodes to its object
 
 
 def reusable(call: CallHeader) -> bool:
