@@ -141,6 +141,20 @@ def scenarios(cluster) -> dict:
                 got["agent_lost"] = {"type": type(exc).__name__, "ranks": exc.ranks, "served": served, "text": str(exc)}
             got["usable"] = wg.failed is None
             got["after_agent_lost"] = wg.echo("again")
+            # A future still unread when the agents are replaced (a new tree here; a recovery does the
+            # same): its outputs' owners, the old agents, are kept until the next replacement.
+            fanout = wg.executor.agent_fanout
+            wide = DataProto.from_dict({"x": torch.arange(6).unsqueeze(1).repeat(1, 20_000)})  # 160 KB a row: stored
+            unread = wg.rows_later(wide)
+            time.sleep(0.5)  # let the ranks finish: the outputs exist before their owners could go
+            wg.set_control("auto", agent_fanout=fanout + 1)
+            got["new_agents"] = wg.echo("new tree")
+            try:
+                got["future_after_new_agents"] = unread.get().batch["y"][:, 0].tolist()
+            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+                got["future_after_new_agents"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            wg.set_control("auto", agent_fanout=fanout)
+            wg.echo("agents back")  # started again before the timed kill below
         killed = kill_after(wg._hosts.info[5]["pid"], 0.5)
         try:
             wg.sleep(20.0)
@@ -186,6 +200,15 @@ def test_a_group_across_nodes_runs_every_call_on_both_paths(report, path):
     assert got["order"] == [[["slow", "first"], ["echo", "second"]]] * 6  # JSON turns tuples into lists
     assert got["error"]["rank"] == 4 and "rank 4 refuses" in got["error"]["text"]
     assert got["after_error"] == [1] * 6
+
+
+@pytest.mark.parametrize("path", ["agent", "tree"])
+def test_a_future_outlives_the_agents_that_sent_its_call(report, path):
+    """Expected by hand: rows_later gives x * 10 + rank, one row per rank (dp=6); each output is
+    over Ray's inline size, so it lives in its rank's node's store, owned by the agent that sent it."""
+    got = report[path]
+    assert got["new_agents"] == ["new tree"] * 6
+    assert got["future_after_new_agents"] == [0, 11, 22, 33, 44, 55]
 
 
 @pytest.mark.parametrize("path", PATHS)

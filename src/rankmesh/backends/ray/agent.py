@@ -613,6 +613,20 @@ class AgentSession:
             self.close()
             raise
 
+    @property
+    def owns_outputs(self) -> bool:
+        """Whether these agents sent non-blocking calls: they own those outputs (futures may still name them)."""
+        return bool(self._submitted)
+
+    def retire(self) -> None:
+        """Stop serving (each agent closes its node's session) but keep the agents alive: they own
+        the outputs of the non-blocking calls they sent.  :meth:`close` ends them."""
+        for agent in self.agents.values():
+            try:
+                agent.close.remote()
+            except Exception:  # noqa: BLE001 - gone with its node already
+                pass
+
     def close(self) -> None:
         """Stop the agents (their sessions end with them: the hosts watch the writer's pid)."""
         for agent in self.agents.values():

@@ -204,6 +204,7 @@ class RayExecutor:
         self.control = "ray" if hosts.detached else control_mode()
         self.agent_fanout = AGENT_FANOUT
         self.session: CallSession | AgentSession | None = None
+        self._retired: AgentSession | None = None  # the last agents replaced while owning futures' outputs
         self.session_note = "detached group" if hosts.detached else ""
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
         register_store_processes(raylet_pids())
@@ -236,12 +237,12 @@ class RayExecutor:
 
     def close(self) -> None:
         """Kill the processes and release their placement groups (idempotent)."""
-        self._end_session()
+        self._end_session(keep_owners=False)
         self.hosts.shutdown()
 
     def release(self) -> None:
         """End the call session but keep the processes (another group will drive them)."""
-        self._end_session()
+        self._end_session(keep_owners=False)
 
     # ----- call sessions (.session, .agent) -------------------------------------------------------
 
@@ -295,15 +296,26 @@ class RayExecutor:
         self.session = session
         return session
 
-    def _end_session(self) -> None:
+    def _end_session(self, keep_owners: bool = True) -> None:
         """Close the session (its processes changed or stopped); the next call may open a new one.
 
         Calls the hosts were sent and had not started are dropped with it (a closed ring); a call
-        a rank still runs goes on, and the rank's next call queues behind it (the host's lock)."""
+        a rank still runs goes on, and the rank's next call queues behind it (the host's lock).
+        Node agents that sent non-blocking calls own those calls' outputs, which unread futures
+        still name: with ``keep_owners`` they stop serving but live on until the next agents are
+        retired in turn, or the group ends (``keep_owners=False``, which ends them all)."""
         with self._send_lock:
             session, self.session = self.session, None
-            if session is not None:
+            if isinstance(session, AgentSession) and keep_owners and session.owns_outputs:
+                session.retire()
+                retired, self._retired = self._retired, session
+                if retired is not None:
+                    retired.close()
+            elif session is not None:
                 session.close(stop=False) if isinstance(session, CallSession) else session.close()
+            if not keep_owners and self._retired is not None:
+                self._retired.close()
+                self._retired = None
             if not self.hosts.detached:
                 self.session_note = ""
 
