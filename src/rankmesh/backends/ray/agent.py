@@ -359,8 +359,9 @@ class NodeAgent:
         Every rank gets a Ray task (a non-blocking call's outputs are ObjectRefs), after the ring
         call it has not finished (the host waits for it), and stays open here, so this agent's
         next call to it is a Ray task too (Ray keeps one caller's tasks in order).  ``timeout_s``
-        bounds the wait for the children's sends; a child that fails to send fails the call."""
-        deadline = Deadline.after(timeout_s)
+        (else :data:`SUBMIT_WAIT_S`) bounds the wait for the children's sends; a child that fails
+        to send fails the call."""
+        deadline = Deadline.after(timeout_s).bounded(SUBMIT_WAIT_S)
         route = self._route(key, plans)
         if route is None:
             raise AgentLostError(f"{method}: node agent {self._node} has no plans for selection {key}; "
@@ -533,7 +534,7 @@ class AgentCall(Sequence[Pending]):
         return iter(self.each())
 
 
-class AgentSends(Sequence[Pending]):
+class AgentSends:
     """A non-blocking call sent to the node agents, until each top agent said its subtree's ranks
     have their tasks (:meth:`resolve`): then one Ray-task pending per rank, whose handle is the
     ObjectRef of the rank's output (an agent owns it), as a future's parts are on Ray's tasks."""
@@ -543,9 +544,6 @@ class AgentSends(Sequence[Pending]):
 
     def __len__(self) -> int:
         return len(self.record.selection.ranks)
-
-    def __getitem__(self, index: Any) -> Any:
-        raise TypeError("a non-blocking call on the node agents has no pendings until resolve()")
 
     def resolve(self) -> list[Pending]:
         """Wait for the top agents' sends (bounded: the call's deadline, else :data:`SUBMIT_WAIT_S`);

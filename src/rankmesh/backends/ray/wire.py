@@ -271,7 +271,7 @@ def encode_rank_call(
 
 
 #: Argument values a decoded header may hand several calls: nothing a method can write in place.
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, SharedSlot)  # an Inline decodes to its object
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, enum.Enum, SharedSlot)  # an Inline decodes to its object
 
 
 def reusable(call: CallHeader) -> bool:
@@ -285,7 +285,7 @@ def reusable(call: CallHeader) -> bool:
     def immutable(value: Any) -> bool:
         if isinstance(value, tuple):
             return all(immutable(v) for v in value)
-        return isinstance(value, _IMMUTABLE) or isinstance(value, enum.Enum)
+        return isinstance(value, _IMMUTABLE)
 
     return all(immutable(a) for a in call.args) and all(immutable(v) for v in call.kwargs.values())
 
