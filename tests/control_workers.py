@@ -117,6 +117,15 @@ class ControlWorker(Worker):
         return [int(v) for v in data.batch["x"]]
 
     @register(Dispatch.ONE_TO_ALL)
+    def scribble_ends(self, data: DataProto) -> list[int]:
+        """``scribble`` for a large batch: adds ``rank + 1`` in place, waits for the other ranks to do
+        the same, and reads back its first and last values (noted, with the thread that ran it)."""
+        data.batch["x"].add_(self.rank + 1)
+        time.sleep(0.3)
+        self._note("scribble_ends", len(data))
+        return [int(data.batch["x"][0]), int(data.batch["x"][-1])]
+
+    @register(Dispatch.ONE_TO_ALL)
     def append_rank(self, values: list) -> list:
         """Appends this rank to its argument in place and returns it: each call must see the list as sent."""
         values.append(self.rank)

@@ -175,9 +175,8 @@ def test_a_small_batch_rides_inside_the_call_and_each_rank_writes_its_own_copy(g
     header, not through the object store: no put, and on the default path the call takes the
     session (read from the thread that ran it).  Each rank unpickles its own copy: ``scribble``
     adds ``rank + 1`` in place and reads back only its own write (expected by hand), and the
-    caller's batch is unchanged.  A batch over the size, and a small one whose ``meta_info``
-    holds an ObjectRef (pickled outside Ray's serialization it would stay pinned), take the store
-    (one put each) and Ray's tasks."""
+    caller's batch is unchanged.  A small batch whose ``meta_info`` holds an ObjectRef (pickled
+    outside Ray's serialization it would stay pinned) takes the store (one put) and Ray's tasks."""
     import torch
 
     from rankmesh import DataProto
@@ -195,15 +194,60 @@ def test_a_small_batch_rides_inside_the_call_and_each_rank_writes_its_own_copy(g
     assert [[m for m, _, _ in log] for log in logs] == [["rows_nap"]] * 4
     assert [threads_of(log) == {SESSION_THREAD} for log in logs] == [path == "session"] * 4
 
-    big = torch.zeros(128 << 10, dtype=torch.float32)  # 512 KiB: over the size
-    holds_ref = {"ref": ray.put(1)}
-    for batch in (DataProto.from_dict({"x": big}), DataProto.from_dict({"x": torch.zeros(2)}, meta_info=holds_ref)):
-        puts = stats.puts
-        assert wg.rows_nap(batch) == [0, 1, 2, 3]
-        assert stats.puts == puts + 1
+    holds_ref = DataProto.from_dict({"x": torch.zeros(2)}, meta_info={"ref": ray.put(1)})
+    puts = stats.puts
+    assert wg.rows_nap(holds_ref) == [0, 1, 2, 3]
+    assert stats.puts == puts + 1
+    logs = wg.history()
+    assert [[m for m, _, _ in log] for log in logs] == [["rows_nap"]] * 4
+    assert all(SESSION_THREAD not in threads_of(log) for log in logs)
+
+
+def memory_files() -> list[str]:
+    """This process's open fds that are memory files of call arguments (``rankmesh.sharedmem.write_file``)."""
+    found = []
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            if "rankmesh-shared" in os.readlink(f"/proc/self/fd/{n}"):
+                found.append(n)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_large_batch_is_mapped_by_each_rank_on_the_node_and_written_in_its_own_copy(groups, path):
+    """A batch over the inline size, to a group on the caller's node: on the default path it is
+    written into a memory file that each rank maps copy-on-write (no put, and the call takes the
+    session: read from the thread that ran it); on the Ray path it is put once and each rank gets
+    a Ray task.  Either way each rank writes only its own copy (``scribble_ends`` adds
+    ``rank + 1`` in place, waits for the others, and reads back its first and last values:
+    expected by hand), the caller's batch is unchanged, and each call reads its own batch (the
+    values differ from call to call).  On the default path the files are reused once every rank
+    let its views go (``scribble_ends`` keeps none), so the caller holds at most two more open
+    than before, however many calls."""
+    import torch
+
+    from rankmesh import DataProto
+
+    wg = groups[path]
+    stats = wg.executor.stats
+    wg.history()
+    n = 256 << 10  # 1 MiB of float32: over the inline size (100 KiB)
+    before = set(memory_files())  # the in-process backend's store keeps such files too
+    for start in (0, 1000, 2000, 3000):
+        big = torch.arange(start, start + n, dtype=torch.float32)
+        puts, maps = stats.puts, stats.maps
+        assert wg.scribble_ends(DataProto.from_dict({"x": big})) == [[start + r + 1, start + n - 1 + r + 1]
+                                                                     for r in range(4)]
+        assert (float(big[0]), float(big[-1])) == (start, start + n - 1)
+        assert (stats.puts - puts, stats.maps - maps) == ((0, 1) if path == "session" else (1, 0))
         logs = wg.history()
-        assert [[m for m, _, _ in log] for log in logs] == [["rows_nap"]] * 4
-        assert all(SESSION_THREAD not in threads_of(log) for log in logs)
+        assert [[m for m, _, _ in log] for log in logs] == [["scribble_ends"]] * 4
+        assert [threads_of(log) == {SESSION_THREAD} for log in logs] == [path == "session"] * 4
+        assert len(set(memory_files()) - before) <= 2
+    if path == "session":
+        assert wg.executor.session.files.reused >= 2
 
 
 @pytest.mark.parametrize("path", PATHS)

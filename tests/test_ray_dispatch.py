@@ -113,6 +113,11 @@ class Holder(Worker):
     def first(self) -> float:
         return float(self.kept.batch["x"][0, 0])
 
+    @register(Dispatch.ONE_TO_ALL)
+    def kept_range(self) -> tuple[float, float]:
+        x = self.kept.batch["x"]
+        return float(x.min()), float(x.max())
+
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def echo(self, data: DataProto) -> DataProto:
         return data
@@ -133,7 +138,11 @@ def big_batch(mib: int = 64) -> DataProto:
     return DataProto.from_dict({"x": x}, {"id": np.arange(rows)})
 
 
-def test_one_put_for_a_piece_shared_by_four_ranks(holder_group, monkeypatch):
+def test_one_copy_for_a_piece_shared_by_four_ranks(holder_group, monkeypatch):
+    """A 64 MiB piece read by four ranks on the caller's node is written once, into one memory
+    file all four map (no put), and each rank gets a private writable view of it."""
+    from rankmesh.backends.ray.files import Mapped
+
     ex = holder_group.executor
     seen = []
     submit = ex.submit
@@ -144,13 +153,29 @@ def test_one_put_for_a_piece_shared_by_four_ranks(holder_group, monkeypatch):
 
     monkeypatch.setattr(ex, "submit", spy)
     batch = big_batch(64)
-    puts_before = ex.stats.puts
+    puts, maps = ex.stats.puts, ex.stats.maps
     out = holder_group.keep(batch)
-    assert ex.stats.puts - puts_before == 1  # one ray.put of 64 MiB ...
-    refs = {id(call.args[0].ref) for call in seen}
-    assert len(seen) == 4 and len(refs) == 1  # ... read by four ranks through one ObjectRef
+    assert (ex.stats.puts - puts, ex.stats.maps - maps) == (0, 1)  # one file of 64 MiB ...
+    files = {id(call.args[0]) for call in seen}
+    assert len(seen) == 4 and len(files) == 1 and isinstance(seen[0].args[0], Mapped)  # ... read by four ranks
     assert all(o["writable"] for o in out)  # every rank got a private writable copy
     assert len({o["ptr"] for o in out}) == 4
+
+
+def test_a_rank_that_keeps_its_input_keeps_its_bytes_through_later_large_calls(holder_group):
+    """A rank that keeps its input keeps its bytes, however many large calls follow.  On one node
+    a large argument travels in a memory file that is written again only once every rank it was
+    sent to let its views go; a kept batch never does, so its file is never reused.  Expected by
+    hand: the kept batch is all 3.0 on every rank, each later batch all 5.0 (its echo too)."""
+    kept = big_batch(8)
+    kept.batch["x"].fill_(3.0)
+    holder_group.keep(kept)
+    later = big_batch(8)
+    later.batch["x"].fill_(5.0)
+    for _ in range(4):
+        out = holder_group.echo(later)
+        assert (float(out.batch["x"].min()), float(out.batch["x"].max())) == (5.0, 5.0)
+    assert holder_group.kept_range() == [(3.0, 3.0)] * 4
 
 
 def test_in_place_change_in_one_rank_stays_there(holder_group):

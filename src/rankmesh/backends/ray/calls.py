@@ -56,7 +56,10 @@ class CallRecord:
     ``method`` names the call in errors and answers; ``deadline`` bounds every wait on its way
     (a free ring slot, the ranks' earlier calls, the answers); ``blocking=False``: its outputs go
     into a future that other processes may fetch.  ``nodes``/``coords`` (by rank) name the
-    ranks in errors.
+    ranks in errors.  ``holds``: what the ranks read from the caller's process while the call
+    runs (its :class:`.wire.Mapped` arguments' files), kept open for as long as any of the
+    call's pendings lives (a pending outlives the call's reads: it is dropped once the call is
+    answered, given up, or its future is read or dropped).
     """
 
     call_id: int
@@ -68,13 +71,15 @@ class CallRecord:
     blocking: bool = True
     nodes: Sequence[str | None] = ()
     coords: Sequence[RankCoords | None] = ()
+    holds: tuple[Any, ...] = ()
 
     @classmethod
     def of_parts(cls, call_id: int, generation: int, method: str, parts: Sequence[RankPart], deadline: Deadline = NEVER,
-                 blocking: bool = True) -> "CallRecord":
+                 blocking: bool = True, holds: tuple[Any, ...] = ()) -> "CallRecord":
         """A record whose every rank has a part of its own (steps, per-rank calls): the parts are its
         shares, each naming its rank and node (the record has no ``nodes`` of its own)."""
-        return cls(call_id, generation, method, tuple(parts), Selection.each([p.rank for p in parts]), deadline, blocking)
+        return cls(call_id, generation, method, tuple(parts), Selection.each([p.rank for p in parts]), deadline, blocking,
+                   holds=holds)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -100,10 +105,11 @@ class CallRecord:
     def pending(self, carrier: str, handles: Sequence[Any]) -> list[Pending]:
         """One :class:`Pending` per selected rank, in order, each with the carrier's handle for it."""
         method, call_id, generation, nodes, coords = self.method, self.call_id, self.generation, self.nodes, self.coords
+        holds = self.holds or None
         if not nodes:  # made of its parts (of_parts): they name their nodes
-            return [Pending(handle, part.rank, method, part.node, part.coords, carrier, call_id, generation)
+            return [Pending(handle, part.rank, method, part.node, part.coords, carrier, call_id, generation, holds)
                     for part, handle in zip(self.parts, handles)]
-        return [Pending(handle, rank, method, nodes[rank], coords[rank], carrier, call_id, generation)
+        return [Pending(handle, rank, method, nodes[rank], coords[rank], carrier, call_id, generation, holds)
                 for rank, handle in zip(self.selection.ranks, handles)]
 
 
@@ -115,7 +121,8 @@ class Pending:
     call id on the rank's reply ring (``"session"``), or the ObjectRef of the answer of the agent
     whose subtree serves the rank (``"agent"``).  ``rank``, ``method``, ``node`` and ``coords``
     name the rank in errors.  ``generation``: the group's generation when the call was sent
-    (``RayExecutor.generation``).  Identity is equality: two pendings are one rank's share of one
+    (``RayExecutor.generation``).  ``holds``: the call's :attr:`CallRecord.holds` (kept alive
+    with the pending).  Identity is equality: two pendings are one rank's share of one
     call only if they are the same object.
     """
 
@@ -127,6 +134,7 @@ class Pending:
     carrier: str = "ray"
     call_id: int = 0
     generation: int = 0
+    holds: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ from .session import CallSession
 from .tasks import RayTasks, ready_refs, step_part
 from .calls import CallRecord, Carrier, Pending, RankPart
 from .waiting import POLL_INTERVAL, Gathered, combine_errors, fetch_outputs, gather, timed_out
-from .wire import encode_rank_call, inline
+from .files import Mapped, mapped
+from .wire import INLINE_BYTES, encode_rank_call, inline
 
 logger = logging.getLogger(__name__)
 
@@ -95,16 +96,19 @@ def control_mode(environ: Mapping[str, str] | None = None) -> str:
 
 @dataclass
 class CallStats:
-    """Counters for tests and benchmarks: puts made, calls submitted (rank calls), and each carrier's calls."""
+    """Counters for tests and benchmarks: puts made, arguments mapped (:func:`.wire.mapped`), calls
+    submitted (rank calls), and each carrier's calls."""
 
     puts: int = 0
+    maps: int = 0
     calls: int = 0
     by_carrier: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, puts: int = 0, calls: int = 0, carrier: str | None = None) -> None:
+    def add(self, puts: int = 0, calls: int = 0, carrier: str | None = None, maps: int = 0) -> None:
         with self.lock:
             self.puts += puts
+            self.maps += maps
             self.calls += calls
             if carrier is not None:
                 self.by_carrier[carrier] = self.by_carrier.get(carrier, 0) + 1
@@ -441,13 +445,25 @@ class RayExecutor:
     # ----- calls ----------------------------------------------------------------------------------
 
     def share(self, obj: Any) -> Any:
-        """``obj`` pickled once to ride inside the call (:func:`.wire.inline`: small, no Ray handle
-        inside), else one ``ray.put`` of it."""
+        """``obj`` as a call argument: pickled once to ride inside the call (:func:`.wire.inline`:
+        small, no Ray handle inside); else, for a group on the caller's node, written once into a
+        memory file its ranks map (:func:`.wire.mapped`); else one ``ray.put`` of it.
+
+        Either of the first two keeps the call one message on the session's ring; what holds a
+        Ray handle (a future passed along) goes through the store under Ray's own serialization.
+        """
         if isinstance(obj, Shared):
             return obj
         small = inline(obj)
         if small is not None:
             return small
+        with self._send_lock:
+            session = self._open_session()
+        if isinstance(session, CallSession) and session.maps_arguments:  # every rank on this node, and they can map
+            big = mapped(obj, session.files, INLINE_BYTES)
+            if big is not None:
+                self.stats.add(maps=1)
+                return big
         self.stats.add(puts=1)
         return Shared(ray.put(obj))
 
@@ -478,10 +494,10 @@ class RayExecutor:
                 parts = tuple(dataclasses.replace(p, after=after[p.rank], after_s=after_s) if p.rank in after else p
                               for p in record.parts)
                 record = CallRecord.of_parts(record.call_id, record.generation, record.method, parts, record.deadline,
-                                             record.blocking)
+                                             record.blocking, record.holds)
             if bound is not deadline:  # it queues behind an abandoned call: its wait ends at the bound
                 record = CallRecord.of_parts(record.call_id, record.generation, record.method, record.parts, bound,
-                                             record.blocking)
+                                             record.blocking, record.holds)
                 self._bounds[record.call_id] = bound
                 while len(self._bounds) > BOUNDS_MAX:
                     self._bounds.pop(next(iter(self._bounds)))
@@ -543,7 +559,7 @@ class RayExecutor:
             shares, selection = tuple(encoded), Selection(tuple(call.rank for call in calls), tuple(index))
             blocking = all(call.blocking for call in calls)
         return CallRecord(next(self._ids), self.generation, method, shares, selection, deadline, blocking,
-                          self.nodes, self.coords)
+                          self.nodes, self.coords, _mapped_in(calls, selection))
 
     # ----- order (.order) -------------------------------------------------------------------------
 
@@ -751,6 +767,28 @@ class RayExecutor:
                           for i, rank in enumerate(ranks))
             record = CallRecord.of_parts(next(self._ids), self.generation, what or step, parts)
             return self._tasks.send(record)
+
+
+def _mapped_in(calls: Sequence[RankCall] | GroupCall, selection: Selection) -> tuple[Mapped, ...]:
+    """The call's :class:`.files.Mapped` arguments, each once (what its pendings keep), each told
+    which ranks it is sent to (each will open it once, and say when it let go)."""
+    shares = calls.shares if isinstance(calls, GroupCall) else calls
+    found: dict[int, tuple[Mapped, list[int]]] = {}
+    for index, call in enumerate(shares):
+        for value in (*call.args, *call.kwargs.values()):
+            if isinstance(value, Mapped):
+                found.setdefault(id(value), (value, []))[1].append(index)
+    if not found:
+        return ()
+    if isinstance(calls, GroupCall):
+        ranks_of: dict[int, list[int]] = {}
+        for rank, share in zip(selection.ranks, selection.share):
+            ranks_of.setdefault(share, []).append(rank)
+    else:
+        ranks_of = {index: [call.rank] for index, call in enumerate(calls)}
+    for value, indices in found.values():
+        value.expect([rank for index in indices for rank in ranks_of.get(index, ())])
+    return tuple(value for value, _ in found.values())
 
 
 def _share(role: str | None, method: str, call: RankCall, cache: Any, fetch_mark: bool) -> RankPart:

@@ -50,7 +50,8 @@ from .rejoin import exit_on_call, leave, rejoin, restore
 from rankmesh.rendezvous import GLOO_IFNAME, interface_of, reserve_port
 from .reshard import RayObjects
 from .runtime import node_ip_address, worker_raylet_pid
-from .serve import SessionState, connect, start_serving
+from .files import FilePool, refused
+from .serve import SessionState, connect, start_serving, writer_may_open
 from .wire import BARE_SLOT_METHODS, SLOT_METHODS, CallHeader, decode_call, fill_call
 
 logger = logging.getLogger(__name__)
@@ -392,18 +393,23 @@ class WorkerHost:
     # ----- call sessions (.session) ---------------------------------------------------------
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    def open_session(self, address: str, reader: int) -> int:
-        """Join the writer's call session at Unix socket ``address`` as ``reader``; returns this pid.
+    def open_session(self, address: str, reader: int, probe: bytes | None = None) -> tuple[str | None, str | None]:
+        """Join the writer's call session at Unix socket ``address`` as ``reader``.
 
         Runs on the control thread (a running call does not hold it up).  A session opened
-        before is given up first: its ring is aborted, which ends its thread.
+        before is given up first: its ring is aborted, which ends its thread.  ``probe``: a
+        pickled :class:`.files.Mapped` of the writer's.  Returns why this host cannot open the
+        writer's files (then the writer sends large arguments through the store) or ``None``,
+        and the token of the pool its large outputs go to for the writer to map (``None``: the
+        writer may not open this process's files, so they are parked for ``take_parked``).
         """
         self.close_session()
         ring, reply = connect(address, reader)
         self._session = (ring, reply)
         self._session_state = state = SessionState()
-        start_serving(ring, reply, self._session_call, state, lambda: self._rank)
-        return os.getpid()
+        files = FilePool() if writer_may_open(ring.peer_pids()) else None
+        start_serving(ring, reply, self._session_call, state, lambda: self._rank, files)
+        return (None if probe is None else refused(probe)), (None if files is None else files.token)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def close_session(self) -> None:

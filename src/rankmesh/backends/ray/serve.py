@@ -15,14 +15,16 @@ and refuses one that goes back.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from rankmesh.errors import RingError
 from rankmesh.ring import Ring, RingSpec, receive_ring, send_ring
 
+from .files import FilePool, take_released
 from .wire import ERROR, OK, REPLY_BYTES, REPLY_SLOTS, STOP, CallHeader, decode_command, encode_answer, error_parts, reusable
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,8 @@ Run = Callable[[CallHeader, int, int], Any]
 
 
 class SessionState:
-    """What a host's session thread knows: outputs parked for ``take_parked``, the last call it read,
+    """What a host's session thread knows: outputs parked for ``take_parked`` (or the memory files
+    of mapped ones, kept open until the writer read them), the last call it read,
     and the last call it finished (what a Ray task sent after session calls waits for: :meth:`wait_done`).
 
     Shared by the session thread, the host's control thread (``take_parked``) and Ray's thread
@@ -97,8 +100,14 @@ class SessionState:
             return len(self._parked)
 
 
-def serve(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable[[], int | None]) -> None:
-    """A host's session thread: run every call the ring brings for this reader, answer each on ``reply``."""
+def serve(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable[[], int | None],
+          files: FilePool | None = None) -> None:
+    """A host's session thread: run every call the ring brings for this reader, answer each on ``reply``.
+
+    ``files``: where outputs too big for a reply slot go for the writer to map (``None``: they
+    are parked for ``take_parked``).  Each answer reports the writer's files this process let
+    go of; each command, the host's files the writer let go of.
+    """
     decoded: dict[bytes, CallHeader] = {}
     try:
         while True:
@@ -106,6 +115,8 @@ def serve(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable
             if message == STOP:
                 return
             command = decode_command(message)
+            if files is not None and command.released:
+                files.released("writer", command.released)
             state.drop_below(command.floor)
             piece = command.plan[ring.reader]
             if piece is None:
@@ -123,9 +134,14 @@ def serve(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable
                     call = pickle.loads(header)
                     if len(decoded) < DECODED_MAX and reusable(call):
                         decoded[header] = call
-                answer = encode_answer(command.call_id, OK, run(call, seq, enter_ns), REPLY_BYTES, state.park)
+                output = run(call, seq, enter_ns)
+                call = None  # the arguments' views go now, so the answer can report them let go
+                answer = encode_answer(command.call_id, OK, output, REPLY_BYTES, state.park, files, take_released())
             except Exception as exc:  # noqa: BLE001 - the writer raises it, naming the rank
-                answer = encode_answer(command.call_id, ERROR, error_parts(exc, rank()), REPLY_BYTES, state.park)
+                call = None
+                answer = encode_answer(command.call_id, ERROR, error_parts(exc, rank()), REPLY_BYTES, state.park,
+                                       released=take_released())
+            output = None
             state.finished(command.call_id)
             reply.write(answer, timeout=REPLY_WAIT_S)
     except RingError as exc:  # the writer is gone, gave the session up, or stopped reading
@@ -137,11 +153,25 @@ def serve(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable
         state.end()
         ring.close()
         reply.close()
+        if files is not None:
+            files.close()
 
 
-def start_serving(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable[[], int | None]) -> threading.Thread:
+def writer_may_open(writers: Sequence[int]) -> bool:
+    """Whether the writer (``writers``: its pid) may open this process's files through ``/proc``:
+    the kernel lets a process of the same user read another's fds (ptrace's read mode, which
+    Yama leaves alone).  Then large outputs are answered as memory files (:data:`.wire.MAPPED`)."""
+    try:
+        return bool(writers) and all(os.stat(f"/proc/{pid}").st_uid == os.getuid() for pid in writers)
+    except OSError:
+        return False
+
+
+def start_serving(ring: Ring, reply: Ring, run: Run, state: SessionState, rank: Callable[[], int | None],
+                  files: FilePool | None = None) -> threading.Thread:
     """:func:`serve` on a daemon thread of its own (the host's session thread)."""
-    thread = threading.Thread(target=serve, args=(ring, reply, run, state, rank), name="rankmesh-session", daemon=True)
+    thread = threading.Thread(target=serve, args=(ring, reply, run, state, rank, files), name="rankmesh-session",
+                              daemon=True)
     thread.start()
     return thread
 

@@ -28,6 +28,7 @@ are anonymous memfds: nothing is left in ``/dev/shm``.
 from __future__ import annotations
 
 import logging
+import pickle
 import select
 import socket
 import struct
@@ -43,7 +44,9 @@ from rankmesh.ring import Ring, RingSpec, check_platform, receive_ring, send_rin
 
 from .calls import CallRecord, Outcome, Pending
 from .waiting import task_error
-from .wire import COMMAND_BYTES, COMMAND_SLOTS, ERROR, PARKED, STOP, Command, command_plan, decode_answer, encode_command
+from .files import FilePool, let_go, probe, take_released
+from .wire import (COMMAND_BYTES, COMMAND_SLOTS, ERROR, MAPPED, PARKED, STOP, Command, command_plan, decode_answer,
+                   encode_command)
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,11 @@ class CallSession:
         self._rank_of_fd: dict[int, int] = {}
         self._exited: set[int] = set()  # ranks whose host process exited
         self._plans: dict[int, tuple[int | None, ...]] = {}  # a reusable selection's key -> the command's plan
+        #: The memory files large call arguments go to for the ranks to map (:mod:`.files`), and
+        #: whether every host could open one when it joined (else large arguments take the store).
+        self.files = FilePool()
+        self.maps_arguments = False
+        self._host_files: set[str] = set()  # the tokens of the hosts' output pools (their reports go back to them)
 
     # ----- opening and closing ----------------------------------------------------------------
 
@@ -93,7 +101,9 @@ class CallSession:
         """Hand each host the ring and take its reply ring, within ``timeout_s``.
 
         On failure every host that joined is told to leave (the ring is aborted, which ends its
-        session thread) and every fd is closed, so nothing of a failed open stays behind.
+        session thread) and every fd is closed, so nothing of a failed open stays behind.  Each
+        host also tries to open a small memory file of this process (:func:`.files.probe`):
+        :attr:`maps_arguments` says whether all could.
         """
         import ray  # deferred: agents and the controller have Ray; the module itself needs only its handles
 
@@ -105,7 +115,9 @@ class CallSession:
             server.listen(len(self.ranks))
             server.settimeout(0.2)
             self.ring = Ring.create(RingSpec(readers=len(self.ranks), slots=COMMAND_SLOTS, slot_bytes=COMMAND_BYTES))
-            opened = [self.actors[rank].open_session.remote(address, i) for i, rank in enumerate(self.ranks)]
+            probed = probe(self.files)
+            sent_probe = pickle.dumps(probed)
+            opened = [self.actors[rank].open_session.remote(address, i, sent_probe) for i, rank in enumerate(self.ranks)]
             for _ in self.ranks:
                 while True:
                     try:
@@ -121,7 +133,14 @@ class CallSession:
                     (reader,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
                     send_ring(conn, self.ring)
                     self.replies[self.ranks[reader]] = receive_ring(conn, 0)
-            ray.get(opened, timeout=max(0.1, deadline.left()))
+            joined = ray.get(opened, timeout=max(0.1, deadline.left()))
+            refused = [why for why, _ in joined if why is not None]
+            self._host_files = {token for _, token in joined if token is not None}
+            self.maps_arguments = not refused
+            if refused:
+                logger.info("call session: large call arguments take the object store (a rank cannot open this "
+                            "process's memory files: %s)", refused[0])
+            del probed
             self.ring.watch(list(self.pids.values()))
             self._epoll = select.epoll()
             for rank, reply in self.replies.items():
@@ -155,6 +174,7 @@ class CallSession:
             if self._epoll is not None:
                 self._epoll.close()
                 self._epoll = None
+        self.files.close()
 
     # ----- sending ----------------------------------------------------------------------------
 
@@ -193,8 +213,10 @@ class CallSession:
             wanted = [owed[0] for owed in self._owed.values() if owed and owed[0] not in self._unwanted]
             if self._unwanted:
                 wanted = [c for owed in self._owed.values() for c in owed if c not in self._unwanted]
+            wanted += [c for (_, c), (status, _) in self._answers.items() if status in (PARKED, MAPPED)]
         floor = min([*wanted, command.call_id])
-        return encode_command(Command(command.call_id, floor, command.headers, command.plan))
+        released = tuple(take_released(self._host_files)) if self._host_files else ()
+        return encode_command(Command(command.call_id, floor, command.headers, command.plan, released))
 
     def write(self, message: bytes, call_id: int, method: str, deadline: Deadline, ranks: Sequence[int]) -> None:
         """Put ``message`` (an encoded command, :meth:`encode`) in the ring; ``ranks``: the readers it calls.
@@ -224,6 +246,10 @@ class CallSession:
         """Nobody will take these calls' answers: drop them as they come (and let their parked outputs go)."""
         with self._read_lock:
             self._unwanted.update(p.handle for p in pending)
+            for p in pending:  # answers read ahead for them: a file never opened may be written again
+                status, value = self._answers.pop((p.rank, p.handle), (None, None))
+                if status == MAPPED:
+                    let_go(value[0])
 
     # ----- answers (the carrier's poll) -------------------------------------------------------
 
@@ -294,9 +320,13 @@ class CallSession:
                 return
             if message is None:
                 return
-            call_id, status, value = decode_answer(message)
+            call_id, status, value, released = decode_answer(message)
+            if released:
+                self.files.released(rank, released)
             owed.pop(0)
             if call_id in self._unwanted:
+                if status == MAPPED:  # never opened: the host may write that file again
+                    let_go(value[0])
                 if not any(call_id in o for o in self._owed.values()):
                     self._unwanted.discard(call_id)  # every rank answered it: nothing more to drop
                 continue
@@ -312,6 +342,11 @@ class CallSession:
             try:
                 return Outcome(ray.get(self.actors[p.rank].take_parked.remote(p.handle), timeout=TAKE_PARKED_S))
             except Exception as exc:  # noqa: BLE001 - the host died meanwhile, or the store failed: the rank's error
+                return Outcome(error=exc)
+        if status == MAPPED:  # too big for the reply ring: the host wrote it into a memory file to map
+            try:
+                return Outcome(pickle.loads(value[1]))
+            except Exception as exc:  # noqa: BLE001 - the file cannot be opened: the rank's error
                 return Outcome(error=exc)
         return Outcome(value)
 

@@ -35,12 +35,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import ray
 import torch
 from ray import cloudpickle
 
 from rankmesh.backend import RankCall, Selection, Shared
 from rankmesh.data import DataProto
+
+from .files import CappedSink, FilePool, mapped, pickle_probed
 
 
 #: An argument object up to this many pickled bytes rides inside its call's header instead of the
@@ -50,30 +51,6 @@ from rankmesh.data import DataProto
 INLINE_BYTES = 100 * 1024
 
 
-class _CappedSink:
-    """A pickle file that keeps what it is written, and stops the pickler past its cap."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap, self.size, self.parts = cap, 0, []
-
-    def write(self, data: Any) -> int:
-        size = memoryview(data).nbytes
-        self.size += size
-        if self.size > self.cap:
-            raise OverflowError(f"pickles to more than {self.cap} bytes")
-        self.parts.append(bytes(data))
-        return size
-
-
-class _InlineProbe(cloudpickle.CloudPickler):
-    """The header's own pickler, stopped at a Ray handle: one pickled outside Ray's serialization is pinned for good."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
-            raise pickle.PicklingError(f"holds a {type(obj).__name__}")
-        return super().reducer_override(obj)
-
-
 def _known_bytes(obj: Any) -> int | None:
     """The bytes ``obj`` certainly holds, read without pickling (tensors, arrays, a DataProto's tensors); else ``None``."""
     if isinstance(obj, torch.Tensor):
@@ -81,7 +58,11 @@ def _known_bytes(obj: Any) -> int | None:
     if isinstance(obj, np.ndarray) and obj.dtype != object:
         return obj.nbytes
     if isinstance(obj, DataProto):  # its tensors alone may already be too big
-        return 0 if obj.batch is None else obj.batch.bytes()
+        # Not TensorDict.bytes(): its recursive closure is a reference cycle holding every tensor
+        # it counted until the next garbage collection (a rank's output is its input's views).
+        if obj.batch is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in obj.batch.values(True, True) if isinstance(t, torch.Tensor))
     return None
 
 
@@ -113,9 +94,9 @@ def inline(obj: Any, cap: int = INLINE_BYTES) -> Inline | None:
     known = _known_bytes(obj)
     if known is not None and known > cap:
         return None
-    sink = _CappedSink(cap)
+    sink = CappedSink(cap)
     try:
-        _InlineProbe(sink, protocol=5).dump(obj)
+        pickle_probed(obj, sink)
     except Exception:  # noqa: BLE001 - too big, a Ray handle, or it does not pickle: the store takes it (and says why)
         return None
     return Inline(b"".join(sink.parts))
@@ -317,9 +298,11 @@ COMMAND_BYTES = 1 << 20
 #: Reply rings: answers in flight, and the largest answer (bigger ones are parked: :data:`PARKED`).
 REPLY_SLOTS = 4
 REPLY_BYTES = 1 << 20
-#: Answer statuses: the output inline, the error, or "parked" (too big for a reply slot: the
-#: host keeps it for one ``take_parked`` call through the object store).
-OK, ERROR, PARKED = 0, 1, 2
+#: Answer statuses: the output inline, the error, "parked" (too big for a reply slot: the host
+#: keeps it for one ``take_parked`` call through the object store), or "mapped" (too big for a
+#: slot: the answer holds its key and a pickled :class:`.files.Mapped` of it, which the writer
+#: opens and maps).
+OK, ERROR, PARKED, MAPPED = 0, 1, 2, 3
 #: The command that ends a host's session thread.
 STOP = b"stop"
 
@@ -331,22 +314,24 @@ class Command:
     ``headers`` are the call's shares, each an encoded :class:`CallHeader`; ``plan[reader]`` is
     ``None`` (the reader's rank is not called) or the index of the header it runs.  The call id
     is every reader's sequence number of the call.  ``floor``: the host may drop outputs it
-    parked for calls below this id (the controller read or gave them up).
+    parked for calls below this id (the controller read or gave them up).  ``released``: the
+    hosts' output files the writer let go of (:func:`.files.take_released`; each host takes its own).
     """
 
     call_id: int
     floor: int
     headers: tuple[bytes, ...]
     plan: tuple[int | None, ...]
+    released: tuple[tuple[str, int, int], ...] = ()
 
 
 def encode_command(command: Command) -> bytes:
-    return pickle.dumps((command.call_id, command.floor, command.headers, command.plan), protocol=5)
+    return pickle.dumps((command.call_id, command.floor, command.headers, command.plan, command.released), protocol=5)
 
 
 def decode_command(message: bytes) -> Command:
-    call_id, floor, headers, plan = pickle.loads(message)
-    return Command(call_id, floor, tuple(headers), tuple(plan))
+    call_id, floor, headers, plan, released = pickle.loads(message)
+    return Command(call_id, floor, tuple(headers), tuple(plan), tuple(released))
 
 
 def command_plan(readers: Sequence[int], selection: Selection) -> tuple[int | None, ...]:
@@ -361,26 +346,43 @@ def command_plan(readers: Sequence[int], selection: Selection) -> tuple[int | No
     return tuple(plan)
 
 
-def encode_answer(call_id: int, status: int, value: Any, limit: int, park: Callable[[int, Any], None]) -> bytes:
-    """One answer for the reply ring: pickled (cloudpickle for what only it can pickle); an
-    output over ``limit`` bytes is handed to ``park`` and answered as :data:`PARKED`."""
-    answer = (call_id, status, value)
-    try:
-        encoded = pickle.dumps(answer, protocol=5)  # a few us, against cloudpickle's ~10 for a small answer
-    except Exception:  # noqa: BLE001 - a class or function defined in __main__: by value
+def encode_answer(call_id: int, status: int, value: Any, limit: int, park: Callable[[int, Any], None],
+                  files: FilePool | None = None, released: Sequence[tuple[str, int, int]] = ()) -> bytes:
+    """One answer for the reply ring: pickled (cloudpickle for what only it can pickle), with
+    ``released`` (the writer's files this host let go of: :func:`.files.take_released`).
+
+    An output over ``limit`` bytes is, given ``files`` (the writer may open this process's
+    files), written into one of them for the writer to map (:func:`.files.mapped`) and answered
+    as :data:`MAPPED`, the :class:`.files.Mapped` handed to ``park`` (kept until the writer read
+    the answer); otherwise the output itself is handed to ``park`` and answered as
+    :data:`PARKED`.  An output whose tensors alone are over ``limit`` is not pickled whole first.
+    """
+    released = tuple(released)
+    known = _known_bytes(value) if status == OK else None
+    if known is None or known <= limit:
+        answer = (call_id, status, value, released)
         try:
-            encoded = cloudpickle.dumps(answer, protocol=5)
-        except Exception as exc:  # noqa: BLE001 - an output that does not pickle is the call's error
-            encoded = cloudpickle.dumps((call_id, ERROR, error_parts(exc, None)), protocol=5)
-    if len(encoded) <= limit:
-        return encoded
+            encoded = pickle.dumps(answer, protocol=5)  # a few us, against cloudpickle's ~10 for a small answer
+        except Exception:  # noqa: BLE001 - a class or function defined in __main__: by value
+            try:
+                encoded = cloudpickle.dumps(answer, protocol=5)
+            except Exception as exc:  # noqa: BLE001 - an output that does not pickle is the call's error
+                encoded = cloudpickle.dumps((call_id, ERROR, error_parts(exc, None), released), protocol=5)
+        if len(encoded) <= limit:
+            return encoded
+    if files is not None and status == OK:
+        big = mapped(value, files, INLINE_BYTES)
+        if big is not None:
+            big.expect(["writer"])
+            park(call_id, big)
+            return pickle.dumps((call_id, MAPPED, (big.key, pickle.dumps(big)), released), protocol=5)
     park(call_id, value)
-    return pickle.dumps((call_id, PARKED, None), protocol=5)
+    return pickle.dumps((call_id, PARKED, None, released), protocol=5)
 
 
-def decode_answer(message: bytes) -> tuple[int, int, Any]:
-    call_id, status, value = pickle.loads(message)
-    return call_id, status, value
+def decode_answer(message: bytes) -> tuple[int, int, Any, tuple[tuple[str, int, int], ...]]:
+    """``(call_id, status, value, released)`` of an answer (:func:`encode_answer`)."""
+    return pickle.loads(message)
 
 
 def error_parts(exc: BaseException, rank: int | None) -> tuple[BaseException, str]:

@@ -1,0 +1,379 @@
+"""Memory files that carry a call's large arguments and outputs between the processes of one node, reused once every reader let go.
+
+Why: through Ray's object store a large argument costs a put and then one Ray task per rank (a
+reference pickled into a call's header would stay pinned for good), so a data call with large
+pieces could not take the session's ring.  A memory file (``memfd``) costs the writer the same
+one copy as a put, the call stays one ring message, and each reader maps the file copy-on-write
+(:mod:`rankmesh.sharedmem`): a rank that writes its input changes nobody else's data.  The same
+goes the other way for an output too big for a reply slot.
+
+Files are reused, as the object store reuses its memory: writing into a fresh file allocates and
+zeroes each page as it goes (32 MiB here: 15 ms, against 5 ms into pages a file already has),
+which alone made a 64 MiB call 1.6x the store's.  A file is written again only once
+
+* the writer's :class:`Mapped` of it is gone (so no retry can send it again), and
+* every reader it was sent to reported, once per opening, that its last view of it is gone
+  (:func:`take_released`; hosts send their reports on their answers, the controller on its
+  commands).
+
+A reader that keeps a view (a rank that stores its input) keeps the file out of use; one that
+never opened it (a call given up before it started, a rank that died) keeps it out until the
+pool is closed (its session ends).  Nothing is ever written under a live view.  A forked child of
+a reader that keeps views of its parent's input is the one case this cannot see (as with the
+object store's own memory).
+
+State: the reports of this process's readers (:data:`_RELEASED`) are per process, because the
+unpickler opens a file (:func:`open_mapped`) with nothing but the pickled arguments; everything
+else is an object: one :class:`FilePool` per writer (a session's controller end, a host).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import pickle
+import threading
+import uuid
+import weakref
+from collections import defaultdict
+from typing import Any, Hashable, Iterable
+
+import numpy as np
+from ray import cloudpickle
+
+from rankmesh.errors import BackendError
+from rankmesh.sharedmem import SharedFile, file_layout, write_into
+
+logger = logging.getLogger(__name__)
+
+#: Most files one pool keeps (each is an fd of the writer), in use or free; past it a value is
+#: not mapped (the caller then sends it another way).
+MAX_FILES = 256
+#: Bytes of free files a pool keeps for reuse; a file let go beyond it is closed.
+KEEP_BYTES = 2 << 30
+
+
+class _File:
+    """One memory file of a pool: its fd, identity, capacity, how often it was written, and who may still read it."""
+
+    __slots__ = ("number", "fd", "identity", "capacity", "use", "readers", "writer_done", "mapping")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.fd = os.memfd_create("rankmesh-shared", os.MFD_CLOEXEC)
+        st = os.fstat(self.fd)
+        self.identity = (st.st_dev, st.st_ino)
+        self.capacity = 0
+        self.use = 0
+        self.readers: dict[Hashable, int] = defaultdict(int)  # reader -> openings not yet let go
+        self.writer_done = True
+        self.mapping: np.ndarray | None = None  # the writer's own view of the file, once written
+
+    def write(self, raws: list[memoryview], spans: list[tuple[int, int]], size: int) -> None:
+        """Write ``raws`` at ``spans``: into the writer's mapping when the file has the pages
+        (a copy into memory already there: 128 MiB in 13 ms here), else with ``pwrite`` (which
+        allocates them without a page fault each: 26 ms; through a fresh mapping, 54)."""
+        if self.mapping is None or self.capacity < size:
+            write_into(self.fd, raws, spans, size)
+            self.capacity = max(self.capacity, size)
+            self.mapping = np.frombuffer(mmap.mmap(self.fd, self.capacity), dtype=np.uint8)
+            return
+        for raw, (start, n) in zip(raws, spans):
+            np.copyto(self.mapping[start:start + n], np.frombuffer(raw, dtype=np.uint8))
+
+    def close(self) -> None:
+        self.mapping = None
+        os.close(self.fd)
+
+
+class FilePool:
+    """The memory files one writer puts large values in (:func:`mapped`), and when each may be written again.
+
+    ``token`` names the pool in every file's pickled form, so a reader's report of a file
+    (:func:`take_released`) reaches only this pool, whatever other pools a process hears of.
+    Thread-safe: values are written by callers' threads, reports come in on the thread reading
+    answers, and :class:`Mapped` objects die on any thread.
+    """
+
+    def __init__(self, max_files: int = MAX_FILES, keep_bytes: int = KEEP_BYTES) -> None:
+        self.token = uuid.uuid4().hex
+        self.max_files, self.keep_bytes = max_files, keep_bytes
+        self._lock = threading.Lock()
+        self._files: dict[int, _File] = {}
+        self._free: list[_File] = []
+        self._numbers = itertools.count()
+        self._closed = False
+        self.reused = 0  # writes into a file written before (for tests and benchmarks)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._files)
+
+    @property
+    def free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def write(self, raws: list[memoryview], payload: bytes) -> "Mapped | None":
+        """``raws`` written into a free file (the smallest that fits), else a new one; ``None`` when
+        the pool holds :attr:`max_files` files or is closed."""
+        spans, size = file_layout([raw.nbytes for raw in raws])
+        with self._lock:
+            if self._closed:
+                return None
+            fits = [f for f in self._free if f.capacity >= size]
+            file = min(fits, key=lambda f: f.capacity) if fits else (self._free[0] if self._free else None)
+            if file is not None:
+                self._free.remove(file)
+                self.reused += 1
+            elif len(self._files) < self.max_files:
+                file = _File(next(self._numbers))
+                self._files[file.number] = file
+            else:
+                return None
+            file.use += 1
+            file.writer_done = False
+        try:
+            file.write(raws, spans, size)
+        except BaseException:
+            self._retire(file)
+            raise
+        return Mapped(self, file, payload, spans, size)
+
+    def expect(self, file: _File, readers: Iterable[Hashable]) -> None:
+        """``readers`` are sent the file's current use (each will open it once, and report it)."""
+        with self._lock:
+            for reader in readers:
+                file.readers[reader] += 1
+
+    def released(self, reader: Hashable, reports: Iterable[tuple[str, int, int]]) -> None:
+        """``reader`` let go of these openings (``(token, file number, use)``; other pools' are ignored)."""
+        with self._lock:
+            for token, number, use in reports:
+                file = self._files.get(number) if token == self.token else None
+                if file is None or file.use != use or file.readers.get(reader, 0) <= 0:
+                    continue
+                file.readers[reader] -= 1
+                if file.readers[reader] == 0:
+                    del file.readers[reader]
+                self._maybe_free(file)
+
+    def _writer_done(self, number: int, use: int) -> None:
+        """The writer's :class:`Mapped` of ``use`` is gone (a finalizer: any thread)."""
+        with self._lock:
+            file = self._files.get(number)
+            if file is not None and file.use == use:
+                file.writer_done = True
+                self._maybe_free(file)
+
+    def _maybe_free(self, file: _File) -> None:
+        """Put ``file`` back for reuse if nothing may read it any more, or close it.
+
+        A closed pool writes nothing again, so its files are closed as soon as the writer is done
+        with them, whoever still maps them (closing never changes a reader's bytes; only writing
+        would): readers of a session that ended may never report.
+        """
+        if not file.writer_done or file in self._free:
+            return
+        if self._closed:
+            del self._files[file.number]
+            file.close()
+            return
+        if file.readers:
+            return
+        if sum(f.capacity for f in self._free) + file.capacity > self.keep_bytes:
+            del self._files[file.number]
+            file.close()
+        else:
+            self._free.append(file)
+
+    def _retire(self, file: _File) -> None:
+        with self._lock:
+            self._files.pop(file.number, None)
+        file.close()
+
+    def close(self) -> None:
+        """Write nothing more: close every file the writer is done with (a file still sent, one
+        whose :class:`Mapped` lives, is closed when it dies)."""
+        with self._lock:
+            self._closed = True
+            self._free.clear()
+            for file in [f for f in self._files.values() if f.writer_done]:
+                del self._files[file.number]
+                file.close()
+
+
+class Mapped:
+    """A value written into a memory file of the writer's process (:func:`mapped`), for the
+    readers on its node to map: its pickle without its buffers, and where the file is (the
+    writer's pid, the fd, the file's identity, its pool, number and use).
+
+    The writer keeps the file for this use while this object lives (a call's pendings hold its
+    arguments' :class:`Mapped`: :attr:`.calls.CallRecord.holds`) and until every reader it was
+    sent to (:meth:`expect`) let go.
+    """
+
+    __slots__ = ("pool", "file", "payload", "spans", "size", "pid", "__weakref__")
+
+    def __init__(self, pool: FilePool, file: _File, payload: bytes, spans: list[tuple[int, int]], size: int) -> None:
+        self.pool, self.file, self.payload, self.spans, self.size = pool, file, payload, spans, size
+        self.pid = os.getpid()
+        weakref.finalize(self, pool._writer_done, file.number, file.use)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.spans)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """What a reader reports when it let go of this value (:func:`let_go`)."""
+        return self.pool.token, self.file.number, self.file.use
+
+    def expect(self, readers: Iterable[Hashable]) -> None:
+        """``readers`` are sent this value: the file is not written again before each let it go."""
+        self.pool.expect(self.file, readers)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        file = self.file
+        where = (self.pid, file.fd, file.identity, self.pool.token, file.number, file.use)
+        return open_mapped, (where, self.payload, self.spans, self.size)
+
+
+class _InlineProbe(cloudpickle.CloudPickler):
+    """The header's own pickler, stopped at a Ray handle: one pickled outside Ray's serialization is pinned for good."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import ray
+
+        if isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
+            raise pickle.PicklingError(f"holds a {type(obj).__name__}")
+        return super().reducer_override(obj)
+
+
+class CappedSink:
+    """A pickle file that keeps what it is written, and stops the pickler past its cap."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.size, self.parts = cap, 0, []
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        self.size += size
+        if self.size > self.cap:
+            raise OverflowError(f"pickles to more than {self.cap} bytes")
+        self.parts.append(bytes(data))
+        return size
+
+
+def pickle_probed(obj: Any, sink: Any, buffers: list[pickle.PickleBuffer] | None = None) -> None:
+    """Pickle ``obj`` into ``sink`` with the header's own pickler, refusing Ray handles (``buffers``:
+    collect the out-of-band buffers there).  The pickler's memo is cleared at once: cloudpickle's
+    pickler sits in a reference cycle, so a memo left in it would keep every object it pickled
+    alive until the next garbage collection (a rank's input, whose file could not be reused)."""
+    pickler = _InlineProbe(sink, protocol=5, buffer_callback=None if buffers is None else buffers.append)
+    try:
+        pickler.dump(obj)
+    finally:
+        pickler.clear_memo()
+
+
+def mapped(obj: Any, pool: FilePool, inband_cap: int) -> Mapped | None:
+    """``obj`` written into a file of ``pool`` for readers on this node to map (:class:`Mapped`),
+    or ``None``: it travels another way.
+
+    It qualifies when it pickles with its large buffers out of band (tensors, arrays:
+    :mod:`rankmesh.serialization`), the rest to at most ``inband_cap`` bytes, holds no ObjectRef
+    or actor handle (one pickled outside Ray's serialization is pinned for good), and the pool
+    has room.  One copy of the buffers, as ``ray.put`` makes.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    sink = CappedSink(inband_cap)
+    try:
+        pickle_probed(obj, sink, buffers)
+        raws = [b.raw() for b in buffers]
+    except Exception:  # noqa: BLE001 - too big in band, a Ray handle, a buffer not contiguous: another way
+        return None
+    finally:
+        buffers.clear()
+    if not raws:
+        return None
+    return pool.write(raws, b"".join(sink.parts))
+
+
+class _Openings:
+    """The openings of other processes' files that this process let go of, not yet reported."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # a view dies on any thread; reports are taken by the session's
+        self._let_go: list[tuple[str, int, int]] = []
+
+    def add(self, token: str, number: int, use: int) -> None:
+        with self._lock:
+            self._let_go.append((token, number, use))
+
+    def take(self, tokens: Iterable[str] | None) -> list[tuple[str, int, int]]:
+        with self._lock:
+            if not self._let_go:
+                return []
+            if tokens is None:
+                taken, self._let_go = self._let_go, []
+                return taken
+            wanted = set(tokens)
+            taken = [r for r in self._let_go if r[0] in wanted]
+            self._let_go = [r for r in self._let_go if r[0] not in wanted]
+            return taken
+
+
+#: This process's openings let go of, as ``(pool token, file number, use)`` (see the module docstring, "State").
+_RELEASED = _Openings()
+
+
+def let_go(key: tuple[str, int, int]) -> None:
+    """Report a value sent to this process as let go without opening it (its answer was not wanted)."""
+    _RELEASED.add(*key)
+
+
+def take_released(tokens: Iterable[str] | None = None) -> list[tuple[str, int, int]]:
+    """The openings let go of since the last call (of the pools ``tokens`` only; ``None``: all), to report to their writers."""
+    return _RELEASED.take(tokens)
+
+
+def open_mapped(where: tuple[Any, ...], payload: bytes, spans: list[tuple[int, int]], size: int) -> Any:
+    """A reader's copy of a :class:`Mapped` value (what unpickling it calls).
+
+    The file's buffers come as read-only views of one shared mapping, and the data layer's
+    receive turns each into a private copy-on-write view (:mod:`rankmesh.sharedmem`), as it does
+    for the object store's.  Once the last view is gone the opening is reported let go.
+    """
+    pid, fd, identity, token, number, use = where
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        file = SharedFile.open(path, spans, size, identity)
+    except FileNotFoundError as exc:
+        raise BackendError(f"a value sent by process {pid} is gone ({exc}): its sender gave the call up "
+                           "before this process read it") from None
+    except OSError as exc:
+        raise BackendError(f"cannot open a value sent by process {pid} at {path}: {exc}. Processes of one node "
+                           "map each other's large call arguments and outputs through /proc; set "
+                           "RANKMESH_CONTROL=ray to send them through Ray's object store") from None
+    file.when_unmapped(_RELEASED.add, token, number, use)
+    return pickle.loads(payload, buffers=file.views())
+
+
+def probe(pool: FilePool) -> Mapped:
+    """A small :class:`Mapped` of ``pool`` whose opening a session's hosts try when they join (:func:`refused`)."""
+    found = mapped(np.zeros(16, dtype=np.uint8), pool, 1 << 10)
+    if found is None:
+        raise BackendError("cannot write a memory file to probe the session's hosts with")
+    return found
+
+
+def refused(pickled: bytes) -> str | None:
+    """Why this process cannot open the writer's files (``pickled``: a pickled :class:`Mapped`), or ``None``."""
+    try:
+        pickle.loads(pickled)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the writer then sends large values another way
+        return f"{type(exc).__name__}: {exc}"
+    return None
