@@ -325,22 +325,40 @@ class SharedFile:
         self._adopt(fd, spans, size, "memfd")
 
     @classmethod
-    def open(cls, path: str, spans: list[tuple[int, int]], size: int, identity: tuple[int, int]) -> "SharedFile":
-        """The file another process wrote (:func:`write_file`), opened through ``path`` (its
-        ``/proc/<pid>/fd/<n>``) and checked to be the same file (``identity``: its device and
-        inode): an fd number the writer closed and reused names another file.  Raises
-        ``OSError`` when it cannot be opened, ``FileNotFoundError`` when it is another file."""
+    def open(cls, path: str, identity: tuple[int, int], size: int) -> "SharedFile":
+        """The whole file another process wrote, opened through ``path`` (its ``/proc/<pid>/fd/<n>``)
+        and checked to be that file (``identity``: its device and inode; an fd number the writer
+        closed and reused names another file) and at least ``size`` bytes.  Read its bytes with
+        :meth:`use`.  Raises ``OSError`` when it cannot be opened, ``FileNotFoundError`` when it
+        is another file."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != tuple(identity) or st.st_size < size:
                 raise FileNotFoundError(f"{path} is no longer the file it named (the writer closed it)")
             self = cls.__new__(cls)
-            self._adopt(fd, spans, size, "proc_fd:" + path.split("/")[2])
+            self._adopt(fd, [], st.st_size, "proc_fd:" + path.split("/")[2])
         except BaseException:
             os.close(fd)
             raise
         return self
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        return self._identity
+
+    def use(self, spans: list[tuple[int, int]]) -> tuple[np.ndarray, list[memoryview]]:
+        """Read-only views of ``spans`` for one use of the file, and the one object they all hold.
+
+        The anchor is a new array over this object's mapping: every view, and everything made
+        from one (a copy-on-write view holds its original, an array or tensor its buffer), holds
+        it, so it dies with the last of them, whichever use the mapping serves next.  (A view
+        must be a ``memoryview`` of the anchor: numpy would collapse an array view to the
+        mapping itself.)
+        """
+        anchor = np.frombuffer(self._mm, dtype=np.uint8)
+        whole = memoryview(anchor)
+        return anchor, [whole[start:start + n] for start, n in spans]
 
     def _adopt(self, fd: int, spans: list[tuple[int, int]], size: int, how: str) -> None:
         """Map ``fd`` (which this object now owns) read-only and tell this module where it lies."""
@@ -348,7 +366,7 @@ class SharedFile:
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         st = os.fstat(fd)
         self._mm = mm
-        key = (st.st_dev, st.st_ino)
+        key = self._identity = (st.st_dev, st.st_ino)
         start = np.frombuffer(mm, dtype=np.uint8).ctypes.data
         region = Region(start, start + size, 0, st.st_dev, st.st_ino, "/memfd:rankmesh-shared (deleted)")
         with _STATE.lock:
@@ -359,11 +377,6 @@ class SharedFile:
             _STATE.fds[key] = fd
             _STATE.how[key] = how
         weakref.finalize(self, _forget_file, key, fd)
-
-    def when_unmapped(self, callback: Any, *args: Any) -> None:
-        """Call ``callback(*args)`` once no view of this file is left in this process: every view
-        made from it (copy-on-write ones too, which hold their original) holds its mapping."""
-        weakref.finalize(self._mm, callback, *args)
 
     def views(self) -> list[memoryview]:
         """Read-only views of the stored buffers, in order (zero-copy)."""

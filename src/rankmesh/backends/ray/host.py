@@ -51,6 +51,7 @@ from rankmesh.rendezvous import GLOO_IFNAME, interface_of, reserve_port
 from .reshard import RayObjects
 from .runtime import node_ip_address, worker_raylet_pid
 from .files import FilePool, refused
+from .files import forget as forget_files
 from .serve import SessionState, connect, start_serving, writer_may_open
 from .wire import BARE_SLOT_METHODS, SLOT_METHODS, CallHeader, decode_call, fill_call
 
@@ -420,6 +421,7 @@ class WorkerHost:
             self._session = None
         self._session_state.clear()
         self._session_state.end()
+        forget_files()  # the writer's pool closes the files this process kept mapped
 
     def _session_call(self, call: CallHeader, seq: int, enter_ns: int) -> Any:
         """Run a call that came through the session (on the session thread, under the host's lock)."""

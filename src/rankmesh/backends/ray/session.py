@@ -45,6 +45,7 @@ from rankmesh.ring import Ring, RingSpec, check_platform, receive_ring, send_rin
 from .calls import CallRecord, Outcome, Pending
 from .waiting import task_error
 from .files import FilePool, let_go, probe, take_released
+from .files import forget as forget_files
 from .wire import (COMMAND_BYTES, COMMAND_SLOTS, ERROR, MAPPED, PARKED, STOP, Command, command_plan, decode_answer,
                    encode_command)
 
@@ -175,6 +176,7 @@ class CallSession:
                 self._epoll.close()
                 self._epoll = None
         self.files.close()
+        forget_files(self._host_files)
 
     # ----- sending ----------------------------------------------------------------------------
 
