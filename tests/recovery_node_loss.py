@@ -147,6 +147,7 @@ def shrink_then_grow(cluster, nodes) -> dict:
         out["shrink"] = {"lost_replicas": shrunk.lost_replicas, "dead": shrunk.dead, "format": shrunk.format(),
                          "detected_s": shrunk.detected_s, "total_s": shrunk.total_s} if shrunk else None
         out["mesh_after_shrink"] = repr(wg.mesh)
+        out["data_after_shrink"] = data_calls(wg)
         out["survivor_pids_kept"] = [a["pid"] for a in wg.whoami()] == [before[0]["pid"], before[1]["pid"]]
         # (3) Capacity comes back: grow to tp2·dp2 again.
         cluster.add_node(num_cpus=2, object_store_memory=80 << 20, node_ip_address=LOOPBACK)
@@ -159,8 +160,27 @@ def shrink_then_grow(cluster, nodes) -> dict:
         out["mesh_after_grow"] = repr(wg.mesh)
         out["state_after_grow"] = wg.get_state()
         out["result_after_grow"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])
+        out["data_after_grow"] = data_calls(wg)
     finally:
         wg.shutdown()
+    return out
+
+
+def data_calls(wg) -> dict:
+    """A small batch (inside the call) and a large one (pieces over 100 KiB, in the store), each
+    through ``tag_rows`` (DP_COMPUTE_PROTO: every rank a piece, each row tagged with its rank):
+    the tags, the rows back in order, and which carriers took the calls."""
+    import torch
+
+    from rankmesh.data import DataProto
+
+    before = dict(wg.executor.stats.by_carrier)
+    out: dict = {}
+    for name, cols in (("small", 1), ("large", 40_000)):  # 8 rows of 160 KB: a piece of 2 rows is 320 KB
+        x = torch.arange(8.0).unsqueeze(1).repeat(1, cols)
+        got = wg.tag_rows(DataProto.from_dict({"x": x}))
+        out[name] = {"rank": got.batch["rank"].tolist(), "rows_back": bool(torch.equal(got.batch["x"], x))}
+    out["carriers"] = {k: v - before.get(k, 0) for k, v in wg.executor.stats.by_carrier.items() if v != before.get(k, 0)}
     return out
 
 

@@ -251,6 +251,32 @@ def test_a_large_batch_is_mapped_by_each_rank_on_the_node_and_written_in_its_own
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_a_large_batch_given_up_mid_call_leaves_later_calls_their_own_bytes(groups, path):
+    """A data call with a large batch runs past its deadline (``rows_nap`` sleeps its first value,
+    1.5 s) and is given up while its ranks still hold their input; the calls after it, queued
+    behind it, each get their own bytes (``scribble_ends``: expected by hand), and the caller keeps
+    at most two more memory files open than before (the given-up call's is let go once its ranks
+    end it)."""
+    import torch
+
+    from rankmesh import DataProto
+
+    wg = groups[path]
+    n = 256 << 10  # 1 MiB of float32
+    before = set(memory_files())
+    slow = torch.zeros(n)
+    slow[0] = 1.5
+    with pytest.raises(HangError):
+        wg.with_timeout(0.5).rows_nap(DataProto.from_dict({"x": slow}))
+    for start in (5000, 6000, 7000):
+        big = torch.arange(start, start + n, dtype=torch.float32)
+        assert wg.with_timeout(30).scribble_ends(DataProto.from_dict({"x": big})) == [
+            [start + r + 1, start + n - 1 + r + 1] for r in range(4)]
+    assert len(set(memory_files()) - before) <= 2
+    wg.history()
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_a_rank_killed_mid_call_is_named_within_two_seconds(ray_session, path):
     before = ring_fds()
     wg = make_group(path)

@@ -39,3 +39,12 @@ def test_removed_node_ranks_are_re_placed_on_a_node_with_room():
     assert shrink["mesh_after_grow"] == repr(RankMesh(tp=2, dp=2)), shrink
     assert shrink["state_after_grow"] == [[1.0, 2.0, 3.0], [11.0, 12.0, 13.0]] * 2, shrink  # copied by tp rank
     assert shrink["result_after_grow"] == [10.0] * 4, shrink
+    # Data calls through the node agents after the shrink and after the grow, a small batch (inside
+    # the call) and a large one (pieces in the store): every rank tags its piece's rows (expected by
+    # hand from DP_COMPUTE_PROTO's split of 8 rows over 2, then 4 ranks), the rows come back in
+    # order, and the agents carried both calls.
+    for key, tags in (("data_after_shrink", [0] * 4 + [1] * 4), ("data_after_grow", [0, 0, 1, 1, 2, 2, 3, 3])):
+        data = shrink[key]
+        for size in ("small", "large"):
+            assert data[size] == {"rank": tags, "rows_back": True}, (key, data)
+        assert data["carriers"] == {"agent": 2}, (key, data)

@@ -226,7 +226,8 @@ class Backend(Protocol):
 
     def share(self, obj: Any) -> Any:
         """Ship ``obj`` once (e.g. one ``ray.put``) so that several ranks can receive it: a
-        :class:`Shared` handle, or ``obj`` itself where the backend sends it inside the call (small)."""
+        :class:`Shared` handle, or something the backend sends inside the call (the object
+        pickled, when small; on the Ray backend, a memory file its ranks on the caller's node map)."""
 
     def submit(
         self, role: str | None, method: str, calls: "Sequence[RankCall] | GroupCall", deadline: Deadline | None = None

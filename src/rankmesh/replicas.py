@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from rankmesh.backend import Backend, Change, GroupCall, RankCall, Selection, Shared
+from rankmesh.backend import Backend, Change, GroupCall, RankCall, Selection
 from rankmesh.deadline import Deadline
 from rankmesh.dispatch.spec import DispatchPlan
 from rankmesh.dispatch.split import CallSite
@@ -164,7 +164,7 @@ class RankSubset:
     def failed(self) -> BaseException | None:
         return self.backend.failed
 
-    def share(self, obj: Any) -> Shared:
+    def share(self, obj: Any) -> Any:
         return self.backend.share(obj)
 
     def submit(

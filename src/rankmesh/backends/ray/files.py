@@ -17,8 +17,10 @@ which alone made a 64 MiB call 1.6x the store's.  A file is written again only o
   commands).
 
 A reader that keeps a view (a rank that stores its input) keeps the file out of use; one that
-never opened it (a call given up before it started, a rank that died) keeps it out until the
-pool is closed (its session ends).  Nothing is ever written under a live view.  A forked child of
+never opened it (a call given up before it started, a rank that died) keeps it out until its
+session ends, when the pool writes nothing again and closes each file once its :class:`Mapped` is
+gone.  Nothing is ever written under a live view.  Readers keep the files they read mapped from
+one use to the next (:class:`_Reading`), as Ray's workers keep the store mapped.  A forked child of
 a reader that keeps views of its parent's input is the one case this cannot see (as with the
 object store's own memory).
 
@@ -31,7 +33,6 @@ its openings let go of, not yet reported) is per process, because the unpickler 
 from __future__ import annotations
 
 import itertools
-import logging
 import mmap
 import os
 import pickle
@@ -47,13 +48,13 @@ from ray import cloudpickle
 from rankmesh.errors import BackendError
 from rankmesh.sharedmem import SharedFile, file_layout, write_into
 
-logger = logging.getLogger(__name__)
-
 #: Most files one pool keeps (each is an fd of the writer), in use or free; past it a value is
 #: not mapped (the caller then sends it another way).
 MAX_FILES = 256
 #: Bytes of free files a pool keeps for reuse; a file let go beyond it is closed.
 KEEP_BYTES = 2 << 30
+#: Files of other processes a process keeps mapped between uses (:class:`_Reading`).
+READ_FILES = 64
 
 
 class _File:
@@ -337,9 +338,11 @@ class _Reading:
         return found
 
     def forget(self, tokens: Iterable[str] | None) -> None:
+        """Drop the files of pools ``tokens`` (``None``: all) and the reports nobody will take."""
         with self._lock:
             for key in [k for k in self._files if tokens is None or k[0] in tokens]:
                 del self._files[key]
+            self._let_go = [r for r in self._let_go if tokens is not None and r[0] not in tokens]
 
     def add(self, token: str, number: int, use: int) -> None:
         with self._lock:
@@ -358,15 +361,13 @@ class _Reading:
             return taken
 
 
-#: Files of other processes a process keeps mapped between uses (:class:`_Reading`).
-READ_FILES = 64
-
 #: This process's reading of other processes' files (see the module docstring, "State").
 _READING = _Reading()
 
 
 def forget(tokens: Iterable[str] | None = None) -> None:
-    """Stop keeping the files of pools ``tokens`` (``None``: every pool) mapped: their sessions ended."""
+    """Stop keeping the files of pools ``tokens`` (``None``: every pool) mapped, and drop their
+    unsent reports: their sessions ended (their pools write nothing again)."""
     _READING.forget(None if tokens is None else set(tokens))
 
 
