@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from rankmesh.backends.ray import init_torch_distributed
+from rankmesh.data import DataProto
 from rankmesh.dispatch import Dispatch, register
 from rankmesh.worker import Worker
 
@@ -26,3 +27,10 @@ class NodeWorker(Worker):
         t = torch.tensor([float(self.rank + 1)])
         dist.all_reduce(t)
         return float(t[0])
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def rows(self, data: DataProto) -> DataProto:
+        """A data call: this rank's rows, each tagged with the rank (its piece's bytes are not sent back)."""
+        import torch
+
+        return DataProto.from_dict({"rank": torch.full((len(data),), self.rank)})

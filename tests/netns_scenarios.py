@@ -7,8 +7,10 @@ from stdin, so the test can cut a node off at a known moment.
 
 * ``nodes``: every node Ray lists (address, alive, raylet port), and for each alive node the
   address a task pinned to it (``NodeAffinitySchedulingStrategy``, hard) reports.
-* ``group``: a rankmesh group of one rank per node (``RayResourcePool([1, 1, 1])``): each rank's
-  node address, rank 0's rendezvous address, and a gloo all-reduce across the namespaces.
+* ``group [slow]``: a rankmesh group of one rank per node (``RayResourcePool([1, 1, 1])``): each
+  rank's node address, rank 0's rendezvous address, and a gloo all-reduce across the namespaces;
+  with ``slow``, then ``READY``, and on the cue ``capped`` what a trace of three data calls and a
+  call past its timeout say of the capped node.
 * ``watch ADDRESS OBSERVE_S``: prints ``READY``; on the cue line ``go`` waits until the node at
   ADDRESS is not alive and reports the seconds it took; with OBSERVE_S > 0 it then waits for the
   cue ``healed`` and reports every change of Ray's entries for ADDRESS during OBSERVE_S seconds.
@@ -53,18 +55,65 @@ def nodes() -> dict:
     return {"nodes": listed, "pinned": {address: ray.get(ref, timeout=60) for address, ref in pinned.items()}}
 
 
-def group() -> dict:
-    """A rankmesh group of one rank per node: where each rank landed, and a gloo all-reduce over the links."""
+def group(slow: bool) -> None:
+    """A rankmesh group of one rank per node: where each rank landed, and a gloo all-reduce over
+    the links (the first report).  With ``slow``, then the same group over a capped link: it
+    prints ``READY``, waits for the cue ``capped`` (the test caps the last node), and reports what
+    a trace and a timed-out call say of it (:func:`slow_link`)."""
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from tests.multinode_worker import NodeWorker
 
     wg = RayWorkerGroup(RayResourcePool([1, 1, 1], use_gpu=False), RayClassWithInitArgs(NodeWorker))
     try:
         where = wg.where()
-        return {"node_ips": [info["node_ip"] for info in wg.node_info], "master": where[0]["MASTER_ADDR"],
-                "ranks": [w["rank"] for w in where], "sums": wg.all_reduce()}
+        print_report({"node_ips": [info["node_ip"] for info in wg.node_info], "master": where[0]["MASTER_ADDR"],
+                      "ranks": [w["rank"] for w in where], "sums": wg.all_reduce()})
+        if slow:
+            print_report(slow_link(wg))
     finally:
         wg.shutdown()
+
+
+#: Each rank's piece of the traced data calls, and of the call that times out: over the test's
+#: 8 Mbit/s cap (1 MB/s) the first takes ~0.26 s to reach the capped node, the second ~2.1 s,
+#: against milliseconds on the other links.
+TRACED_PIECE_BYTES = 256 << 10
+HANG_PIECE_BYTES = 2 << 20
+#: The timed-out call's timeout: past the uncapped ranks' time, well short of the capped one's.
+HANG_TIMEOUT_S = 1.0
+
+
+def slow_link(wg) -> dict:
+    """Three traced data calls and one past its timeout, over a link the test capped (after ``READY``)."""
+    import tempfile
+
+    import torch
+
+    import rankmesh
+    from rankmesh.data import DataProto
+    from rankmesh.errors import HangError
+    from rankmesh.tracing.summary import summarize
+
+    def batch(piece_bytes: int) -> DataProto:  # 3 pieces of 4 rows, one per rank
+        return DataProto.from_dict({"x": torch.zeros(12, piece_bytes // 4 // 4)})
+
+    traced = batch(TRACED_PIECE_BYTES)
+    wg.rows(traced)  # the method's first call (imports, slots) before the link is capped
+    print("READY", flush=True)
+    wait_cue("capped")
+    path = os.path.join(tempfile.mkdtemp(), "slow.json")
+    with rankmesh.trace(path):
+        for _ in range(3):
+            wg.rows(traced)
+    summary = summarize(path)
+    rows = next(m for m in summary.methods if m.method == "rows")
+    out: dict = {"straggler": rows.straggler, "slowest": rows.slowest, "summary": summary.format()}
+    try:
+        wg.with_timeout(HANG_TIMEOUT_S).rows(batch(HANG_PIECE_BYTES))
+        out["hang"] = None
+    except HangError as exc:
+        out["hang"] = {"ranks": exc.ranks, "nodes": [h.node for h in exc.hangs], "text": str(exc)}
+    return out
 
 
 def wait_cue(cue: str) -> None:
@@ -104,7 +153,7 @@ if __name__ == "__main__":
     if name == "nodes":
         print_report(nodes())
     elif name == "group":
-        print_report(group())
+        group(slow=args[:1] == ["slow"])
     elif name == "watch":
         watch(args[0], float(args[1]))
     else:

@@ -13,6 +13,7 @@ Skips in one line where namespaces cannot be made (no root, no ``ip``).
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import queue
@@ -200,14 +201,52 @@ def test_a_task_pinned_to_each_node_reports_that_nodes_address(ray_view) -> None
     assert ray_view["pinned"] == {a: a for a in EXPECTED_ADDRESSES}
 
 
-def test_a_groups_ranks_follow_the_nodes_numeric_address_order(cluster, ray_view) -> None:
+@pytest.fixture(scope="module")
+def group_driver(cluster, tmp_path_factory):
+    """The ``group slow`` driver (tests/netns_scenarios.py): one rank per node, alive across the
+    two tests that read it (the group's placement, then the same group over a capped link)."""
+    err = open(tmp_path_factory.mktemp("group") / "group.err", "w")
+    proc = cluster.popen([sys.executable, "-m", "tests.netns_scenarios", "group", "slow"], cwd=REPO, env=driver_env(),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    yield Lines(proc)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(30)
+
+
+def report_of(line: str) -> dict:
+    return json.loads(line[len(REPORT):])
+
+
+def test_a_groups_ranks_follow_the_nodes_numeric_address_order(group_driver, ray_view) -> None:
     # One rank per node.  By hand: numeric order is .9 < .10 < .100; as strings it would be
     # .10 < .100 < .9 (the ordering bug of verl #7160).  Ranks 1 and 2 rendezvous with rank 0
     # over the bridge, so the all-reduce (1 + 2 + 3) crosses real network stacks.
-    report = drive(cluster, "tests.netns_scenarios", "group")
+    report = report_of(group_driver.wait_for(REPORT, 180))
     assert report["node_ips"] == ["198.18.0.9", "198.18.0.10", "198.18.0.100"]
     assert report["ranks"] == [0, 1, 2] and report["master"] == "198.18.0.9"
     assert report["sums"] == [6.0, 6.0, 6.0]
+
+
+def test_a_capped_link_shows_as_the_straggler_and_the_hang_report_names_its_node(cluster, group_driver) -> None:
+    """The link of the node with rank 2 (.100) capped at CAP_MBIT: each rank's piece of a data call
+    (256 KiB) reaches that node ~0.26 s late, so a trace of three calls names rank 2 the straggler
+    (the rank that ended last); a call whose pieces take ~2 s over the cap, past its 1 s timeout,
+    is a HangError naming rank 2 alone and its node.  Expected by hand from the cap and the sizes
+    (tests/netns_scenarios.py, ``slow_link``)."""
+    group_driver.wait_for("READY", 120)
+    capped = cluster.node("n2")
+    cluster.cap(capped, CAP_MBIT)
+    try:
+        group_driver.send("capped")
+        report = report_of(group_driver.wait_for(REPORT, 120))
+    finally:
+        cluster.cap(capped, None)
+    logger.info("over a %d Mbit/s link:\n%s\n%s", CAP_MBIT, report["summary"], (report["hang"] or {}).get("text"))
+    assert report["slowest"] == [2, 2, 2] and report["straggler"] == 2, report["summary"]
+    assert "straggler: rank 2 (slowest in 3 of 3 calls)" in report["summary"]
+    assert report["hang"] is not None and report["hang"]["ranks"] == [2], report["hang"]
+    assert report["hang"]["nodes"] == [capped.address] and capped.address in report["hang"]["text"], report["hang"]
 
 
 def test_cap_limits_throughput(cluster) -> None:

@@ -241,6 +241,12 @@ class WorkerGroup:
         return ["local"] * self.world_size
 
     @property
+    def ranks_run_at_once(self) -> bool:
+        """Whether the ranks of one call run at the same time, each in its own process (traces
+        then count a rank late to start as slow); in-process they run one after another."""
+        return False
+
+    @property
     def node_info(self) -> list[dict[str, Any]] | None:
         """Per rank, where its process runs (``node_id``, ``pid``, ...); ``None`` in-process, where every
         rank lives in the controller's process."""
@@ -799,6 +805,10 @@ class ReplicaGroup(WorkerGroup):
     def node_labels(self) -> list[str]:
         labels = self._group.node_labels
         return [labels[r] for r in self._selection.ranks]
+
+    @property
+    def ranks_run_at_once(self) -> bool:
+        return self._group.ranks_run_at_once
 
     @property
     def node_info(self) -> list[dict[str, Any]] | None:

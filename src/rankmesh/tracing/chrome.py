@@ -110,7 +110,7 @@ def trace_document(rec: Recorder) -> dict[str, Any]:
     offsets = {f"{g.name}/{r}": rec.clock_offset_ns(pid, r) / 1000 for (pid, r) in rec.clock_bounds for g in groups if g.pid == pid}
     other = {
         "version": FORMAT_VERSION,
-        "groups": {str(g.pid): {"name": g.name, "mesh": g.mesh, "ranks": g.ranks} for g in groups},
+        "groups": {str(g.pid): {"name": g.name, "mesh": g.mesh, "ranks": g.ranks, "at_once": g.at_once} for g in groups},
         "clock_offsets_us": offsets,
         "startups": rec.startups,
     }

@@ -40,8 +40,11 @@ before the controller submitted (``theta <= t_enter - t_submit``) nor finish aft
 controller fetched (``theta >= t_end - t_fetched``; for a non-blocking call, whose outputs the
 controller may never fetch, the time its timing reached the controller).  A drain round bounds
 it from both sides too: the host's clock read between sending and receiving it.  The recorder keeps the tightest bounds
-over all calls and uses their midpoint (NTP's estimate), so every rank span lands inside its
-call's window on the controller's clock.
+over all calls and uses the offset they allow that is nearest zero, so every rank span lands
+inside its call's window on the controller's clock.  Not their midpoint (NTP's estimate): a rank
+whose calls reach it late (a slow link to its node) widens its upper bound by that lateness, and
+the midpoint would move its spans earlier by half of it, hiding the very delay a trace should
+show; clocks of one machine, or of machines NTP keeps in step, agree to well within a call.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class GroupTrack:
     name: str
     mesh: dict[str, int]
     ranks: list[dict[str, Any]]  # per rank: {"rank", "coords": RankCoords.to_dict(), "label": RankCoords.label(), "node"}
+    at_once: bool = True  # the ranks of a call run at the same time (WorkerGroup.ranks_run_at_once)
 
     def rank_label(self, rank: int) -> str:
         info = self.ranks[rank]
@@ -267,7 +271,8 @@ class Recorder:
                 taken = {t.name for t in self.groups.values()}
                 if name in taken:
                     name = f"{name}#{len(self.groups)}"
-                track = self.groups[id(group)] = GroupTrack(len(self.groups) + 2, name, {k: v for k, v in mesh.sizes.items() if k in MESH_AXES}, ranks)
+                track = self.groups[id(group)] = GroupTrack(len(self.groups) + 2, name, {k: v for k, v in mesh.sizes.items() if k in MESH_AXES}, ranks,
+                                                            group.ranks_run_at_once)
                 self._members[track.pid] = group
                 if startup is not None and startup not in self.startups:  # roles of one executor share one
                     self.startups.append(startup)
@@ -343,9 +348,12 @@ class Recorder:
         self._bounds[(pid, rank)] = (lower, upper)
 
     def clock_offset_ns(self, pid: int, rank: int) -> int:
-        """Estimated ``worker clock - controller clock`` of a rank (0 before any traced call)."""
+        """Estimated ``worker clock - controller clock`` of a rank: the value its bounds allow that
+        is nearest zero (module docstring); 0 before any traced call."""
         lower, upper = self.clock_bounds.get((pid, rank), (0, 0))
-        return (lower + upper) // 2
+        if lower > upper:  # bounds that disagree (a clock stepped between calls): their middle
+            return (lower + upper) // 2
+        return min(max(0, lower), upper)
 
     def settle(self) -> None:
         """Drain the ranks still holding timings of this recorder's non-blocking calls (before writing).

@@ -1,9 +1,15 @@
 """Reading a trace back: per method, call times, phases, the slowest rank and replica skew.
 
 Works on the file alone (:func:`load_trace`), so a trace from another machine summarizes the
-same.  "Slowest rank" of a call is the rank whose worker method ran longest; "replica skew" is,
-per call, the spread between the dp replicas' times (a replica's time is its slowest rank's),
-the figure that says whether one replica holds the others back.
+same.  "Slowest rank" of a call is, where its ranks run at the same time (each its own
+process: the group's ``at_once`` in the trace), the rank whose worker method ended last, counted
+from the call's start (the rank clocks are aligned to the controller's when the trace is
+written): a rank whose input arrives late (a slow link to its node, a busy store) holds the call
+back as surely as one that computes slowly, and is named the same way.  Where they run one after
+another (in-process), a rank's end says only its turn: there it is the rank whose worker method
+ran longest.  "Replica skew" is, per call, the spread
+between the dp replicas' worker-method times (a replica's time is its slowest rank's), the
+figure that says whether one replica holds the others back.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class CallRecord:
     phases: dict[str, float] = field(default_factory=dict)
     phase_bytes: dict[str, int] = field(default_factory=dict)  # array bytes of the phases that move data
     method_us: dict[int, float] = field(default_factory=dict)  # rank -> worker method time
+    end_us: dict[int, float] = field(default_factory=dict)  # rank -> when its worker method ended, from the call's start
     bytes_moved: int = 0
 
 
@@ -47,7 +54,7 @@ class MethodSummary:
     median_ms: float
     p95_ms: float
     phase_ms: dict[str, float]  # median per controller phase
-    slowest: list[int]  # the slowest rank of each call with rank timings, in call order
+    slowest: list[int]  # the rank that ended last in each call with rank timings, in call order
     slowest_counts: dict[int, int]
     skew_ms: float | None  # median spread between dp replicas
     bytes_per_s: float | None
@@ -170,6 +177,7 @@ def calls_of(doc: dict[str, Any]) -> list[CallRecord]:
             call = calls[a["call"]]
             if cat == "method":
                 call.method_us[a["rank"]] = s["dur"]
+                call.end_us[a["rank"]] = s["ts"] + s["dur"] - call.start_us
             elif s["name"] == "return":
                 call.bytes_moved += a.get("bytes", 0)
     return sorted(calls.values(), key=lambda c: c.start_us)
@@ -185,6 +193,7 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     doc = load_trace(path)
     groups = doc.get("otherData", {}).get("rankmesh", {}).get("groups", {})
     dp_of = {g["name"]: {r["rank"]: r["coords"].get("dp", 0) for r in g["ranks"]} for g in groups.values()}
+    at_once = {g["name"]: g.get("at_once", True) for g in groups.values()}
     by_method: dict[tuple[str, str], list[CallRecord]] = defaultdict(list)
     for call in calls_of(doc):
         by_method[(call.group, call.method)].append(call)
@@ -196,7 +205,8 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         moving = dict.fromkeys(p for c in calls for p in c.phase_bytes)
         phase_bytes = {p: statistics.median(c.phase_bytes.get(p, 0) for c in calls) for p in moving}
         timed = [c for c in calls if c.method_us]
-        slowest = [max(c.method_us, key=c.method_us.__getitem__) for c in timed]
+        ended = "end_us" if at_once.get(group, True) else "method_us"
+        slowest = [max(getattr(c, ended), key=getattr(c, ended).__getitem__) for c in timed]
         per_rank: dict[int, list[float]] = defaultdict(list)
         skews = []
         for c in timed:

@@ -370,6 +370,11 @@ class RayWorkerGroup(WorkerGroup):
         return [f"node {p.node}" for p in self.placements]
 
     @property
+    def ranks_run_at_once(self) -> bool:
+        """Each rank is a process of its own: a call's ranks run at the same time."""
+        return True
+
+    @property
     def trace_name(self) -> str:
         """The group's name in traces: its role, else its name prefix."""
         return self.role or self.name_prefix
