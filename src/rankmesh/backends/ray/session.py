@@ -199,10 +199,10 @@ class CallSession:
             plan = command_plan(self.ranks, selection)
             if selection.key is not None and len(self._plans) < PLANS_MAX:
                 self._plans[selection.key] = plan
-        message = self.encode(Command(call.call_id, call.call_id, tuple(share.header for share in call.shares), plan))
-        if len(message) > COMMAND_BYTES or self.full():
+        if self.full():
             return None
-        return message
+        message = self.encode(Command(call.call_id, call.call_id, tuple(share.header for share in call.shares), plan))
+        return None if len(message) > COMMAND_BYTES else message
 
     def send(self, call: CallRecord, message: bytes) -> list[Pending]:
         """Write ``message`` (``call`` as :meth:`prepare` encoded it) for every reader; one pending per part."""
@@ -218,7 +218,12 @@ class CallSession:
             wanted += [c for (_, c), (status, _) in self._answers.items() if status in (PARKED, MAPPED)]
         floor = min([*wanted, command.call_id])
         released = tuple(take_released(self._host_files)) if self._host_files else ()
-        return encode_command(Command(command.call_id, floor, command.headers, command.plan, released))
+        message = encode_command(Command(command.call_id, floor, command.headers, command.plan, released))
+        if released and len(message) > COMMAND_BYTES:  # no room: the reports wait for the next command
+            for key in released:
+                let_go(key)
+            message = encode_command(Command(command.call_id, floor, command.headers, command.plan))
+        return message
 
     def write(self, message: bytes, call_id: int, method: str, deadline: Deadline, ranks: Sequence[int]) -> None:
         """Put ``message`` (an encoded command, :meth:`encode`) in the ring; ``ranks``: the readers it calls.
