@@ -153,8 +153,45 @@ def scenarios(cluster) -> dict:
                 got["future_after_new_agents"] = unread.get().batch["y"][:, 0].tolist()
             except Exception as exc:  # noqa: BLE001 - recorded for the assertion
                 got["future_after_new_agents"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            # Unread across two changes whose agents each sent non-blocking calls: every set of agents
+            # that owns an output somebody still references is kept, however many changes later.
+            unread = wg.rows_later(wide)
+            time.sleep(0.5)
+            wg.set_control("auto", agent_fanout=fanout + 2)
+            wg.slow_append("from the second agents", 0.0).get()  # these agents own outputs too
+            wg.set_control("auto", agent_fanout=fanout + 3)
+            got["kept_while_unread"] = wg.executor.kept_agents
+            try:
+                got["future_after_two_changes"] = unread.get().batch["y"][:, 0].tolist()
+            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+                got["future_after_two_changes"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            wg.echo("third agents")
+            # Once nothing references their outputs, the kept agents end at the next change.
+            del unread, future, handles
+            gc.collect()
+            time.sleep(1.0)  # the owners hear of the dropped references
             wg.set_control("auto", agent_fanout=fanout)
             wg.echo("agents back")  # started again before the timed kill below
+            got["kept_once_dropped"] = wg.executor.kept_agents
+            # A kept agent that dies (its node's crash, say) loses the outputs it owns, but not its
+            # ranks: reading the future says so, and the group stays usable.
+            orphan = wg.rows_later(wide)
+            time.sleep(0.5)
+            wg.set_control("auto", agent_fanout=fanout + 1)
+            wg.echo("after orphan")
+            for kept in wg.executor._retired:
+                for agent in kept.agents.values():
+                    ray.kill(agent, no_restart=True)
+            try:
+                orphan.get()
+                got["orphan"] = {"type": None}
+            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+                got["orphan"] = {"type": type(exc).__name__, "ranks": getattr(exc, "ranks", None), "text": str(exc)}
+            del orphan
+            got["usable_after_orphan"] = wg.failed is None
+            got["after_orphan"] = wg.echo("after orphan read")
+            wg.set_control("auto", agent_fanout=fanout)
+            wg.echo("agents back again")
         killed = kill_after(wg._hosts.info[5]["pid"], 0.5)
         try:
             wg.sleep(20.0)
@@ -209,6 +246,17 @@ def test_a_future_outlives_the_agents_that_sent_its_call(report, path):
     got = report[path]
     assert got["new_agents"] == ["new tree"] * 6
     assert got["future_after_new_agents"] == [0, 11, 22, 33, 44, 55]
+    assert got["future_after_two_changes"] == [0, 11, 22, 33, 44, 55]
+    # Kept: the agents that sent the unread call, and the ones after them (their outputs were read but
+    # are still referenced by the test's own earlier futures until it drops them).
+    assert got["kept_while_unread"] >= 1
+    assert got["kept_once_dropped"] == 0
+    # Killed while a future it owns is unread: every rank lives, so this is no rank's death.
+    assert got["orphan"]["type"] == "AgentLostError", got["orphan"]
+    assert got["orphan"]["ranks"] == [0, 1, 2, 3, 4, 5]
+    assert "lost with its owner" in got["orphan"]["text"] and "the rank lives" in got["orphan"]["text"]
+    assert got["usable_after_orphan"] is True
+    assert got["after_orphan"] == ["after orphan read"] * 6
 
 
 @pytest.mark.parametrize("path", PATHS)

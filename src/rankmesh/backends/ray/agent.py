@@ -34,11 +34,15 @@ its own process is gone, and the ranks of a dead agent are never confused with a
 **Non-blocking calls** (:meth:`NodeAgent.submit`) travel down the same tree, but every called
 rank gets a Ray task from its agent, and each agent answers as soon as its subtree's tasks are
 sent, with their outputs' ObjectRefs (which it owns): the controller's future holds one ref per
-rank, as on Ray's own tasks (:class:`AgentSends`), and never the data.
+rank, as on Ray's own tasks (:class:`AgentSends`), and never the data.  Agents replaced while
+they own outputs somebody references are kept, idle, until nothing does
+(:meth:`AgentSession.let_go_unowned`), and an output lost with a dead owner on a live rank is
+told as such (:func:`owners_lost`).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -53,6 +57,7 @@ from rankmesh.errors import AgentLostError, WorkerDiedError
 from rankmesh.mesh import RankCoords
 
 from .calls import CallRecord, Outcome, Pending
+from .runtime import referenced_objects
 from .session import COMMAND_MARGIN, PLANS_MAX, TAKE_PARKED_S, CallSession
 from .tasks import RayTasks, ready_refs
 from .waiting import PROCESS_DIED, Gathered, gather, translate_error
@@ -71,6 +76,9 @@ WRITE_WAIT_S = 30.0
 #: The longest a non-blocking call waits for an agent to have sent its subtree's ranks their tasks,
 #: when the call has no deadline (seconds): the agent first finishes the call it runs.
 SUBMIT_WAIT_S = 300.0
+#: How long the controller waits for a retired agent to say whether it still owns a referenced
+#: output, at a group change (seconds): one that does not answer is kept and asked again.
+OWNER_CHECK_S = 5.0
 
 #: Each node's plan for one selection (node id -> per reader, the share it runs or ``None``).
 NodePlans = dict[str, tuple[int | None, ...]]
@@ -452,11 +460,60 @@ class NodeAgent:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def close(self) -> None:
-        """Give the session up: the hosts' session threads end, dropping calls they have not read."""
+        """Give the session up: the hosts' session threads end, dropping calls they have not read.
+        The flags of the Ray tasks this agent sent go too, so that only references held by others
+        keep it alive (:meth:`holds_references`)."""
         with self._lock:
             session, self._session = self._session, None
+            self._open = {}
         if session is not None:
             session.close(stop=False)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def holds_references(self) -> bool:
+        """Whether Ray's reference table in this process still lists an object: an output this
+        agent owns that a future elsewhere names, or one it borrows.  A retired agent lives while
+        it does (:meth:`AgentSession.let_go_unowned`)."""
+        gc.collect()  # a reference only a cycle keeps is not one anybody can use
+        return referenced_objects() > 0
+
+
+def dead_ranks(actors: Sequence[Any], ranks: Sequence[int]) -> dict[int, str]:
+    """Which of ``ranks`` have no process any more, each with why (every rank is asked at once, on
+    its control thread, within :data:`PROBE_S`: one that does not answer in time is not called dead)."""
+    refs = {actors[r].ping.remote(): r for r in ranks}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_S, fetch_local=False)
+    dead = {}
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except PROCESS_DIED as exc:
+            dead[refs[ref]] = _lost(exc)
+    return dead
+
+
+def owners_lost(actors: Sequence[Any], failures: Sequence[tuple[Pending, BaseException]]) -> list[tuple[Pending, BaseException]]:
+    """``failures`` with each object lost with its owner, on a rank that lives, told as an
+    :class:`AgentLostError` rather than the rank's death.
+
+    A non-blocking call sent through the node agents leaves its outputs owned by the agent that
+    sent each rank its task (Ray makes the submitter the owner).  Should that agent die before a
+    future is read, Ray reports the output lost with its owner, which says nothing of the rank:
+    counted as the rank's death it would fail a group whose every process lives.  So the ranks are
+    asked (:func:`dead_ranks`)."""
+    lost = sorted({p.rank for p, e in failures if isinstance(e, ray.exceptions.OwnerDiedError)})
+    if not lost:
+        return list(failures)
+    dead = dead_ranks(actors, lost)
+    told = []
+    for pending, exc in failures:
+        if isinstance(exc, ray.exceptions.OwnerDiedError) and pending.rank not in dead:
+            exc = AgentLostError(f"{pending.method}: rank {pending.rank}: an object of this call (its output, or a "
+                                 f"future's output passed to it) was lost with its owner, the node agent that sent a "
+                                 f"non-blocking call ({_lost(exc)}); the rank lives and the group stays usable: make "
+                                 f"the call again", [pending.rank])
+        told.append((pending, exc))
+    return told
 
 
 def start_agents(node_ids: Sequence[str]) -> dict[str, Any]:
@@ -624,6 +681,31 @@ class AgentSession:
                 agent.close.remote()
             except Exception:  # noqa: BLE001 - gone with its node already
                 pass
+
+    def let_go_unowned(self, timeout_s: float = OWNER_CHECK_S) -> bool:
+        """End each retired agent that owns no object anybody still references; whether any is kept.
+
+        An agent is the owner of the outputs of the non-blocking calls it sent (Ray makes whoever
+        submits a task the owner of its return), and an owner's process must live for as long as
+        a future, a verl handle or another process's borrowed copy names the output.  Ray's
+        reference table in the agent knows of every such reference, so each agent is asked
+        (:meth:`NodeAgent.holds_references`).  One that does not answer within ``timeout_s`` is
+        kept (the question is asked again at the next change); one that is gone is dropped."""
+        asked = {node: agent.holds_references.remote() for node, agent in self.agents.items()}
+        for node, ref in asked.items():
+            try:
+                holds = ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayError:  # the agent (or its node) is gone: nothing left to keep
+                holds = False
+            if not holds:
+                agent = self.agents.pop(node)
+                try:
+                    ray.kill(agent, no_restart=True)
+                except Exception:  # noqa: BLE001 - gone with its node already
+                    pass
+        return bool(self.agents)
 
     def close(self) -> None:
         """Stop the agents (their sessions end with them: the hosts watch the writer's pid)."""
@@ -802,13 +884,4 @@ class AgentSession:
         return got
 
     def _dead(self, ranks: Sequence[int]) -> dict[int, str]:
-        """Which of ``ranks`` have no process any more (each asked at once, on its control thread)."""
-        refs = {self.actors[r].ping.remote(): r for r in ranks}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_S, fetch_local=False)
-        dead = {}
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except PROCESS_DIED as exc:
-                dead[refs[ref]] = _lost(exc)
-        return dead
+        return dead_ranks(self.actors, ranks)

@@ -52,7 +52,7 @@ from rankmesh.tracing.marks import FETCH
 from rankmesh.sharedmem import register_store_processes
 from rankmesh.validate import optional_seconds, positive_int, positive_seconds
 
-from .agent import AGENT_FANOUT, AgentCall, AgentSends, AgentSession
+from .agent import AGENT_FANOUT, AgentCall, AgentSends, AgentSession, owners_lost
 from .hangs import gather_hangs
 from .hosts import HostSet
 from .order import Abandoned, Ledger
@@ -208,7 +208,7 @@ class RayExecutor:
         self.control = "ray" if hosts.detached else control_mode()
         self.agent_fanout = AGENT_FANOUT
         self.session: CallSession | AgentSession | None = None
-        self._retired: AgentSession | None = None  # the last agents replaced while owning futures' outputs
+        self._retired: list[AgentSession] = []  # agents replaced while owning outputs somebody references
         self.session_note = "detached group" if hosts.detached else ""
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
         register_store_processes(raylet_pids())
@@ -306,22 +306,35 @@ class RayExecutor:
         Calls the hosts were sent and had not started are dropped with it (a closed ring); a call
         a rank still runs goes on, and the rank's next call queues behind it (the host's lock).
         Node agents that sent non-blocking calls own those calls' outputs, which unread futures
-        still name: with ``keep_owners`` they stop serving but live on until the next agents are
-        retired in turn, or the group ends (``keep_owners=False``, which ends them all)."""
+        may still name: with ``keep_owners`` they stop serving but live on, and at each later
+        change every kept agent that no longer owns a referenced object ends
+        (:meth:`AgentSession.let_go_unowned`); ``keep_owners=False`` (the group ends) ends them all."""
         with self._send_lock:
             session, self.session = self.session, None
             if isinstance(session, AgentSession) and keep_owners and session.owns_outputs:
                 session.retire()
-                retired, self._retired = self._retired, session
-                if retired is not None:
-                    retired.close()
+                self._retired.append(session)
             elif session is not None:
                 session.close(stop=False) if isinstance(session, CallSession) else session.close()
-            if not keep_owners and self._retired is not None:
-                self._retired.close()
-                self._retired = None
+            retired = self._retired
+            if not keep_owners:
+                self._retired = []
             if not self.hosts.detached:
                 self.session_note = ""
+        if not keep_owners:
+            for kept in retired:
+                kept.close()
+            return
+        # Outside the send lock: asking the kept agents is a Ray round trip each (bounded).
+        still = [kept for kept in retired if kept.let_go_unowned()]
+        with self._send_lock:
+            self._retired = [kept for kept in self._retired if kept not in retired] + still
+
+    @property
+    def kept_agents(self) -> int:
+        """How many node agents replaced earlier are kept alive because they own outputs (of
+        non-blocking calls they sent) that a future somewhere still references."""
+        return sum(len(kept.agents) for kept in self._retired)
 
     def control_paths(self) -> list[str]:
         """Per rank, how blocking calls reach it: ``"session"`` (the controller's ring; inline
@@ -655,7 +668,7 @@ class RayExecutor:
         if got.stopped == "done":
             return [got.outcomes[i].value for i in range(len(pending))]
         self._given_up(pending, got)
-        failures = got.failures(pending)
+        failures = owners_lost(self.hosts.actors, got.failures(pending))
         if failures:
             err = combine_errors(failures)
             if isinstance(err, WorkerDiedError):

@@ -237,6 +237,17 @@ def worker_raylet_pid() -> int | None:
     return None
 
 
+def referenced_objects() -> int:
+    """How many objects Ray's reference table in this process lists: those it holds, and those it
+    owns that another process still borrows (an owner keeps the entry until its borrowers let go).
+
+    Ray has no public accessor; its ``ray memory`` reads the same table.  Where this Ray lacks it,
+    every object counts as referenced (1), so that nothing that may own data is ended."""
+    worker = ray._private.worker.global_worker  # noqa: SLF001 - no public accessor
+    counts = getattr(getattr(worker, "core_worker", None), "get_all_reference_counts", None)
+    return 1 if counts is None else len(counts())
+
+
 def raylet_pids() -> list[int]:
     """Pids of the raylets this driver started (they own the object store's file), else ``[]``.
 
