@@ -518,16 +518,25 @@ def controller_ms(agents, call, calls: int) -> tuple[float, float]:
     return (time.thread_time() - start - stand_in) / calls * 1000, stand_in / calls * 1000
 
 
-def ray_floor_ms(dp: int, repeat: int = 20) -> float:
-    """What Ray's store costs the controller for ``dp`` one-row pieces: a ``ray.put`` of each (ms, the
-    calling thread's CPU).  The group sends such small pieces inside the call's headers instead; a
-    piece over 100 KiB pays this put."""
-    import ray
+def scale_batch(dp: int, piece_kib: int):
+    """The ``--dp`` data call's batch: one row per dp piece, each row ``piece_kib`` KiB of float64
+    (0: one number a row, a piece small enough to ride inside the call)."""
     import torch
 
     from rankmesh.data import DataProto
 
-    pieces = DataProto.from_dict({"x": torch.arange(dp)}).chunk(dp)
+    if not piece_kib:
+        return DataProto.from_dict({"x": torch.arange(dp)})
+    return DataProto.from_dict({"x": torch.arange(dp, dtype=torch.float64).unsqueeze(1).repeat(1, piece_kib * 128)})
+
+
+def ray_floor_ms(dp: int, piece_kib: int = 0, repeat: int = 20) -> float:
+    """What Ray's store costs the controller for the ``dp`` pieces of :func:`scale_batch`: a
+    ``ray.put`` of each (ms, the calling thread's CPU).  The group sends pieces up to 100 KiB inside
+    the call's headers instead; a piece over that pays this put."""
+    import ray
+
+    pieces = scale_batch(dp, piece_kib).chunk(dp)
     start = time.thread_time()
     for _ in range(repeat):
         refs = [ray.put(piece) for piece in pieces]
@@ -573,12 +582,8 @@ def scale(args: argparse.Namespace) -> dict:
         line = (f"{nodes:5d} x {per_node:2d} = {nodes * per_node:6d} ranks: controller CPU per no-op call "
                 f"{row['controller_cpu_ms']:7.2f} ms = {own:6.2f} in process + {tops} sends x {send:.2f} ms")
         if mesh is not None:
-            import torch
-
-            from rankmesh.data import DataProto
-
             values = list(range(args.dp))
-            batch = DataProto.from_dict({"x": torch.arange(args.dp)})  # one row per dp piece
+            batch = scale_batch(args.dp, args.piece_kib)  # one row per dp piece
             assert wg.shifted(values) == [None] * args.dp  # one output per dp rank (the stand-ins answer None)
             assert len(wg.rows_megatron(batch)) == args.dp  # one row back per dp piece, through the real concat
             for key, call in (("megatron", lambda: wg.shifted(values)), ("proto", lambda: wg.rows_megatron(batch))):
@@ -593,10 +598,18 @@ def scale(args: argparse.Namespace) -> dict:
     ray.kill(sink)
     out: dict = {"rows": rows}
     if args.dp:
-        out["ray_floor_ms"] = ray_floor_ms(args.dp)
-        print(f"The same pieces through Ray's store: {args.dp} ray.put, {out['ray_floor_ms']:.1f} ms of the "
-              "controller's CPU (same run); the call sends these one-row pieces inside its headers instead "
-              "(up to 100 KiB a piece), a piece over that costs a put")
+        out["ray_floor_ms"] = ray_floor_ms(args.dp, args.piece_kib)
+        size = f"{args.piece_kib} KiB" if args.piece_kib else "one-row"
+        how = ("each is put, as here: the rest of the call is what the column after the puts shows" if args.piece_kib > 100
+               else "the call sends these pieces inside its headers instead (up to 100 KiB a piece)")
+        print(f"The same {size} pieces through Ray's store: {args.dp} ray.put, {out['ray_floor_ms']:.1f} ms of the "
+              f"controller's CPU (same run); {how}")
+        if args.piece_kib > 100:
+            for row in rows:
+                if "proto_cpu_ms" in row:
+                    row["proto_after_puts_ms"] = row["proto_cpu_ms"] - out["ray_floor_ms"]
+                    print(f"{row['nodes']:5d} x {row['per_node']:2d}: MEGATRON_COMPUTE_PROTO {row['proto_cpu_ms']:.2f} ms "
+                          f"= {out['ray_floor_ms']:.2f} ms of puts + {row['proto_after_puts_ms']:.2f} ms of the rest")
     kinds = (("controller_cpu_ms", "no-op", "fit", 10), ("megatron_cpu_ms", f"MEGATRON_COMPUTE dp={args.dp}", "fit_megatron", None),
              ("proto_cpu_ms", f"MEGATRON_COMPUTE_PROTO dp={args.dp}", "fit_proto", 30))
     for key, what, name, target in kinds:
@@ -635,6 +648,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scale", help="instead: the controller alone at shapes NODESxRANKS (e.g. 1024x8,4096x8) against "
                                     "in-process agents whose ranks answer at once (--fanout: the tree's width, default 8)")
     ap.add_argument("--dp", type=int, help="with --scale: also MEGATRON_COMPUTE(_PROTO) calls with this many dp pieces")
+    ap.add_argument("--piece-kib", type=int, default=0, help="with --scale --dp: each data piece this many KiB (default: "
+                    "one number, small enough to ride inside the call; over 100 each piece is put in the store)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     out = scale(args) if args.scale else cluster(args) if args.cluster else one_node(args)
