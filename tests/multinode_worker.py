@@ -1,4 +1,4 @@
-"""A worker for the simulated multi-node tests: reports where it runs, all-reduces over gloo."""
+"""A worker for the multi-node tests: reports where it runs, all-reduces over gloo, computes for a while."""
 
 from __future__ import annotations
 
@@ -34,3 +34,17 @@ class NodeWorker(Worker):
         import torch
 
         return DataProto.from_dict({"rank": torch.full((len(data),), self.rank)})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def work(self, until: float, beat_dir: str) -> dict:
+        """Compute until wall time ``until``, appending the time to ``beat_dir/beats-<pid>`` every
+        0.1 s (so a test sees this process still at work, whatever its node's link does); the
+        answer, ``rank + 1``, does not depend on how long it took."""
+        import time
+
+        with open(os.path.join(beat_dir, f"beats-{os.getpid()}"), "a") as beats:
+            while time.time() < until:
+                beats.write(f"{time.time()}\n")
+                beats.flush()
+                time.sleep(0.1)
+        return {"rank": self.rank, "pid": os.getpid(), "value": self.rank + 1}

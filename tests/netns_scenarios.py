@@ -11,6 +11,11 @@ from stdin, so the test can cut a node off at a known moment.
   rank's node address, rank 0's rendezvous address, and a gloo all-reduce across the namespaces;
   with ``slow``, then ``READY``, and on the cue ``capped`` what a trace of three data calls and a
   call past its timeout say of the capped node.
+* ``partition BEAT_DIR``: a group of two ranks with one warm spare (``on_rank_death="replace"``,
+  one process per node); reports where each runs, prints ``CALLING`` and makes a call in which
+  every rank computes for :data:`WORK_S` (heartbeats in BEAT_DIR), which the test cuts rank 1's
+  node off during; reports the call's answer and the replacement; on the cue ``healed``, reports
+  a call and an all-reduce of the group after the heal.
 * ``watch ADDRESS OBSERVE_S``: prints ``READY``; on the cue line ``go`` waits until the node at
   ADDRESS is not alive and reports the seconds it took; with OBSERVE_S > 0 it then waits for the
   cue ``healed`` and reports every change of Ray's entries for ADDRESS during OBSERVE_S seconds.
@@ -116,6 +121,42 @@ def slow_link(wg) -> dict:
     return out
 
 
+#: How long the partition call's ranks compute (seconds from its start): past the time the test
+#: needs to cut the node off, the GCS to declare it dead (TEST_HEALTH_CHECKS: ~6 s) and a spare to
+#: take its rank's place, so the cut-off rank is still at work through all of it.
+WORK_S = 15.0
+
+
+def partition(beat_dir: str) -> None:
+    """See the module docstring (``partition``)."""
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from tests.multinode_worker import NodeWorker
+
+    wg = RayWorkerGroup(RayResourcePool([1, 1], use_gpu=False, spares=1), RayClassWithInitArgs(NodeWorker),
+                        on_rank_death="replace", call_timeout_s=120)
+    try:
+        first = wg.work(0.0, beat_dir)  # answers at once: the undisturbed answer, and each rank's pid
+        spares = wg.spares
+        print_report({"node_ips": [info["node_ip"] for info in wg.node_info], "pids": [w["pid"] for w in first],
+                      "undisturbed": [w["value"] for w in first], "spares": len(spares),
+                      "control": wg.executor.control_paths()})
+        until = time.time() + WORK_S
+        print("CALLING", flush=True)
+        start = time.monotonic()
+        got = wg.work(until, beat_dir)
+        seconds = time.monotonic() - start
+        rep = wg.replacements[-1] if wg.replacements else None
+        print_report({"values": [w["value"] for w in got], "pids": [w["pid"] for w in got], "seconds": seconds,
+                      "replaced": rep.ranks if rep else [], "from_spares": rep.from_spares if rep else [],
+                      "old_nodes": rep.old_nodes if rep else {}, "new_nodes": rep.new_nodes if rep else {},
+                      "detected_s": rep.detected_s if rep else None, "format": rep.format() if rep else ""})
+        wait_cue("healed")
+        after = wg.work(0.0, beat_dir)
+        print_report({"values": [w["value"] for w in after], "pids": [w["pid"] for w in after], "sums": wg.all_reduce()})
+    finally:
+        wg.shutdown()
+
+
 def wait_cue(cue: str) -> None:
     line = sys.stdin.readline().strip()
     if line != cue:
@@ -154,6 +195,8 @@ if __name__ == "__main__":
         print_report(nodes())
     elif name == "group":
         group(slow=args[:1] == ["slow"])
+    elif name == "partition":
+        partition(args[0])
     elif name == "watch":
         watch(args[0], float(args[1]))
     else:

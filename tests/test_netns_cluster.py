@@ -5,7 +5,8 @@ stays in the host's namespace; everything that talks to the cluster runs inside 
 helper: Ray drivers (tests/netns_scenarios.py) and plain TCP probes (tests/netns_sockets.py).
 Expected values come from the setup, written by hand: the addresses below, the health-check
 settings' window, the cap's rate.  The tests run in file order and each leaves the cluster as
-the next expects (n2 partitioned and healed, then n1 killed, then a node added, then closed).
+the next expects (n2 partitioned and healed, then n1 killed, then a node added, then n2 removed,
+a node added and another partitioned mid-call, then closed).
 
 Skips in one line where namespaces cannot be made (no root, no ``ip``).
 """
@@ -334,6 +335,80 @@ def test_add_node_adds_a_live_node(cluster) -> None:
     assert node.address == NEXT_ADDRESS
     assert any(n["address"] == NEXT_ADDRESS and n["alive"] for n in view["nodes"])
     assert view["pinned"][NEXT_ADDRESS] == NEXT_ADDRESS
+
+
+def beats_of(beat_dir, pid: int) -> list[float]:
+    """The heartbeats process ``pid`` wrote (tests/multinode_worker.py, ``work``)."""
+    path = beat_dir / f"beats-{pid}"
+    return [float(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # one PID namespace: the nodes' namespaces are network ones only
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_and_its_rank_fenced_after_heal(cluster, tmp_path) -> None:
+    """A rank's node cut off while every rank computes for WORK_S (tests/netns_scenarios.py,
+    ``partition``): within the health window the call fails there, a warm spare on another node
+    takes its place, and the call's retry gives the undisturbed answer [1, 2].  The cut-off
+    process keeps computing through it all (its heartbeats).  After the heal nothing of it is
+    taken (the group's answers come from the new process) and it ends, with its node's raylet."""
+    from tests.netns_scenarios import WORK_S
+
+    # Three live nodes, one process each: the two ranks and the spare.  The earlier tests left the
+    # head, n2 (dead since its partition) and the node they added.
+    cluster.kill_node("n2")
+    cluster.add_node()
+    beat_dir = tmp_path / "beats"
+    beat_dir.mkdir()
+    err = open(tmp_path / "partition.err", "w")
+    proc = cluster.popen([sys.executable, "-m", "tests.netns_scenarios", "partition", str(beat_dir)], cwd=REPO,
+                         env=driver_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    lines = Lines(proc)
+    try:
+        placed = report_of(lines.wait_for(REPORT, 240))
+        # The rank not on the head (whose node is the controller's): cut its node off.
+        rank = 1 if placed["node_ips"][1] != cluster.head.address else 0
+        old_pid, victim = placed["pids"][rank], cluster.node(placed["node_ips"][rank])
+        lines.wait_for("CALLING", 60)
+        end = time.monotonic() + 30
+        while not beats_of(beat_dir, old_pid) and time.monotonic() < end:
+            time.sleep(0.1)
+        cut_at = time.time()
+        cluster.partition(victim)
+        answered = report_of(lines.wait_for(REPORT, WORK_S + DEATH_WINDOW_S + 120))
+        cluster.heal(victim)
+        healed_at = time.monotonic()
+        lines.send("healed")
+        after = report_of(lines.wait_for(REPORT, 120))
+        end = time.monotonic() + 60
+        while pid_alive(old_pid) and time.monotonic() < end:
+            time.sleep(0.5)
+        ended = None if pid_alive(old_pid) else time.monotonic() - healed_at
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    beats = beats_of(beat_dir, old_pid)
+    logger.info("partition of %s mid-call: %s\nanswer %s after %.1f s; %d heartbeats of the cut-off process after the "
+                "cut, last %.1f s after it; after the heal %s; the old process ended %s s after the heal", victim.address,
+                answered["format"], answered["values"], answered["seconds"], sum(b > cut_at for b in beats),
+                (max(beats) - cut_at) if beats else -1, after, ended)
+    assert placed["undisturbed"] == [1, 2] and placed["spares"] == 1
+    assert answered["values"] == [1, 2]  # the retry's answer is the undisturbed one
+    assert answered["replaced"] == [rank] and answered["from_spares"] == [rank], answered
+    assert answered["old_nodes"][str(rank)] == victim.address and answered["new_nodes"][str(rank)] != victim.address
+    assert answered["detected_s"] is not None and answered["detected_s"] <= DEATH_WINDOW_S + 5, answered
+    assert answered["pids"][1 - rank] == placed["pids"][1 - rank] and answered["pids"][rank] != old_pid
+    # It kept computing through the partition, well past the moment it was declared dead.
+    assert any(b > cut_at + DEATH_WINDOW_S for b in beats), (cut_at, beats[-3:])
+    # Fenced: after the heal the group answers from its new process only, and the old one ends.
+    assert after["values"] == [1, 2] and old_pid not in after["pids"] and after["sums"] == [3.0, 3.0]
+    assert ended is not None, f"the cut-off process {old_pid} still runs 60 s after the heal"
 
 
 def test_close_leaves_no_namespace_and_no_process(cluster) -> None:
