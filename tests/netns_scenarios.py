@@ -16,6 +16,9 @@ from stdin, so the test can cut a node off at a known moment.
   every rank computes for :data:`WORK_S` (heartbeats in BEAT_DIR), which the test cuts rank 1's
   node off during; reports the call's answer and the replacement; on the cue ``healed``, reports
   a call and an all-reduce of the group after the heal.
+* ``cut_head BEAT_DIR``: a group of one rank per node (``on_rank_death="replace"``); reports
+  where each runs, prints ``CALLING`` and makes a :data:`WORK_S` call, during which the test cuts
+  the head (the controller's own node) off; reports the error and what a later call says.
 * ``watch ADDRESS OBSERVE_S``: prints ``READY``; on the cue line ``go`` waits until the node at
   ADDRESS is not alive and reports the seconds it took; with OBSERVE_S > 0 it then waits for the
   cue ``healed`` and reports every change of Ray's entries for ADDRESS during OBSERVE_S seconds.
@@ -157,6 +160,38 @@ def partition(beat_dir: str) -> None:
         wg.shutdown()
 
 
+def cut_head(beat_dir: str) -> None:
+    """See the module docstring (``cut_head``)."""
+    from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from tests.multinode_worker import NodeWorker
+
+    wg = RayWorkerGroup(RayResourcePool([1, 1, 1], use_gpu=False), RayClassWithInitArgs(NodeWorker),
+                        on_rank_death="replace", call_timeout_s=120)
+    try:
+        wg.work(0.0, beat_dir)
+        print_report({"node_ips": [info["node_ip"] for info in wg.node_info]})
+        until = time.time() + WORK_S
+        print("CALLING", flush=True)
+        start = time.monotonic()
+        out: dict = {}
+        try:
+            wg.work(until, beat_dir)
+            out["error"] = None
+        except Exception as exc:  # noqa: BLE001 - reported whatever it is
+            out["error"] = {"type": type(exc).__name__, "text": str(exc), "ranks": getattr(exc, "ranks", None),
+                            "node": getattr(exc, "node", None), "lost_nodes": getattr(exc, "lost_nodes", None)}
+        out["seconds"] = time.monotonic() - start
+        out["replacements"] = len(wg.replacements)
+        try:
+            wg.where()
+            out["later"] = None
+        except Exception as exc:  # noqa: BLE001 - reported whatever it is
+            out["later"] = f"{type(exc).__name__}: {exc}"
+        print_report(out)
+    finally:
+        wg.shutdown()
+
+
 def wait_cue(cue: str) -> None:
     line = sys.stdin.readline().strip()
     if line != cue:
@@ -197,6 +232,8 @@ if __name__ == "__main__":
         group(slow=args[:1] == ["slow"])
     elif name == "partition":
         partition(args[0])
+    elif name == "cut_head":
+        cut_head(args[0])
     elif name == "watch":
         watch(args[0], float(args[1]))
     else:

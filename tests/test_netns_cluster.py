@@ -6,7 +6,8 @@ helper: Ray drivers (tests/netns_scenarios.py) and plain TCP probes (tests/netns
 Expected values come from the setup, written by hand: the addresses below, the health-check
 settings' window, the cap's rate.  The tests run in file order and each leaves the cluster as
 the next expects (n2 partitioned and healed, then n1 killed, then a node added, then n2 removed,
-a node added and another partitioned mid-call, then closed).
+a node added and another partitioned mid-call, then two fresh nodes and the head cut off, then
+closed).
 
 Skips in one line where namespaces cannot be made (no root, no ``ip``).
 """
@@ -409,6 +410,49 @@ def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_and_its_rank_fenced_af
     # Fenced: after the heal the group answers from its new process only, and the old one ends.
     assert after["values"] == [1, 2] and old_pid not in after["pids"] and after["sums"] == [3.0, 3.0]
     assert ended is not None, f"the cut-off process {old_pid} still runs 60 s after the heal"
+
+
+def test_the_controllers_own_node_cut_off_is_reported_as_such_not_as_dead_ranks(cluster, tmp_path) -> None:
+    """The head, where the driver (the controller) and the GCS run, cut off mid-call from the two
+    other nodes of a one-rank-per-node group: the GCS declares both dead, and the call raises one
+    ControllerCutOffError naming the head's address, the two lost nodes and their ranks, within
+    the health window plus the ping's bound; no replacement is tried, and later calls say the
+    group failed.  Leaves the cluster cut (the last test before close)."""
+    # Two fresh live worker nodes (the earlier tests left one dead and one with its old spare).
+    for node in list(cluster.nodes[1:]):
+        cluster.kill_node(node)
+    cluster.add_node()
+    cluster.add_node()
+    err = open(tmp_path / "cut_head.err", "w")
+    proc = cluster.popen([sys.executable, "-m", "tests.netns_scenarios", "cut_head", str(tmp_path)], cwd=REPO,
+                         env=driver_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    lines = Lines(proc)
+    try:
+        placed = report_of(lines.wait_for(REPORT, 240))
+        lines.wait_for("CALLING", 60)
+        time.sleep(1.0)  # the call is running on every rank
+        cut = time.monotonic()
+        cluster.partition(cluster.head)
+        got = report_of(lines.wait_for(REPORT, 120))
+        told_after = time.monotonic() - cut
+        cluster.heal(cluster.head)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    others = [a for a in placed["node_ips"] if a != cluster.head.address]
+    logger.info("head cut off: %s after %.1f s (call %.1f s); later: %s", got["error"], told_after, got["seconds"],
+                got["later"])
+    assert len(others) == 2
+    error = got["error"]
+    assert error is not None and error["type"] == "ControllerCutOffError", error
+    assert error["node"] == cluster.head.address and sorted(error["lost_nodes"]) == sorted(others)
+    assert error["ranks"] == [i for i, a in enumerate(placed["node_ips"]) if a != cluster.head.address]
+    assert "cut off" in error["text"] and cluster.head.address in error["text"]
+    # Within the health window (declared dead), one more window for the second node, and the ping's bound.
+    assert got["seconds"] <= 1.0 + DEATH_WINDOW_S + 2 * (1.0 + 1.0) + 2.0 + 4.0, got["seconds"]
+    assert got["replacements"] == 0
+    assert got["later"] is not None and "failed earlier" in got["later"] and "cut off" in got["later"]
 
 
 def test_close_leaves_no_namespace_and_no_process(cluster) -> None:

@@ -229,6 +229,30 @@ class WorkerDiedError(BackendError):
         return (type(self), (self.rank, self.method, self.detail, self.node, self.ranks, self.coords))
 
 
+class ControllerCutOffError(BackendError):
+    """The controller's own node lost every other node of the group at once: a partition of its
+    link, not the death of each node.
+
+    ``node`` is the controller's node address, ``lost_nodes`` the addresses the cluster's GCS
+    declared dead, ``ranks`` the group's ranks there (their processes may well live on).  No
+    policy replaces or shrinks around it (no node is left to do it with), so the group fails;
+    once the link is back, Ray ends the cut-off nodes' processes, and a new group can start.
+    """
+
+    def __init__(self, method: str, node: str | None, lost_nodes: list[str], ranks: list[int]) -> None:
+        self.method, self.node, self.lost_nodes, self.ranks = method, node, sorted(lost_nodes), sorted(ranks)
+        super().__init__(
+            f"{method}: the controller's node {node} lost every other node of the group at once "
+            f"({', '.join(self.lost_nodes)}: ranks {self.ranks}), and none of them answers from here: the controller's "
+            f"own node is cut off from the rest (its link or its network), far likelier than {len(self.ranks)} ranks "
+            f"on {len(self.lost_nodes)} nodes dying at once. "
+            "The group cannot go on and no policy replaces them; once the link is back Ray ends the cut-off "
+            "nodes' processes: fix the network of this node, then start a new group")
+
+    def __reduce__(self):
+        return (type(self), (self.method, self.node, self.lost_nodes, self.ranks))
+
+
 class FetchTimeoutError(BackendError, TimeoutError):
     """``fetch`` ran past its timeout; names the ranks still running."""
 

@@ -478,18 +478,28 @@ class NodeAgent:
         return referenced_objects() > 0
 
 
-def dead_ranks(actors: Sequence[Any], ranks: Sequence[int]) -> dict[int, str]:
-    """Which of ``ranks`` have no process any more, each with why (every rank is asked at once, on
-    its control thread, within :data:`PROBE_S`: one that does not answer in time is not called dead)."""
+def ping_ranks(actors: Sequence[Any], ranks: Sequence[int]) -> tuple[set[int], dict[int, str]]:
+    """Ask ``ranks``' processes at once, on their control threads, within :data:`PROBE_S`: the
+    ranks that answered, and those with no process any more (each with why).  A rank in neither
+    did not answer in time: neither alive nor dead as far as anyone here can tell."""
     refs = {actors[r].ping.remote(): r for r in ranks}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_S, fetch_local=False)
-    dead = {}
+    answered, dead = set(), {}
     for ref in ready:
         try:
             ray.get(ref)
+            answered.add(refs[ref])
         except PROCESS_DIED as exc:
             dead[refs[ref]] = _lost(exc)
-    return dead
+        except Exception:  # noqa: BLE001 - answered, with an error of its own: the process lives
+            answered.add(refs[ref])
+    return answered, dead
+
+
+def dead_ranks(actors: Sequence[Any], ranks: Sequence[int]) -> dict[int, str]:
+    """Which of ``ranks`` have no process any more, each with why (:func:`ping_ranks`: one that
+    does not answer in time is not called dead)."""
+    return ping_ranks(actors, ranks)[1]
 
 
 def owners_lost(actors: Sequence[Any], failures: Sequence[tuple[Pending, BaseException]]) -> list[tuple[Pending, BaseException]]:

@@ -45,18 +45,19 @@ import ray
 
 from rankmesh.backend import Change, GroupCall, RankCall, Selection, Shared
 from rankmesh.deadline import Deadline
-from rankmesh.errors import AgentLostError, BackendError, RankMeshError, RingError, StaleViewError, WorkerDiedError
+from rankmesh.errors import (AgentLostError, BackendError, ControllerCutOffError, RankMeshError, RingError, StaleViewError,
+                             WorkerDiedError)
 from rankmesh.mesh import RankCoords
 from rankmesh.serialization import receiving
 from rankmesh.tracing.marks import FETCH
 from rankmesh.sharedmem import register_store_processes
 from rankmesh.validate import optional_seconds, positive_int, positive_seconds
 
-from .agent import AGENT_FANOUT, AgentCall, AgentSends, AgentSession, owners_lost
+from .agent import AGENT_FANOUT, AgentCall, AgentSends, AgentSession, owners_lost, ping_ranks
 from .hangs import gather_hangs
 from .hosts import HostSet
 from .order import Abandoned, Ledger
-from .runtime import raylet_pids
+from .runtime import alive_nodes, health_window_s, node_ip_address, raylet_pids
 from .session import CallSession
 from .tasks import RayTasks, ready_refs, step_part
 from .calls import CallRecord, Carrier, Pending, RankPart
@@ -354,12 +355,21 @@ class RayExecutor:
 
     # ----- failure --------------------------------------------------------------------------------
 
-    def fail(self, err: WorkerDiedError) -> None:
-        """Mark the group failed after ``err`` and kill its other processes.
+    def fail(self, err: WorkerDiedError) -> RankMeshError:
+        """Mark the group failed after ``err`` and kill its other processes; the error to raise.
 
         Killing is what ends peers blocked in a collective the dead rank will never join; a
-        group with a dead rank cannot run another collective call anyway.
+        group with a dead rank cannot run another collective call anyway.  Deaths that are a
+        partition of the controller's own node come back as :class:`ControllerCutOffError`
+        (:meth:`_cut_off`), which no policy recovers from.
         """
+        cut = self._cut_off(err) if self._failed is None else None
+        if cut is not None:
+            self.dead.update(err.ranks)
+            self._end_session()
+            self._failed = cut
+            logger.error("worker group failed: %s", cut)
+            return cut
         self.dead.update(err.ranks)
         self._end_session()
         if self.on_rank_death != "fail":  # the survivors stay up, for replace_dead_ranks()
@@ -369,12 +379,55 @@ class RayExecutor:
                 logger.warning("worker group: %s; survivors kept for replace_dead_ranks()", err)
             else:  # "replace": the group replaces the rank and logs one line when done
                 logger.info("worker group: %s; replacing it", err)
-            return
+            return err
         if self._failed is not None:
-            return
+            return err
         self._failed = err
         logger.error("worker group failed: %s; stopping its %d processes", err, self.world_size)
         self.hosts.kill()
+        return err
+
+    def _cut_off(self, err: WorkerDiedError) -> ControllerCutOffError | None:
+        """``err`` told as a partition of the controller's own node, or ``None``: deaths as they are.
+
+        Why: with the GCS on the controller's node (a driver on the head node, the usual setup),
+        a cut link makes the GCS declare every other node dead, one health check apart, and
+        every rank there "dies" while its process may live on.  Replacing them is hopeless (no
+        node is left) and reporting N deaths sends the user to the wrong place.  It is told as a
+        partition only when the dead ranks' nodes are all declared dead, the group has ranks on
+        two or more other nodes, none of their ranks answers a ping from here
+        (:func:`.agent.ping_ranks`' bound), and within one health check window
+        (:func:`.runtime.health_window_s`) the GCS declares every other node of the cluster dead.
+        A dead process on a live node, a node that answers, or a controller on a node without
+        the GCS (it cannot ask it then) return at once or within the ping's bound."""
+        try:
+            own = ray.get_runtime_context().get_node_id()
+            node_of = [info.get("node_id") for info in self.hosts.info]
+            others: dict[str, list[int]] = {}
+            for rank, node in enumerate(node_of):
+                if node and node != own:
+                    others.setdefault(node, []).append(rank)
+            dead_nodes = {node_of[r] for r in err.ranks if r < len(node_of)}
+            if len(others) < 2 or own in dead_nodes or not dead_nodes:
+                return None
+            alive = {n for n in alive_nodes()}
+            if dead_nodes & alive or own not in alive:
+                return None  # a process died on a node that lives (or the GCS is not reachable from here)
+            probe = [ranks[0] for node, ranks in others.items() if node in alive]
+            if probe and ping_ranks(self.hosts.actors, probe)[0]:
+                return None  # another node's rank answers: only some nodes went
+            end = time.monotonic() + health_window_s()
+            while alive - {own}:
+                if time.monotonic() > end:
+                    return None
+                time.sleep(0.2)
+                alive = set(alive_nodes())
+        except Exception:  # noqa: BLE001 - a judgment on the way to an error: never hide the error itself
+            logger.debug("worker group %s: could not tell whether this node was cut off", self.hosts.name_prefix,
+                         exc_info=True)
+            return None
+        lost = sorted({self.nodes[r] or "?" for ranks in others.values() for r in ranks})
+        return ControllerCutOffError(err.method, node_ip_address(), lost, sorted(r for ranks in others.values() for r in ranks))
 
     def kill_ranks(self, ranks: Sequence[int], why: str) -> None:
         """Kill ``ranks``' processes on purpose; the group then treats them as dead (its ``on_rank_death``)."""
@@ -608,8 +661,7 @@ class RayExecutor:
         failures = got.failures(pending)
         err = combine_errors(failures) if failures else None
         if isinstance(err, WorkerDiedError):
-            self.fail(err)
-            raise err
+            raise self.fail(err)
         if got.unfinished:
             slow = [pending[i] for i in got.unfinished]
             ranks_left = sorted({p.rank for p in slow})
@@ -672,7 +724,7 @@ class RayExecutor:
         if failures:
             err = combine_errors(failures)
             if isinstance(err, WorkerDiedError):
-                self.fail(err)
+                err = self.fail(err)
             elif isinstance(err, (RingError, AgentLostError)):  # a session thread or an agent ended: the next call opens new ones
                 self._end_session()
             raise err

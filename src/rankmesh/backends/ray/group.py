@@ -21,7 +21,7 @@ import uuid
 from typing import Any, Mapping, Sequence
 
 from rankmesh.dispatch.modes import DispatchRegistry
-from rankmesh.errors import BackendError, PaddingError, RecoveryError, WorkerDiedError, WorkerError
+from rankmesh.errors import BackendError, ControllerCutOffError, PaddingError, RecoveryError, WorkerDiedError, WorkerError
 from rankmesh.binding import MethodTable, PerRank
 from rankmesh.group import WorkerGroup
 from rankmesh.mesh import RankMesh
@@ -591,7 +591,8 @@ class RayWorkerGroup(WorkerGroup):
         rec = self._recovery
         if rec.policy not in RETRYING or rec.replacing:
             return run()
-        if self.executor.failed is not None:  # an earlier (non-blocking) call's death: recover first
+        if self.executor.failed is not None and not isinstance(self.executor.failed, ControllerCutOffError):
+            # an earlier (non-blocking) call's death: recover first
             if isinstance(self._recover(None), RemeshReport):
                 run = self._replanned(binding, rerun, self._recovery.remeshes[-1])
         start = time.monotonic()
@@ -606,7 +607,10 @@ class RayWorkerGroup(WorkerGroup):
                 dead = probe_dead(self._hosts)
                 if not dead:
                     raise
-                self.executor.fail(WorkerDiedError(min(dead), binding.name, f"found dead after: {err.detail}", ranks=sorted(dead)))
+                failure = self.executor.fail(WorkerDiedError(min(dead), binding.name, f"found dead after: {err.detail}",
+                                                             ranks=sorted(dead)))
+                if not isinstance(failure, WorkerDiedError):  # the controller's node was cut off: nothing to recover
+                    raise failure from err
             detected = time.monotonic() - start
             logger.info("%s: %s; recovering (%s) and retrying once", binding.name, err, rec.policy)
             report = self._recover(detected)

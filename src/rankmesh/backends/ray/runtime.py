@@ -237,6 +237,14 @@ def worker_raylet_pid() -> int | None:
     return None
 
 
+def health_window_s() -> float:
+    """How far apart the GCS may declare nodes dead that were all cut off at one moment (seconds):
+    one health check's period plus its timeout, as this cluster is configured (each node's checks
+    run on their own timer, and each may take up to the timeout)."""
+    config = ray._config  # noqa: SLF001 - the cluster's system config, as this process received it
+    return (config.health_check_period_ms() + config.health_check_timeout_ms()) / 1000
+
+
 def referenced_objects() -> int:
     """How many objects Ray's reference table in this process lists: those it holds, and those it
     owns that another process still borrows (an owner keeps the entry until its borrowers let go).
