@@ -11,8 +11,10 @@ Two ways to run one:
 * :func:`run_module` / :func:`run_code` start a fresh process per scenario (``python -m module``
   or ``python -c code``) and return its report.  For scenarios that must own their Ray: those
   that remove nodes, or that check how Ray gets started or joined.
-* :class:`SharedCluster` is ONE long-lived driver process holding ONE simulated cluster
-  (:data:`SHARED_NODES`) for every test module whose scenarios leave the nodes alone.  A module
+* :class:`SharedCluster` is ONE long-lived driver process holding ONE cluster of
+  :data:`SHARED_NODES` for every test module whose scenarios leave the nodes alone: each node in
+  its own network namespace with its own address (``rankmesh.testing.cluster``) where namespaces
+  can be made, else raylets on 127.0.0.1 (:func:`shared_cluster_kind`).  A module
   asks it to call a function ``f(cluster, *args)`` by name and gets ``f``'s return value back.
   Starting raylets and a driver costs seconds each on a small machine, so the modules share them
   (the ``simulated_cluster`` fixture in tests/conftest.py; the modules are run back to back and the
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -103,6 +106,35 @@ def _run(argv: list[str], what: str, timeout: float, env: Mapping[str, str] | No
 # ----- one shared simulated cluster ------------------------------------------------------------
 
 
+#: Where the shared cluster's nodes are when it is namespaced, by hand from the helper's host
+#: numbers (.9 for the head, then .10, .100, .11 in :data:`SHARED_NODES` order): numerically
+#: .10 < .11 < .100, as strings .10 < .100 < .11.
+NETNS_ADDRESSES: dict[str, str] = {"head": "198.18.0.9", "node_a": "198.18.0.10", "node_b": "198.18.0.100",
+                                   "node_c": "198.18.0.11"}
+#: ``RANKMESH_TEST_CLUSTER``: ``netns`` or ``loopback`` forces the shared cluster's kind; unset or
+#: ``auto``, it is namespaced wherever namespaces can be made.
+CLUSTER_KIND_ENV = "RANKMESH_TEST_CLUSTER"
+
+
+def shared_cluster_kind() -> str:
+    """``"netns"`` (a namespace per node) where namespaces can be made, else ``"loopback"``; the
+    reason is logged once when it falls back."""
+    wanted = os.environ.get(CLUSTER_KIND_ENV, "auto")
+    if wanted not in ("auto", "netns", "loopback"):
+        raise ValueError(f"{CLUSTER_KIND_ENV}={wanted!r}: expected auto, netns or loopback")
+    if wanted == "loopback":
+        return "loopback"
+    from rankmesh.testing.cluster import unavailable
+
+    reason = unavailable()
+    if reason is None:
+        return "netns"
+    if wanted == "netns":
+        raise DriverError(f"{CLUSTER_KIND_ENV}=netns, but no namespaced cluster can be made here: {reason}")
+    logging.getLogger(__name__).warning("the shared multi-node cluster runs on loopback: %s", reason)
+    return "loopback"
+
+
 def resolve(name: str) -> Callable[..., Any]:
     """``"package.module:function"`` -> the function."""
     module, _, attr = name.partition(":")
@@ -119,8 +151,11 @@ class SharedCluster:
     not remove nodes: later modules use the same nodes.
     """
 
-    def __init__(self, start_timeout: float = 180.0) -> None:
+    def __init__(self, start_timeout: float = 180.0, kind: str | None = None) -> None:
         self.start_timeout = start_timeout
+        #: ``"netns"`` or ``"loopback"`` (:func:`shared_cluster_kind`).
+        self.kind = kind or shared_cluster_kind()
+        self._netns: Any = None  # the namespaced cluster, while it runs
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._stderr: list[str] = []
@@ -134,10 +169,16 @@ class SharedCluster:
     def _start(self) -> None:
         """Start the driver and wait for its cluster (the driver reports the node ids once it is up)."""
         self._stderr = []
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.drivers"], cwd=REPO, env=driver_env(), text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )
+        pipes = {"text": True, "stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        if self.kind == "netns":
+            from rankmesh.testing.cluster import NetnsCluster
+
+            self._netns = NetnsCluster(nodes=list(SHARED_NODES.values()), lifetime_s=3 * 3600).start()
+            # The driver joins from the head's namespace; the cluster's own environment, plus this checkout.
+            self._proc = self._netns.popen([sys.executable, "-m", "tests.drivers", "join"], cwd=REPO,
+                                           env={"PYTHONPATH": driver_env()["PYTHONPATH"]}, **pipes)
+        else:
+            self._proc = subprocess.Popen([sys.executable, "-m", "tests.drivers"], cwd=REPO, env=driver_env(), **pipes)
         # stderr is drained by a thread (Ray logs there; a full pipe would block the driver).
         threading.Thread(target=self._drain, args=(self._proc,), daemon=True).start()
         self.nodes = self._answer(self.start_timeout)
@@ -187,6 +228,15 @@ class SharedCluster:
     def close(self, timeout: float = 60.0) -> None:
         """Shut the cluster down (the driver does on end of input) and wait for the process."""
         proc, self._proc = self._proc, None
+        netns, self._netns = self._netns, None
+        try:
+            self._stop(proc, timeout)
+        finally:
+            if netns is not None:
+                netns.close()
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen | None, timeout: float) -> None:
         if proc is None:
             return
         if proc.poll() is None:
@@ -206,14 +256,21 @@ class SharedCluster:
                     proc.wait()
 
 
-def serve(nodes: Sequence[Mapping[str, Any]] = tuple(SHARED_NODES.values())) -> None:
-    """Driver side of :class:`SharedCluster`: build the cluster, answer scenario requests until end of input."""
+def serve(nodes: Sequence[Mapping[str, Any]] = tuple(SHARED_NODES.values()), join: bool = False) -> None:
+    """Driver side of :class:`SharedCluster`: build the cluster (or, with ``join``, join the
+    namespaced one through ``RAY_ADDRESS`` from the head's namespace), answer scenario requests
+    until end of input.  Scenarios get the simulated cluster's handle, or ``None`` when joined."""
     import ray
 
     from rankmesh.backends.ray.simulated import loopback_cluster
+    from rankmesh.testing.cluster import ADDRESS_ENV
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally below: no stray raylets
-    cluster, _ = loopback_cluster(nodes)
+    if join:
+        cluster = None
+        ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ[ADDRESS_ENV], logging_level="ERROR")
+    else:
+        cluster, _ = loopback_cluster(nodes)
     try:
         print_report(sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]))
         for line in sys.stdin:
@@ -227,8 +284,9 @@ def serve(nodes: Sequence[Mapping[str, Any]] = tuple(SHARED_NODES.values())) -> 
             print(REPORT + encoded, flush=True)
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
 
 
 if __name__ == "__main__":
-    serve()
+    serve(join=sys.argv[1:] == ["join"])

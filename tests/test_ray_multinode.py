@@ -1,10 +1,11 @@
-"""Placement on a simulated multi-node cluster (three raylets on 127.0.0.1).
+"""Placement on the shared multi-node cluster (a namespace and an address per node, or raylets on 127.0.0.1).
 
 Ray allows one cluster connection per process and the session already holds one (conftest), so
 the scenarios run in the shared simulated cluster's driver process (``simulated_cluster``,
 tests/drivers.py), which returns one JSON report; the tests below check parts of that report.
 Nodes (``tests.drivers.SHARED_NODES``): ``node_a`` and ``node_b`` with 4 CPUs, ``node_c`` with 2,
-each tagged with a custom resource of its name; the head has no CPUs.
+each tagged with a custom resource of its name; the head has no CPUs.  Namespaced, the nodes'
+addresses are :data:`tests.drivers.NETNS_ADDRESSES` (mixed widths: string order is not numeric).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from tests.drivers import SHARED_NODES
+from tests.drivers import NETNS_ADDRESSES, SHARED_NODES
 
 NODES = {name: node["num_cpus"] for name, node in SHARED_NODES.items()}
 
@@ -36,6 +37,7 @@ def scenarios(cluster) -> dict:
     }
     report["node_names"] = names
     report["node_ips"] = sorted({n["NodeManagerAddress"] for n in ray.nodes()})
+    report["addresses"] = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
 
     # 1. tp2 over two nodes of 4: ranks where the pool says, tp groups inside a node.
     pool = RayResourcePool([4, 4], use_gpu=False)
@@ -88,20 +90,30 @@ def report(simulated_cluster) -> dict:
     return simulated_cluster.run("tests.test_ray_multinode:scenarios")
 
 
-def test_simulated_nodes_are_on_loopback(report):
-    assert report["node_ips"] == ["127.0.0.1"]
+def test_nodes_have_the_shared_clusters_addresses(report, simulated_cluster):
     assert sorted(n for n in report["node_names"].values() if n != "head") == sorted(NODES)
+    by_name = {name: report["addresses"][node] for node, name in report["node_names"].items()}
+    if simulated_cluster.kind == "netns":
+        assert by_name == NETNS_ADDRESSES
+    else:
+        assert report["node_ips"] == ["127.0.0.1"]
 
 
-def test_ranks_land_where_the_pool_says_and_tp_stays_in_a_node(report):
+def test_ranks_land_where_the_pool_says_and_tp_stays_in_a_node(report, simulated_cluster):
     tp2 = report["tp2"]
     assert tp2["worker_nodes"] == tp2["pool_nodes"]
     names = [report["node_names"][n] for n in tp2["worker_nodes"]]
     assert set(names) == {"node_a", "node_b"} and names[:4] == [names[0]] * 4 and names[4:] == [names[4]] * 4
-    # Nodes on one IP are ordered by node id.
-    assert tp2["worker_nodes"][0] < tp2["worker_nodes"][4]
+    if simulated_cluster.kind == "netns":
+        # Nodes in numeric address order: node_a (.10) before node_b (.100); rank 0's node is the master.
+        assert names[0] == "node_a"
+        master = NETNS_ADDRESSES["node_a"]
+    else:
+        # Nodes on one IP are ordered by node id.
+        assert tp2["worker_nodes"][0] < tp2["worker_nodes"][4]
+        master = "127.0.0.1"
     assert tp2["places"] == [[r // 4, r % 4, 4] for r in range(8)]
-    assert tp2["env"] == [[str(r % 4), "4", "127.0.0.1"] for r in range(8)]
+    assert tp2["env"] == [[str(r % 4), "4", master] for r in range(8)]
     assert tp2["spanning"] == []
     for group in tp2["tp_groups"]:
         assert len({tp2["worker_nodes"][r] for r in group}) == 1

@@ -57,7 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
@@ -119,15 +119,48 @@ WATCH_PERIOD_S = 1.0
 
 
 @dataclass(frozen=True)
+class NodeSpec:
+    """What one node offers Ray: CPUs, custom resources, labels and its object store (bytes).
+
+    ``NodeSpec.of({...})`` reads the keyword form of Ray's ``Cluster.add_node`` (``num_cpus``,
+    ``resources``, ``labels``, ``object_store_memory``), so one list of nodes describes a
+    simulated cluster and a namespaced one alike."""
+
+    cpus: int = 1
+    resources: Mapping[str, float] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    object_store_bytes: int = OBJECT_STORE_BYTES
+
+    @classmethod
+    def of(cls, node: Mapping[str, Any]) -> "NodeSpec":
+        known = {"num_cpus", "resources", "labels", "object_store_memory"}
+        unknown = sorted(set(node) - known)
+        if unknown:
+            raise ValueError(f"node spec {dict(node)}: unknown keys {unknown}; a node takes {sorted(known)}")
+        return cls(int(node.get("num_cpus", 1)), dict(node.get("resources", {})),
+                   {str(k): str(v) for k, v in node.get("labels", {}).items()},
+                   max(int(node.get("object_store_memory", OBJECT_STORE_BYTES)), OBJECT_STORE_BYTES))
+
+    def ray_start_args(self) -> list[str]:
+        args = [f"--num-cpus={self.cpus}", f"--object-store-memory={self.object_store_bytes}"]
+        if self.resources:
+            args.append(f"--resources={json.dumps(dict(self.resources))}")
+        if self.labels:
+            args.append("--labels=" + ",".join(f"{k}={v}" for k, v in self.labels.items()))
+        return args
+
+
+@dataclass(frozen=True)
 class NetnsNode:
-    """One node: ``name`` (``n0`` is the head), its ``address``, its ``namespace``, and ``port``,
-    its veth's name on the bridge (in the core namespace)."""
+    """One node: ``name`` (``n0`` is the head), its ``address``, its ``namespace``, ``port``, its
+    veth's name on the bridge (in the core namespace), and what it offers Ray (``spec``)."""
 
     name: str
     address: str
     namespace: str
     port: str
     head: bool = False
+    spec: NodeSpec = field(default_factory=NodeSpec)
 
 
 # ----- the machine: can namespaces be made, which exist, stale ones ---------------------------
@@ -293,7 +326,9 @@ class NetnsCluster:
     """A Ray cluster of ``num_nodes`` nodes (the first is the head), each its own network namespace.
 
     Use as ``with NetnsCluster(3) as cluster: ...`` or ``cluster = NetnsCluster(3).start()`` and
-    :meth:`close`.  ``cpus`` is each node's ``--num-cpus``; ``health`` the GCS health checks
+    :meth:`close`.  ``cpus`` is each node's ``--num-cpus``; or ``nodes`` gives each worker node's
+    offer (:class:`NodeSpec`, in ``Cluster.add_node``'s keywords) and ``head`` the head's (CPU-less
+    by default then); ``health`` the GCS health checks
     (:data:`TEST_HEALTH_CHECKS`); ``lifetime_s`` bounds the cluster's life: its watchdog tears it
     down then, or as soon as this process dies.  ``ray_env`` is added to every node's environment.
     """
@@ -303,15 +338,24 @@ class NetnsCluster:
         num_nodes: int = 3,
         *,
         cpus: int = 1,
+        nodes: Sequence[Mapping[str, Any]] | None = None,
+        head: Mapping[str, Any] | None = None,
         network: str = DEFAULT_NETWORK,
         health: Mapping[str, int] = TEST_HEALTH_CHECKS,
         lifetime_s: float = 3600.0,
         ray_env: Mapping[str, str] | None = None,
     ) -> None:
+        if nodes is not None:
+            num_nodes = len(nodes) + 1
         if num_nodes < 1:
             raise ValueError(f"num_nodes={num_nodes}: a cluster needs at least its head node (num_nodes >= 1)")
         self.num_nodes = num_nodes
         self.cpus = cpus
+        #: What each node offers, head first: ``nodes``' specs after ``head``'s (default: ``cpus``
+        #: each; with ``nodes`` given, a CPU-less head, as a simulated cluster's).
+        worker_specs = [NodeSpec.of(n) for n in nodes] if nodes is not None else [NodeSpec(cpus)] * (num_nodes - 1)
+        head_spec = NodeSpec.of(head) if head is not None else NodeSpec(0 if nodes is not None else cpus)
+        self.specs = [head_spec, *worker_specs]
         self.network = network
         self.health = dict(health)
         self.lifetime_s = lifetime_s
@@ -452,9 +496,10 @@ class NetnsCluster:
         self.nodes.remove(node)
         return node
 
-    def add_node(self, *, timeout: float = RAY_START_TIMEOUT_S) -> NetnsNode:
-        """Start one more worker node (next address of :data:`HOST_NUMBERS`); returns once it is alive."""
-        node = self._make_node()
+    def add_node(self, spec: Mapping[str, Any] | None = None, *, timeout: float = RAY_START_TIMEOUT_S) -> NetnsNode:
+        """Start one more worker node (next address of :data:`HOST_NUMBERS`; ``spec`` as in
+        ``nodes``, default ``cpus`` CPUs); returns once it is alive."""
+        node = self._make_node(NodeSpec.of(spec) if spec is not None else NodeSpec(self.cpus))
         try:
             self._ray_start(node)
             self.wait_for_nodes([node.address], timeout)
@@ -513,11 +558,13 @@ class NetnsCluster:
     def _in(self, namespace: str, *argv: str) -> subprocess.CompletedProcess:
         return sh([self._ip, "-n", namespace, *argv])
 
-    def _make_node(self) -> NetnsNode:
+    def _make_node(self, spec: NodeSpec | None = None) -> NetnsNode:
         assert self._net is not None
         index, self._count = self._count, self._count + 1
         address = str(self._net.network_address + next(self._hosts))
-        node = NetnsNode(f"n{index}", address, f"{self.stem}-n{index}", f"p-n{index}", head=index == 0)
+        if spec is None:
+            spec = self.specs[index]
+        node = NetnsNode(f"n{index}", address, f"{self.stem}-n{index}", f"p-n{index}", head=index == 0, spec=spec)
         sh([self._ip, "netns", "add", node.namespace])
         self._in(self.core, "link", "add", node.port, "type", "veth", "peer", "name", "eth0", "netns", node.namespace)
         self._in(self.core, "link", "set", node.port, "master", "br0", "up")
@@ -533,8 +580,7 @@ class NetnsCluster:
         for node in nodes:
             temp = self.temp_dir / node.name
             argv = [sys.executable, "-m", "ray.scripts.scripts", "start", f"--node-ip-address={node.address}",
-                    f"--num-cpus={self.cpus}", f"--object-store-memory={OBJECT_STORE_BYTES}",
-                    f"--temp-dir={temp}", "--disable-usage-stats"]
+                    *node.spec.ray_start_args(), f"--temp-dir={temp}", "--disable-usage-stats"]
             if node.head:
                 argv += ["--head", f"--port={GCS_PORT}", "--include-dashboard=false",
                          f"--system-config={json.dumps(self.health)}"]
