@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """How the Ray backend's costs grow with world size and node count.
 
-For each cluster (simulated nodes on 127.0.0.1 by default, or a real cluster with ``--address``)
-and each world size, start a RayWorkerGroup spread evenly over the nodes and measure:
+For each cluster (simulated nodes on 127.0.0.1 by default, namespaced nodes with ``--netns``, or
+a real cluster with ``--address``) and each world size, start a RayWorkerGroup spread evenly over the nodes and measure:
 
 * ``start_s``: starting the group.  With ``--fresh`` each group is started from scratch (pool,
   processes, imports, worker ``__init__``).  By default, to keep the run short on small machines,
@@ -18,6 +18,13 @@ Prints a table, writes a PNG plot (``--plot``) and optionally JSON (``--json PAT
     python scripts/scaling_test.py                      # simulated 1, 2 and 4 nodes, world 1..16
     python scripts/scaling_test.py --quick              # a smoke run (under a minute)
     python scripts/scaling_test.py --address auto --nodes 1,2,4 --world-sizes 8,16,32 --gpu
+    sudo python scripts/scaling_test.py --netns 2x2,4x1      # each node its own network namespace
+
+With ``--netns NODESxRANKS,...`` each shape gets a cluster of its own (``rankmesh.testing.cluster``:
+every node a network namespace with its own address on one private bridge, a CPU-less head, as
+many CPUs per node as ranks), and this script runs again inside the head's namespace against it,
+with the group spread over the nodes: the figures then include a real network stack per hop
+(veth and bridge), not one loopback.  It needs root and ``ip`` (iproute2).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import logging
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -195,6 +203,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     import ray
 
     from rankmesh.errors import ResourcePoolError
+    from rankmesh.testing.cluster import ADDRESS_ENV
 
     rows: list[Row] = []
     for nodes in args.nodes:
@@ -202,7 +211,9 @@ def run(args: argparse.Namespace) -> list[Row]:
         if not sizes:
             continue
         cluster = None
-        if args.address:
+        if args.address and ADDRESS_ENV in os.environ:  # inside a namespaced cluster (--netns): bind its address
+            ray.init(address=args.address, _node_ip_address=os.environ[ADDRESS_ENV], logging_level="ERROR")
+        elif args.address:
             from rankmesh.backends.ray import ensure_ray
 
             ensure_ray(address=args.address)
@@ -226,6 +237,33 @@ def run(args: argparse.Namespace) -> list[Row]:
             ray.shutdown()
             if cluster is not None:
                 cluster.shutdown()
+    return rows
+
+
+def run_netns(args: argparse.Namespace) -> list[Row]:
+    """Each ``--netns`` shape on a namespaced cluster of its own; this script, run inside it, measures."""
+    from rankmesh.testing.cluster import NetnsCluster
+
+    rows: list[Row] = []
+    repo = Path(__file__).resolve().parents[1]
+    pythonpath = os.pathsep.join(p for p in (str(repo / "src"), str(repo), os.environ.get("PYTHONPATH", "")) if p)
+    for nodes, per_node in args.netns:
+        spec = {"num_cpus": per_node, "object_store_memory": args.store_mib * MIB}
+        with NetnsCluster(nodes=[spec] * nodes, lifetime_s=3600) as cluster:
+            out = cluster.temp_dir / "rows.json"
+            argv = [sys.executable, str(Path(__file__).resolve()), "--address", cluster.address, "--nodes", str(nodes),
+                    "--world-sizes", str(nodes * per_node), "--repeats", str(args.repeats),
+                    "--small-mib", str(args.small_mib), "--large-mib", str(args.large_mib),
+                    "--store-mib", str(args.store_mib), "--ready-timeout", str(args.ready_timeout),
+                    "--plot", str(cluster.temp_dir / "plot.png"), "--json", str(out), *(["--fresh"] if args.fresh else [])]
+            proc = cluster.run(argv, timeout=args.netns_timeout, cwd=repo, env={"PYTHONPATH": pythonpath},
+                               capture_output=False, stdout=subprocess.PIPE)
+            got = [line for line in proc.stdout.splitlines() if line.strip() and not line.startswith(("nodes", "plot:", "*"))]
+            print("\n".join(got), flush=True)
+            if proc.returncode != 0 or not out.exists():
+                print(f"# netns {nodes}x{per_node}: the run inside the cluster failed (exit {proc.returncode})")
+                continue
+            rows.extend(Row(**{k: v for k, v in r.items() if k != "large_gbps"}) for r in json.loads(out.read_text()))
     return rows
 
 
@@ -273,6 +311,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    shapes = lambda text: [tuple(int(v) for v in shape.split("x")) for shape in text.split(",") if shape]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=None, help="join this Ray cluster instead of simulating nodes ('auto' works)")
     p.add_argument("--nodes", type=ints, default=[1, 2, 4], help="node counts to spread over (default 1,2,4)")
@@ -287,6 +326,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write results as JSON to this path ('-' for stdout)")
     p.add_argument("--fresh", action="store_true", help="start every group from scratch (slower, measures process start)")
     p.add_argument("--quick", action="store_true", help="smoke run: nodes 1,2; world 1,2; small batches")
+    p.add_argument("--netns", type=shapes, default=None,
+                   help="instead: namespaced clusters NODESxRANKS, e.g. 2x2,4x1 (a network namespace per node; root)")
+    p.add_argument("--netns-timeout", type=float, default=1800.0, help="seconds one --netns shape may take")
     args = p.parse_args(argv)
     if args.quick:
         args.nodes, args.world_sizes, args.repeats, args.large_mib = [1, 2], [1, 2], 3, 4.0
@@ -298,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     print(header(args), flush=True)
     started = time.perf_counter()
-    rows = run(args)
-    where = f"Ray cluster {args.address}" if args.address else "simulated nodes on 127.0.0.1"
+    rows = run_netns(args) if args.netns else run(args)
+    where = (f"Ray cluster {args.address}" if args.address else
+             "namespaced nodes (a network stack each)" if args.netns else "simulated nodes on 127.0.0.1")
     title = f"rankmesh Ray backend scaling ({where}, {os.cpu_count()} CPUs on this host)"
     if not rows:
         print("nothing measured")
