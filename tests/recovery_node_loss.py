@@ -1,8 +1,9 @@
-"""Node loss, then replacement on a simulated cluster: the lost node's ranks are re-placed on a spare node.
+"""Node loss, then replacement: the lost node's ranks are re-placed on a spare node.
 
 Runs as a subprocess driver (``python -m tests.recovery_node_loss``; one cluster connection per
-process): a CPU-less head plus three 2-CPU raylets on 127.0.0.1, a 4-rank group (dp 4) on the
-first two, ``remove_node`` of the second (and the wait for its processes to exit, as a real
+process): a CPU-less head plus three 2-CPU nodes (raylets on 127.0.0.1 it starts, or a namespaced
+cluster its test made: ``tests/node_faults.py``), a 4-rank group (dp 4) on the first two, the
+second killed (on loopback, ``remove_node`` and the wait for its processes to exit, as a real
 node's go with it: a call on the ring would otherwise still reach them), then a call with
 ``on_rank_death="replace"``: the dead
 ranks are replaced, Ray having re-placed their bundles on the spare third node, and the call
@@ -20,29 +21,27 @@ from tests.drivers import print_report
 from tests.reliability_node_loss import FAST_HEALTH_CHECKS
 
 
-def run() -> dict:
-    import ray
+#: The three 2-CPU nodes of the scenario (a CPU-less head besides).
+NODES = [{"num_cpus": 2, "object_store_memory": 80 << 20} for _ in range(3)]
 
+
+def run() -> dict:
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from rankmesh.backends.ray.simulated import loopback_cluster
     from rankmesh.mesh import RankMesh
+    from tests.node_faults import nodes_for
     from tests.recovery_workers import StateWorker
 
     report: dict = {}
-    cluster, nodes = loopback_cluster(
-        [{"num_cpus": 2, "object_store_memory": 80 << 20} for _ in range(3)],
-        head_args={"_system_config": FAST_HEALTH_CHECKS},
-        logging_level="ERROR",
-    )
+    nodes = nodes_for(NODES, FAST_HEALTH_CHECKS)
     try:
         wg = RayWorkerGroup(RayResourcePool([2, 2], use_gpu=False), RayClassWithInitArgs(StateWorker, scale=1),
                             mesh=RankMesh(dp=4), on_rank_death="replace", call_timeout_s=120)
-        by_node = {n.node_id: i for i, n in enumerate(nodes)}
+        by_node = {node: i for i, node in enumerate(nodes.ids)}
         before = wg.whoami()
         placed = [by_node[wg.node_of(r)] for r in range(4)]
         victim_index = placed[2]
         report["ranks_on_victim"] = [r for r in range(4) if placed[r] == victim_index]
-        cluster.remove_node(nodes[victim_index], allow_graceful=False)
+        nodes.kill(nodes.ids[victim_index])
         removed = time.monotonic()
         report["victims_killed"] = gone_or_killed([before[r]["pid"] for r in report["ranks_on_victim"]], 10.0)
         report["result"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])  # undisturbed: 10.0 on every rank
@@ -59,10 +58,9 @@ def run() -> dict:
         report["survivor_pids_kept"] = all(after[r]["pid"] == before[r]["pid"] for r in range(4)
                                            if r not in report["replaced"])
         wg.shutdown()
-        report["shrink"] = shrink_then_grow(cluster, [n for i, n in enumerate(nodes) if i != victim_index])
+        report["shrink"] = shrink_then_grow(nodes, [n for i, n in enumerate(nodes.ids) if i != victim_index])
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        nodes.close()
     return report
 
 
@@ -86,7 +84,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def shrink_then_grow(cluster, nodes) -> dict:
+def shrink_then_grow(nodes, ids: list[str]) -> dict:
     """Spare, spares exhausted, shrink, grow, on the two 2-CPU nodes left plus a 1-CPU node for a spare.
 
     A tp2·dp2 group, one replica per 2-CPU node, ``spares=1`` (the spare can only go to the 1-CPU
@@ -97,7 +95,6 @@ def shrink_then_grow(cluster, nodes) -> dict:
     """
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from rankmesh.backends.ray.recovery import exit_on_next_call
-    from rankmesh.backends.ray.simulated import LOOPBACK
     from rankmesh.backends.ray.spares import SpareStatus
     from rankmesh.mesh import RankMesh
     from tests.recovery_workers import StateWorker
@@ -112,17 +109,15 @@ def shrink_then_grow(cluster, nodes) -> dict:
         raise TimeoutError(f"no warm spare: {wg.spares}")
 
     out: dict = {}
-    small = cluster.add_node(num_cpus=1, object_store_memory=80 << 20, node_ip_address=LOOPBACK)
-    cluster.wait_for_nodes()
-    nodes = [*nodes, small]
+    ids = [*ids, nodes.add({"num_cpus": 1, "object_store_memory": 80 << 20})]
     wg = RayWorkerGroup(RayResourcePool([2, 2], use_gpu=False, spares=1), RayClassWithInitArgs(StateWorker, scale=1),
                         mesh=RankMesh(tp=2, dp=2), on_rank_death="replace_or_shrink", call_timeout_s=120)
     try:
-        by_node = {n.node_id: i for i, n in enumerate(nodes)}
+        by_node = {node: i for i, node in enumerate(ids)}
         wg.set_state([[10.0 * (r % 2) + k for k in (1, 2, 3)] for r in range(4)])  # tp rank r % 2
         before = wg.whoami()
         spare = wait_warm_spare(set())
-        out["spare_on_small_node"] = by_node[spare.node_id] == len(nodes) - 1
+        out["spare_on_small_node"] = by_node[spare.node_id] == len(ids) - 1
         # (1) A warm spare takes rank 3's place.
         exit_on_next_call(wg, 3, "world_sum")
         out["result_spare"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])
@@ -135,11 +130,11 @@ def shrink_then_grow(cluster, nodes) -> dict:
         out["refill_on_victim"] = by_node[refill.node_id] == victim
         out["ranks_on_victim"] = [r for r in range(4) if by_node[wg.node_of(r)] == victim]
         pids = [a["pid"] for r, a in enumerate(wg.whoami()) if r in out["ranks_on_victim"]] + [refill.pid]
-        cluster.remove_node(nodes[victim], allow_graceful=False)
+        nodes.kill(ids[victim])
         removed = time.monotonic()
         # A node that is gone takes its processes with it; a simulated node's workers notice their
         # raylet's death on their own, so wait for that (and kill what lingers), or the next call
-        # may still reach them through the ring.
+        # may still reach them through the ring (a namespaced node's were SIGKILLed with it).
         out["victims_killed"] = gone_or_killed(pids, 10.0)
         out["result"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])  # on tp2·dp1: ranks 0, 1 sum 1 + 2
         out["seconds"] = time.monotonic() - removed
@@ -150,8 +145,7 @@ def shrink_then_grow(cluster, nodes) -> dict:
         out["data_after_shrink"] = data_calls(wg)
         out["survivor_pids_kept"] = [a["pid"] for a in wg.whoami()] == [before[0]["pid"], before[1]["pid"]]
         # (3) Capacity comes back: grow to tp2·dp2 again.
-        cluster.add_node(num_cpus=2, object_store_memory=80 << 20, node_ip_address=LOOPBACK)
-        cluster.wait_for_nodes()
+        nodes.add({"num_cpus": 2, "object_store_memory": 80 << 20})
         start = time.monotonic()
         grown = wg.grow(1)
         out["grow_seconds"] = time.monotonic() - start

@@ -1,9 +1,9 @@
-"""Node loss on a simulated cluster: removing a node during a call reads like dead workers.
+"""Node loss: killing a node during a call reads like dead workers.
 
 Runs as a subprocess driver (``python -m tests.reliability_node_loss``; Ray allows one cluster
-connection per process): a head without CPUs plus two 2-CPU raylets on 127.0.0.1, a 4-rank
-group spread over them, a call in which every rank sleeps, and ``remove_node`` of the second
-raylet one second in.  Prints one ``REPORT {json}`` line: error class, message, dead ranks,
+connection per process): a head without CPUs plus two 2-CPU nodes (raylets on 127.0.0.1 it
+starts, or a namespaced cluster its test made: ``tests/node_faults.py``), a 4-rank group spread
+over them, a call in which every rank sleeps, and the second node killed one second in.  Prints one ``REPORT {json}`` line: error class, message, dead ranks,
 seconds to detection.  Used by ``tests/test_reliability_multinode.py`` and
 ``scripts/fault_drill.py``.
 
@@ -22,29 +22,27 @@ from tests.drivers import print_report
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_timeout_ms": 500}
 
 
-def run() -> dict:
-    import ray
+#: The scenario's two 2-CPU nodes (a CPU-less head besides).
+NODES = [{"num_cpus": 2, "resources": {f"n{i}": 1}, "object_store_memory": 80 << 20} for i in range(2)]
 
+
+def run() -> dict:
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from rankmesh.backends.ray.simulated import loopback_cluster
+    from tests.node_faults import nodes_for
     from tests.reliability_workers import FaultWorker
 
     report: dict = {}
-    cluster, nodes = loopback_cluster(
-        [{"num_cpus": 2, "resources": {f"n{i}": 1}, "object_store_memory": 80 << 20} for i in range(2)],
-        head_args={"_system_config": FAST_HEALTH_CHECKS},
-        logging_level="ERROR",
-    )
+    nodes = nodes_for(NODES, FAST_HEALTH_CHECKS)
     try:
         wg = RayWorkerGroup(RayResourcePool([2, 2], use_gpu=False), RayClassWithInitArgs(FaultWorker))
-        victim = nodes[1].node_id
+        victim = nodes.ids[1]
         report["ranks_on_victim"] = [r for r in range(wg.world_size) if wg.node_of(r) == victim]
         removed_at: list[float] = []
 
         def remove() -> None:
             time.sleep(1.0)
             removed_at.append(time.monotonic())
-            cluster.remove_node(nodes[1], allow_graceful=False)
+            nodes.kill(victim)
 
         threading.Thread(target=remove, daemon=True).start()
         try:
@@ -58,8 +56,7 @@ def run() -> dict:
         report["failed"] = wg.failed is not None
         wg.shutdown()
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        nodes.close()
     return report
 
 

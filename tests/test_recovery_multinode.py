@@ -1,23 +1,33 @@
-"""A node removed from a simulated cluster: its ranks are replaced on the spare node, survivors kept;
-then, with no room left, a group shrinks instead and grows back when a node joins.
+"""A node lost: its ranks are replaced on the spare node, survivors kept; then, with no room
+left, a group shrinks instead and grows back when a node joins.
 
-The scenario runs in a subprocess driver (``tests/recovery_node_loss.py``, through
-``tests.drivers.run_module``) because the test session already holds its one Ray connection; it
-removes a node, so it owns its cluster rather than using the shared one.
+The scenario runs in a subprocess driver (``tests/recovery_node_loss.py``) because the test
+session already holds its one Ray connection; it kills nodes, so it gets a cluster of its own
+rather than the shared one: namespaced where namespaces can be made, the test killing and adding
+nodes at the driver's cues, else loopback raylets the driver changes itself
+(``tests/node_faults.py``).
 """
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from rankmesh.mesh import RankMesh
-from tests.drivers import run_module
+from tests.node_faults import run_node_scenario
+
+logger = logging.getLogger(__name__)
 
 
 @pytest.mark.timeout(240)
 def test_removed_node_ranks_are_re_placed_on_a_node_with_room():
     pytest.importorskip("ray")
-    report = run_module("tests.recovery_node_loss", timeout=220)
+    from tests.recovery_node_loss import NODES
+    from tests.reliability_node_loss import FAST_HEALTH_CHECKS
+
+    report, kind = run_node_scenario("tests.recovery_node_loss", NODES, FAST_HEALTH_CHECKS, timeout=220)
+    logger.info("node loss, spares, shrink and grow on a %s cluster", kind)
     # Two ranks per node (pool [2, 2]) on two of the three nodes; the third is the spare.
     assert len(report["ranks_on_victim"]) == 2 and report["replaced"] == report["ranks_on_victim"], report
     assert report["result"] == [10.0] * 4, report  # 1 + 2 + 3 + 4 on every rank: the undisturbed result
