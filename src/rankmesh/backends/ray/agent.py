@@ -76,8 +76,9 @@ WRITE_WAIT_S = 30.0
 #: The longest a non-blocking call waits for an agent to have sent its subtree's ranks their tasks,
 #: when the call has no deadline (seconds): the agent first finishes the call it runs.
 SUBMIT_WAIT_S = 300.0
-#: How long the controller waits for a retired agent to say whether it still owns a referenced
-#: output, at a group change (seconds): one that does not answer is kept and asked again.
+#: How long the controller waits for the retired agents (all asked at once) to say whether they
+#: still own a referenced output, at a group change (seconds): one that does not answer is kept
+#: and asked again at the next change.
 OWNER_CHECK_S = 5.0
 
 #: Each node's plan for one selection (node id -> per reader, the share it runs or ``None``).
@@ -701,12 +702,14 @@ class AgentSession:
         reference table in the agent knows of every such reference, so each agent is asked
         (:meth:`NodeAgent.holds_references`).  One that does not answer within ``timeout_s`` is
         kept (the question is asked again at the next change); one that is gone is dropped."""
-        asked = {node: agent.holds_references.remote() for node, agent in self.agents.items()}
-        for node, ref in asked.items():
+        if not self.agents:
+            return False
+        asked = {agent.holds_references.remote(): node for node, agent in self.agents.items()}
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=timeout_s, fetch_local=True)
+        for ref in ready:  # all asked at once, one bound for all
+            node = asked[ref]
             try:
-                holds = ray.get(ref, timeout=timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                continue
+                holds = ray.get(ref)
             except ray.exceptions.RayError:  # the agent (or its node) is gone: nothing left to keep
                 holds = False
             if not holds:

@@ -317,7 +317,7 @@ class RayExecutor:
                 self._retired.append(session)
             elif session is not None:
                 session.close(stop=False) if isinstance(session, CallSession) else session.close()
-            retired = self._retired
+            retired = list(self._retired)  # a snapshot: another thread may retire agents meanwhile
             if not keep_owners:
                 self._retired = []
             if not self.hosts.detached:
@@ -364,14 +364,12 @@ class RayExecutor:
         (:meth:`_cut_off`), which no policy recovers from.
         """
         cut = self._cut_off(err) if self._failed is None else None
+        self.dead.update(err.ranks)
+        self._end_session()
         if cut is not None:
-            self.dead.update(err.ranks)
-            self._end_session()
             self._failed = cut
             logger.error("worker group failed: %s", cut)
             return cut
-        self.dead.update(err.ranks)
-        self._end_session()
         if self.on_rank_death != "fail":  # the survivors stay up, for replace_dead_ranks()
             if self._failed is None:
                 self._failed = err
@@ -410,7 +408,7 @@ class RayExecutor:
             dead_nodes = {node_of[r] for r in err.ranks if r < len(node_of)}
             if len(others) < 2 or own in dead_nodes or not dead_nodes:
                 return None
-            alive = {n for n in alive_nodes()}
+            alive = set(alive_nodes())
             if dead_nodes & alive or own not in alive:
                 return None  # a process died on a node that lives (or the GCS is not reachable from here)
             probe = [ranks[0] for node, ranks in others.items() if node in alive]
