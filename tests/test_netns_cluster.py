@@ -90,12 +90,18 @@ class Lines:
         self.proc.stdin.flush()
 
 
+def start_scenario(cluster, err_path, *args: str) -> tuple[subprocess.Popen, Lines]:
+    """``python -m tests.netns_scenarios *args`` in the head's namespace, talked to line by line
+    (cues on its stdin, its stdout as :class:`Lines`); its stderr goes to ``err_path``."""
+    err = open(err_path, "w")
+    proc = cluster.popen([sys.executable, "-m", "tests.netns_scenarios", *args], cwd=REPO, env=driver_env(),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    return proc, Lines(proc)
+
+
 def watch(cluster, address: str, observe_s: float, tmp_path) -> tuple[subprocess.Popen, Lines]:
     """Start a watcher of ``address`` (tests/netns_scenarios.py ``watch``) and wait until it is ready."""
-    err = open(tmp_path / f"watch-{address}.err", "w")
-    proc = cluster.popen([sys.executable, "-m", "tests.netns_scenarios", "watch", address, str(observe_s)],
-                         cwd=REPO, env=driver_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
-    lines = Lines(proc)
+    proc, lines = start_scenario(cluster, tmp_path / f"watch-{address}.err", "watch", address, str(observe_s))
     lines.wait_for("READY", 120)
     return proc, lines
 
@@ -207,10 +213,8 @@ def test_a_task_pinned_to_each_node_reports_that_nodes_address(ray_view) -> None
 def group_driver(cluster, tmp_path_factory):
     """The ``group slow`` driver (tests/netns_scenarios.py): one rank per node, alive across the
     two tests that read it (the group's placement, then the same group over a capped link)."""
-    err = open(tmp_path_factory.mktemp("group") / "group.err", "w")
-    proc = cluster.popen([sys.executable, "-m", "tests.netns_scenarios", "group", "slow"], cwd=REPO, env=driver_env(),
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
-    yield Lines(proc)
+    proc, lines = start_scenario(cluster, tmp_path_factory.mktemp("group") / "group.err", "group", "slow")
+    yield lines
     if proc.poll() is None:
         proc.kill()
     proc.wait(30)
@@ -366,10 +370,7 @@ def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_and_its_rank_fenced_af
     cluster.add_node()
     beat_dir = tmp_path / "beats"
     beat_dir.mkdir()
-    err = open(tmp_path / "partition.err", "w")
-    proc = cluster.popen([sys.executable, "-m", "tests.netns_scenarios", "partition", str(beat_dir)], cwd=REPO,
-                         env=driver_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
-    lines = Lines(proc)
+    proc, lines = start_scenario(cluster, tmp_path / "partition.err", "partition", str(beat_dir))
     try:
         placed = report_of(lines.wait_for(REPORT, 240))
         # The rank not on the head (whose node is the controller's): cut its node off.
@@ -423,10 +424,7 @@ def test_the_controllers_own_node_cut_off_is_reported_as_such_not_as_dead_ranks(
         cluster.kill_node(node)
     cluster.add_node()
     cluster.add_node()
-    err = open(tmp_path / "cut_head.err", "w")
-    proc = cluster.popen([sys.executable, "-m", "tests.netns_scenarios", "cut_head", str(tmp_path)], cwd=REPO,
-                         env=driver_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
-    lines = Lines(proc)
+    proc, lines = start_scenario(cluster, tmp_path / "cut_head.err", "cut_head", str(tmp_path))
     try:
         placed = report_of(lines.wait_for(REPORT, 240))
         lines.wait_for("CALLING", 60)
