@@ -421,6 +421,7 @@ class InstantAgent:
         self.shared = shared
         self.routes: dict = {}
         self.call = self  # handle.call.remote(...)
+        self.submit = InstantSubmit(self)  # handle.submit.remote(...): a non-blocking call
 
     def remote(self, call_id: int, method: str, headers: tuple, refs: tuple, key, plans, timeout_s, generation: int = 0):
         import pickle
@@ -451,6 +452,35 @@ class InstantAgent:
         ref = ray.put(NodeAnswer(values))
         shared.shares.append((call_id, method, headers, refs, key, plans, timeout_s, generation))
         del shared.shares[:-64]
+        shared.spent_s += time.thread_time() - start
+        return ref
+
+
+class InstantSubmit:
+    """A top agent stand-in's :meth:`~rankmesh.backends.ray.agent.NodeAgent.submit`: the ObjectRef
+    of its subtree's ``{rank: output ref}`` at once, the outputs already there (a one-row
+    ``DataProto`` each, put here).  Like a real agent it returns the references of the ranks whose
+    share answers (``answering``) when given, else of every rank called."""
+
+    def __init__(self, agent: InstantAgent) -> None:
+        self.agent = agent
+
+    def remote(self, call_id: int, method: str, headers: tuple, refs: tuple, key, plans, timeout_s, generation: int = 0,
+               answering=None):
+        import ray
+        import torch
+
+        from rankmesh.data import DataProto
+
+        agent, shared = self.agent, self.agent.shared
+        start = time.thread_time()
+        if plans is not None and key is not None:
+            agent.routes[key] = plans
+        row = ray.put(DataProto.from_dict({"y": torch.zeros(1)}))
+        outputs = {rank: row for node, plan in (plans if plans is not None else agent.routes[key]).items()
+                   for rank, share in zip(shared.ranks_of[node], plan)
+                   if share is not None and (answering is None or answering[share])}
+        ref = ray.put(outputs)
         shared.spent_s += time.thread_time() - start
         return ref
 
@@ -547,11 +577,12 @@ def ray_floor_ms(dp: int, piece_kib: int = 0, repeat: int = 20) -> float:
 def scale(args: argparse.Namespace) -> dict:
     """The controller's CPU per call at ``--scale`` shapes, with in-process agents.
 
-    Three calls: a no-op ``ONE_TO_ALL`` call to every rank, and (``--dp N``), on a mesh ``tp`` =
+    Four calls: a no-op ``ONE_TO_ALL`` call to every rank, and (``--dp N``), on a mesh ``tp`` =
     ranks per node, ``dp`` = N: a ``MEGATRON_COMPUTE`` call with one inline value per dp rank
-    (each dp piece one share, with and without an output), and a ``MEGATRON_COMPUTE_PROTO`` call
+    (each dp piece one share, with and without an output), a ``MEGATRON_COMPUTE_PROTO`` call
     with a ``DataProto`` of one row per dp rank (each piece put in the store once; each collect
-    rank's output fetched from the store).  Real code: the group's split and collect,
+    rank's output fetched from the store), and the same call non-blocking, its future read at once
+    (the agents answer their collect ranks' output references: :class:`InstantSubmit`).  Real code: the group's split and collect,
     the executor's call record, the agent session's shares and sends, and the wait loop reading
     the answers through Ray.  Left out: the network, every agent's and rank's own CPU, and Ray's
     background threads in the controller (only the calling thread's CPU is counted).  Each send
@@ -586,13 +617,15 @@ def scale(args: argparse.Namespace) -> dict:
             batch = scale_batch(args.dp, args.piece_kib)  # one row per dp piece
             assert wg.shifted(values) == [None] * args.dp  # one output per dp rank (the stand-ins answer None)
             assert len(wg.rows_megatron(batch)) == args.dp  # one row back per dp piece, through the real concat
-            for key, call in (("megatron", lambda: wg.shifted(values)), ("proto", lambda: wg.rows_megatron(batch))):
+            assert len(wg.rows_megatron_later(batch).get()) == args.dp  # the same, non-blocking, read at once
+            for key, call in (("megatron", lambda: wg.shifted(values)), ("proto", lambda: wg.rows_megatron(batch)),
+                              ("later", lambda: wg.rows_megatron_later(batch).get())):
                 own_call, _ = controller_ms(agents, call, calls)
                 send_call = send_cost_ms(sink, agents.shares[-tops:])
                 row.update({"dp": args.dp, f"{key}_in_process_ms": own_call, f"{key}_send_ms": send_call,
                             f"{key}_cpu_ms": own_call + tops * send_call})
             line += (f"; {args.dp} dp pieces: MEGATRON_COMPUTE {row['megatron_cpu_ms']:6.2f} ms, "
-                     f"MEGATRON_COMPUTE_PROTO {row['proto_cpu_ms']:6.2f} ms")
+                     f"MEGATRON_COMPUTE_PROTO {row['proto_cpu_ms']:6.2f} ms, non-blocking {row['later_cpu_ms']:6.2f} ms")
         rows.append(row)
         print(line + f" ({calls} calls)", flush=True)
     ray.kill(sink)
@@ -611,7 +644,8 @@ def scale(args: argparse.Namespace) -> dict:
                     print(f"{row['nodes']:5d} x {row['per_node']:2d}: MEGATRON_COMPUTE_PROTO {row['proto_cpu_ms']:.2f} ms "
                           f"= {out['ray_floor_ms']:.2f} ms of puts + {row['proto_after_puts_ms']:.2f} ms of the rest")
     kinds = (("controller_cpu_ms", "no-op", "fit", 10), ("megatron_cpu_ms", f"MEGATRON_COMPUTE dp={args.dp}", "fit_megatron", None),
-             ("proto_cpu_ms", f"MEGATRON_COMPUTE_PROTO dp={args.dp}", "fit_proto", 30))
+             ("proto_cpu_ms", f"MEGATRON_COMPUTE_PROTO dp={args.dp}", "fit_proto", 30),
+             ("later_cpu_ms", f"MEGATRON_COMPUTE_PROTO non-blocking dp={args.dp}", "fit_later", None))
     for key, what, name, target in kinds:
         measured = [r for r in rows if key in r]
         if len(measured) >= 3:
@@ -626,7 +660,7 @@ def scale(args: argparse.Namespace) -> dict:
             for key, what, _, _ in kinds:
                 if key in row and key in double:
                     change = double[key] / row[key] - 1
-                    print(f"{nodes} nodes, {per_node} -> {2 * per_node} ranks per node, {what.split(' ')[0]}: controller "
+                    print(f"{nodes} nodes, {per_node} -> {2 * per_node} ranks per node, {what.rsplit(' dp=', 1)[0]}: controller "
                           f"CPU {change:+.0%} (target: under 10 %)")
     return out
 

@@ -16,6 +16,9 @@ from rankmesh.data import DataProto
 from rankmesh.dispatch import Dispatch, register
 from rankmesh.worker import Worker
 
+#: The mesh name of :meth:`ControlWorker.rows_tp2_later` (a group declares it: ``meshes={TP2: RankMesh(tp=2, ...)}``).
+TP2 = "tp2"
+
 
 class ControlWorker(Worker):
     """Records every call it runs, in order, with the thread that ran it."""
@@ -92,6 +95,18 @@ class ControlWorker(Worker):
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def rows_megatron(self, data: DataProto) -> DataProto:
         """Megatron dispatch of a batch: each row's ``x`` times 10 plus this rank (collect ranks' outputs kept)."""
+        return DataProto.from_dict({"y": data.batch["x"] * 10 + self.rank})
+
+    @register(Dispatch.MEGATRON_COMPUTE_PROTO, blocking=False)
+    def rows_megatron_later(self, data: DataProto) -> DataProto:
+        """:meth:`rows_megatron`, non-blocking: its future reads the collect ranks' outputs alone."""
+        return DataProto.from_dict({"y": data.batch["x"] * 10 + self.rank})
+
+    @register(Dispatch.named(TP2), blocking=False)
+    def rows_tp2_later(self, data: DataProto) -> DataProto:
+        """Non-blocking, over the group's mesh named ``"tp2"`` (declared by the groups that call it):
+        each row's ``x`` times 10 plus this rank, collected from tp0 only."""
+        self._note("rows_tp2_later", len(data))
         return DataProto.from_dict({"y": data.batch["x"] * 10 + self.rank})
 
     @register(Dispatch.ONE_TO_ALL)

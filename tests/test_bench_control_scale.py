@@ -70,11 +70,17 @@ def _python_calls(run) -> int:
 def test_the_controller_does_the_same_work_per_call_whatever_the_ranks_per_node(bench, ray_session):
     """Issue 41, item 1: a call is its shares plus a selection the agents expand, so the controller's
     work per call does not depend on the ranks per node (or tp): counted as the Python functions it
-    calls for one call, at 2, 4 and 8 ranks per node on 16 nodes in a tree 4 wide.  Expected by hand:
+    calls for one call, at 2, 4 and 8 ranks per node on 16 nodes in a tree 4 wide.  A non-blocking
+    data call too: its future reads the collect ranks alone, and the agents send back theirs.  Expected by hand:
     4 sends per call (the tops), the selection's plans sent with the first call only."""
     from rankmesh.mesh import RankMesh
 
-    counts: dict[str, list[int]] = {"noop": [], "shifted": []}
+    import torch
+
+    from rankmesh.data import DataProto
+
+    counts: dict[str, list[int]] = {"noop": [], "shifted": [], "later": []}
+    batch = DataProto.from_dict({"x": torch.arange(16)})
     for per_node in (2, 4, 8):
         wg, agents, tops = bench.scale_group(16, per_node, 4, RankMesh(tp=per_node, dp=16))
         assert tops == 4
@@ -87,5 +93,11 @@ def test_the_controller_does_the_same_work_per_call_whatever_the_ranks_per_node(
             new = agents.shares[sent:]
             assert len(new) == 4 * 3  # one send per top agent, for each of the three calls counted
             assert all(key is not None and plans is None for *_, key, plans, _, _ in new)  # the agents keep the plans
+        # A non-blocking data call read at once: the agents answer one output reference per collect
+        # rank (16, one per dp piece), whatever the ranks per node.
+        for _ in range(2):
+            assert len(wg.rows_megatron_later(batch).get()) == 16
+        counts["later"].append(_python_calls(lambda: wg.rows_megatron_later(batch).get()))
     assert len(set(counts["noop"])) == 1, counts
     assert len(set(counts["shifted"])) == 1, counts
+    assert len(set(counts["later"])) == 1, counts

@@ -32,12 +32,14 @@ def scenarios(cluster) -> dict:
     from rankmesh.backends.ray.tasks import output_refs
     from rankmesh.data import DataProto
     from rankmesh.errors import AgentLostError, HangError, WorkerDiedError, WorkerError
-    from tests.control_workers import ControlWorker, kill_after
+    from rankmesh.mesh import RankMesh
+    from tests.control_workers import TP2, ControlWorker, kill_after
 
     report: dict = {}
     for path in PATHS:
         os.environ["RANKMESH_CONTROL"] = "ray" if path == "ray" else "auto"
-        wg = RayWorkerGroup(RayResourcePool([4, 2], use_gpu=False), RayClassWithInitArgs(ControlWorker))
+        wg = RayWorkerGroup(RayResourcePool([4, 2], use_gpu=False), RayClassWithInitArgs(ControlWorker),
+                            meshes={TP2: RankMesh(tp=2, dp=3)})
         if path == "tree":
             wg.set_control("auto", agent_fanout=1)
         got: dict = {}
@@ -70,6 +72,11 @@ def scenarios(cluster) -> dict:
             got["future_error"] = {"rank": exc.rank, "text": str(exc)}
         got["future_carriers"] = {k: v - before.get(k, 0) for k, v in wg._executor.stats.by_carrier.items()
                                   if v != before.get(k, 0)}
+        # A non-blocking call over tp2 x dp3 whose future reads the collect ranks (tp0) alone: the agents
+        # send back their references only (counted in tests/test_bench_control_scale.py); every rank runs it.
+        wg.history()
+        got["tp2_rows"] = wg.rows_tp2_later(DataProto.from_dict({"x": torch.arange(6)})).get().batch["y"].tolist()
+        got["tp2_ran"] = [[v for m, v, _ in log if m == "rows_tp2_later"] for log in wg.history()]
         # One piece read by every rank (four on one node), each writing into it: nobody sees another's write.
         got["scribble"] = wg.scribble(DataProto.from_dict({"x": torch.tensor([100, 200])}))
         # A data call's failure names its rank; one past its deadline is a HangError, and the next
@@ -227,6 +234,9 @@ def test_a_group_across_nodes_runs_every_call_on_both_paths(report, path):
     assert got["data_carriers"] == ({"ray": 3} if path == "ray" else {"agent": 3})
     assert got["future_carriers"] == ({"ray": 2} if path == "ray" else {"agent": 2})
     assert got["handles"] == ["ObjectRef"] * 6 and got["handle_values"] == [None] * 6
+    # tp2 x dp3, ranks tp-fastest: dp replica d is ranks 2d, 2d + 1 with rows 2d, 2d + 1; tp0 answers.
+    assert got["tp2_rows"] == [0, 10, 22, 32, 44, 54]  # x * 10 + rank of ranks 0, 2, 4, by hand
+    assert got["tp2_ran"] == [[2]] * 6  # two rows per dp replica, on both of its tp ranks
     assert got["future_error"]["rank"] == 0 and "cannot be interpreted as an integer" in got["future_error"]["text"]
     assert got["scribble"] == [[100 + r + 1, 200 + r + 1] for r in range(6)]  # copy-on-write: each rank its own write
     assert got["refs_left"] <= 0  # nothing pinned

@@ -107,10 +107,16 @@ class GroupCall:
     Each share is a :class:`RankCall` whose ``rank`` is not used (-1).  A backend that runs
     calls rank by rank expands it (:meth:`rank_calls`); the Ray backend's node path sends the
     shares once and the selection's key (``docs/control_plane.md``).
+
+    ``outputs_only``: the caller keeps only the pendings of the ranks whose share sends an output
+    back (a non-blocking call whose outputs become a ``DataProtoFuture``, which reads the collect
+    ranks alone), so a backend may hand it placeholders for the others, done at once with ``None``
+    (the Ray backend's node agents then send back one reference per collect rank, not per rank).
     """
 
     shares: tuple[RankCall, ...]
     selection: Selection
+    outputs_only: bool = False
 
     def rank_calls(self) -> list[RankCall]:
         shares = self.shares

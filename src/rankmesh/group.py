@@ -446,8 +446,10 @@ class WorkerGroup:
         deadline = Deadline.after(self.call_timeout_s if timeout is None else timeout)  # the call's one deadline
         split = split_call(spec, plan.n_pieces, args, kwargs, site, binding.method.padding)
         layout = self._layout(plan, split.broadcast)
+        # A non-blocking concat call's future reads the collect ranks alone (output_future, below).
+        outputs_only = not binding.method.blocking and spec.output == "concat" and not split.tensordicts
         if seen is None:
-            pending = self._submit_pieces(binding, split.pieces, layout, deadline)
+            pending = self._submit_pieces(binding, split.pieces, layout, deadline, outputs_only)
         else:
             seen.phase("split")
             per_rank = [split.pieces[0 if split.broadcast else plan.piece_of_rank[r]] for r in plan.run_ranks]
@@ -525,15 +527,17 @@ class WorkerGroup:
         return layout
 
     def _submit_pieces(self, binding: Binding, pieces: Sequence[tuple[Args, Kwargs]], layout: CallLayout,
-                       deadline: Deadline) -> Sequence[Any]:
+                       deadline: Deadline, outputs_only: bool = False) -> Sequence[Any]:
         """Ship each piece's objects once and submit the call as its shares and the layout's selection
-        (:class:`~rankmesh.backend.GroupCall`): nothing per rank on the controller."""
+        (:class:`~rankmesh.backend.GroupCall`): nothing per rank on the controller.  ``outputs_only``:
+        only the collect ranks' pendings will be kept (``GroupCall.outputs_only``)."""
         shipped = self._shipper(None)
         receive = self._receive or binding.method.receive
         blocking = binding.method.blocking
         shares = tuple(RankCall(-1, *shipped(pieces[piece]), collected, False, receive, 0, blocking)
                        for piece, collected in layout.shares)
-        return self._executor.submit(binding.role, binding.target, GroupCall(shares, layout.selection), deadline)
+        return self._executor.submit(binding.role, binding.target, GroupCall(shares, layout.selection, outputs_only),
+                                     deadline)
 
     def _shipper(self, seen: ObservedCall | None) -> Callable[[tuple[Args, Kwargs]], tuple[Args, Kwargs]]:
         """``shipped(piece)``: ``piece`` with every distinct non-trivial object shipped once

@@ -177,7 +177,7 @@ class RankSubset:
             bad = [r for r in chosen.ranks if not 0 <= r < self.world_size]
             if bad:
                 raise DispatchError(f"{method}: ranks {bad} are outside the {self.selection.label} view ({self.world_size} ranks)")
-            return self.backend.submit(role, method, GroupCall(calls.shares, self._in_group(chosen)), deadline)
+            return self.backend.submit(role, method, GroupCall(calls.shares, self._in_group(chosen), calls.outputs_only), deadline)
         for call in calls:
             if not 0 <= call.rank < self.world_size:
                 raise DispatchError(f"{method}: rank {call.rank} is outside the {self.selection.label} view ({self.world_size} ranks)")

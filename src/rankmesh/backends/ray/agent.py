@@ -81,6 +81,10 @@ SUBMIT_WAIT_S = 300.0
 #: and asked again at the next change.
 OWNER_CHECK_S = 5.0
 
+#: Rank sets whose last non-blocking call the controller keeps as a set (:meth:`AgentSession.last_unanswered`);
+#: beyond that many, the oldest is folded rank by rank.
+SUBMITTED_SETS = 64
+
 #: Each node's plan for one selection (node id -> per reader, the share it runs or ``None``).
 NodePlans = dict[str, tuple[int | None, ...]]
 
@@ -359,11 +363,14 @@ class NodeAgent:
         return self._merge(pending, got.outcomes, {}, route, got.unfinished)
 
     def submit(self, call_id: int, method: str, headers: tuple[bytes, ...], refs: tuple[tuple[Any, ...], ...],
-               key: int | None, plans: NodePlans | None, timeout_s: float | None, generation: int = 0) -> dict[int, Any]:
+               key: int | None, plans: NodePlans | None, timeout_s: float | None, generation: int = 0,
+               answering: tuple[bool, ...] | None = None) -> dict[int, Any]:
         """Send non-blocking call ``call_id`` to the ranks of this subtree that selection ``key``
         names, and return at once each rank's output reference (``{rank: ObjectRef}``), owned by
         this agent (its child's, for a rank below): the controller's future holds them, and
-        another group's ranks fetch them from the producers' stores.  Arguments as :meth:`call`'s.
+        another group's ranks fetch them from the producers' stores.  Arguments as :meth:`call`'s;
+        ``answering[s]``: whether share ``s``'s ranks send an output back (given when the caller
+        keeps only theirs: the other ranks run the call, and their references are not returned).
 
         Every rank gets a Ray task (a non-blocking call's outputs are ObjectRefs), after the ring
         call it has not finished (the host waits for it), and stays open here, so this agent's
@@ -376,7 +383,8 @@ class NodeAgent:
             raise AgentLostError(f"{method}: node agent {self._node} has no plans for selection {key}; "
                                  "the group starts new agents", [])
         sent = [(child, called, self._children[child][0].submit.remote(
-                    call_id, method, headers, refs, key, self._plans_for(child, key, route), deadline.timeout(), generation))
+                    call_id, method, headers, refs, key, self._plans_for(child, key, route), deadline.timeout(), generation,
+                    answering))
                 for child, called in route.children.items()]
         outputs: dict[int, Any] = {}
         if route.mine is not None:
@@ -387,9 +395,11 @@ class NodeAgent:
             owed = session.last_unanswered()
             for rank, share in zip(session.ranks, route.mine):
                 if share is not None:
-                    flag, outputs[rank] = session.actors[rank].execute_for.options(num_returns=2).remote(
+                    flag, output = session.actors[rank].execute_for.options(num_returns=2).remote(
                         call_id, owed.get(rank, 0), None, headers[share], *(refs[share] if refs else ()))
                     self._open[rank] = flag
+                    if answering is None or answering[share]:
+                        outputs[rank] = output
         for child, called, ref in sent:
             try:
                 outputs.update(ray.get(ref, timeout=deadline.timeout()))
@@ -602,10 +612,25 @@ class AgentCall(Sequence[Pending]):
         return iter(self.each())
 
 
+class NoOutput:
+    """The carrier of a rank that sends no output back in a call whose caller keeps only the
+    outputs (``name = "none"``, :attr:`.calls.CallRecord.outputs_only`): its pending is a
+    placeholder, done at once with ``None``.  The rank still runs the call; its node agent keeps
+    its task in order with the rank's next calls."""
+
+    name = "none"
+
+    def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
+        return {i: Outcome(None) for i in range(len(pending))}
+
+
 class AgentSends:
     """A non-blocking call sent to the node agents, until each top agent said its subtree's ranks
     have their tasks (:meth:`resolve`): then one Ray-task pending per rank, whose handle is the
-    ObjectRef of the rank's output (an agent owns it), as a future's parts are on Ray's tasks."""
+    ObjectRef of the rank's output (an agent owns it), as a future's parts are on Ray's tasks.
+    A call whose caller keeps only the outputs (:attr:`.calls.CallRecord.outputs_only`) gets
+    references for the ranks that send one back alone, and a :class:`NoOutput` placeholder for
+    every other rank: the controller receives one reference per collect rank, not one per rank."""
 
     def __init__(self, record: CallRecord, refs: Sequence[Any]) -> None:
         self.record, self.refs = record, list(refs)
@@ -613,7 +638,7 @@ class AgentSends:
     def __len__(self) -> int:
         return len(self.record.selection.ranks)
 
-    def resolve(self) -> list[Pending]:
+    def resolve(self) -> Sequence[Pending]:
         """Wait for the top agents' sends (bounded: the call's deadline, else :data:`SUBMIT_WAIT_S`);
         raises :class:`~rankmesh.errors.AgentLostError` naming the ranks when an agent did not send."""
         record = self.record
@@ -629,7 +654,38 @@ class AgentSends:
         outputs: dict[int, Any] = {}
         for answer in answers:
             outputs.update(answer)
-        return record.pending(RayTasks.name, [outputs[rank] for rank in record.selection.ranks])
+        if not record.outputs_only:
+            return record.pending(RayTasks.name, [outputs[rank] for rank in record.selection.ranks])
+        return OutputsOnly(record, outputs)
+
+
+class OutputsOnly(Sequence[Pending]):
+    """The pendings of a non-blocking call whose caller keeps only the outputs
+    (:attr:`.calls.CallRecord.outputs_only`), made as they are asked for: a Ray-task pending for a
+    rank whose output reference its agent sent back, a :class:`NoOutput` placeholder for any other.
+    The caller asks for the collect ranks' alone, so nothing here is per rank."""
+
+    def __init__(self, record: CallRecord, outputs: Mapping[int, Any]) -> None:
+        self.record, self.outputs = record, outputs
+        self._made: dict[int, Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self.record.selection.ranks)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        made = self._made.get(index)
+        if made is None:
+            handle = self.outputs.get(self.record.selection.ranks[index])
+            made = self._made[index] = self.record.pending_at(
+                index, NoOutput.name if handle is None else RayTasks.name, handle)
+        return made
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(len(self)))
 
 
 class AgentSession:
@@ -662,7 +718,10 @@ class AgentSession:
         self._plans: dict[int, Plan] = {}  # a selection's key -> its plan (made once)
         self._told: set[int] = set()  # the keys whose plans the agents keep
         self._unsettled: dict[int, tuple[int, ...] | set[int]] = {}  # call id -> its ranks whose outcome was not read
-        self._submitted: dict[int, int] = {}  # rank -> the last non-blocking call sent to it (its host marks it done)
+        # The last non-blocking call sent to each rank set (its hosts mark it done), kept per set of ranks
+        # (a selection's, the same tuple for every call of it: id -> (call id, ranks)), not per rank.
+        self._submitted: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._submitted_before: dict[int, int] = {}  # rank -> the same, folded from sets beyond SUBMITTED_SETS
 
     def open(self, timeout_s: float = 60.0) -> None:
         self.agents = start_agents(list(self.by_node))
@@ -682,7 +741,7 @@ class AgentSession:
     @property
     def owns_outputs(self) -> bool:
         """Whether these agents sent non-blocking calls: they own those outputs (futures may still name them)."""
-        return bool(self._submitted)
+        return bool(self._submitted or self._submitted_before)
 
     def retire(self) -> None:
         """Stop serving (each agent closes its node's session) but keep the agents alive: they own
@@ -782,19 +841,26 @@ class AgentSession:
         told = key is not None and key in self._told
         timeout = call.deadline.timeout()
         if call.blocking:
-            send = [agent.call for agent in (self.agents[top] for top in plan.tops)]
+            refs = [self.agents[top].call.remote(call.call_id, call.method, headers, objects, key,
+                                                 None if told else plan.plans[top], timeout, call.generation)
+                    for top in plan.tops]
         else:
-            send = [agent.submit for agent in (self.agents[top] for top in plan.tops)]
-        refs = [method.remote(call.call_id, call.method, headers, objects, key, None if told else plan.plans[top],
-                              timeout, call.generation)
-                for method, top in zip(send, plan.tops)]
+            answering = tuple(share.returns for share in call.shares) if call.outputs_only else None
+            refs = [self.agents[top].submit.remote(call.call_id, call.method, headers, objects, key,
+                                                   None if told else plan.plans[top], timeout, call.generation, answering)
+                    for top in plan.tops]
         if key is not None and not told and len(self._told) < PLANS_MAX:
             self._told.add(key)
         with self._lock:
             if call.blocking:
                 self._unsettled[call.call_id] = call.ranks
             else:  # its outcomes are read by the future's owner, not here; its hosts mark it done (execute_for)
-                self._submitted.update((rank, call.call_id) for rank in call.ranks)
+                submitted = self._submitted
+                submitted.pop(id(call.ranks), None)
+                submitted[id(call.ranks)] = (call.call_id, call.ranks)
+                while len(submitted) > SUBMITTED_SETS:  # one-off rank sets (per-rank calls): fold the oldest
+                    call_id, ranks = submitted.pop(next(iter(submitted)))
+                    self._submitted_before.update(dict.fromkeys(ranks, call_id))
         return AgentCall(call, refs, plan) if call.blocking else AgentSends(call, refs)
 
     def last_unanswered(self) -> dict[int, int]:
@@ -802,7 +868,9 @@ class AgentSession:
         sent to it (done or not: its host knows): a Ray task waits for it there."""
         with self._lock:
             calls = sorted(self._unsettled.items())
-            owed = dict(self._submitted)
+            owed = dict(self._submitted_before)
+            for call_id, ranks in sorted(self._submitted.values()):
+                owed.update(dict.fromkeys(ranks, call_id))
         for call_id, ranks in calls:
             for rank in ranks:
                 if call_id > owed.get(rank, 0):

@@ -30,6 +30,7 @@ class RankPart:
     timing key.  ``after``: on Ray's tasks, the id of the rank's last call session call it must run
     after (0: none; :mod:`.order`), waited for at most ``after_s`` seconds on the host (``None``:
     as long as it runs).  ``node``/``coords`` name the rank in errors.  A share has ``rank=-1``.
+    ``returns``: whether the rank sends its output back (a collect rank's share).
     """
 
     rank: int
@@ -42,6 +43,7 @@ class RankPart:
     coords: RankCoords | None = None
     after: int = 0
     after_s: float | None = None
+    returns: bool = True
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,9 @@ class CallRecord:
     ranks in errors.  ``holds``: what the ranks read from the caller's process while the call
     runs (its :class:`.wire.Mapped` arguments' files), kept open for as long as any of the
     call's pendings lives (a pending outlives the call's reads: it is dropped once the call is
-    answered, given up, or its future is read or dropped).
+    answered, given up, or its future is read or dropped).  ``outputs_only``: the caller keeps the
+    pendings of the ranks whose share :attr:`RankPart.returns` alone
+    (:attr:`rankmesh.backend.GroupCall.outputs_only`).
     """
 
     call_id: int
@@ -72,6 +76,7 @@ class CallRecord:
     nodes: Sequence[str | None] = ()
     coords: Sequence[RankCoords | None] = ()
     holds: tuple[Any, ...] = ()
+    outputs_only: bool = False
 
     @classmethod
     def of_parts(cls, call_id: int, generation: int, method: str, parts: Sequence[RankPart], deadline: Deadline = NEVER,
@@ -94,7 +99,8 @@ class CallRecord:
         parts = []
         for r, s in zip(self.selection.ranks, self.selection.share):
             share = shares[s]
-            parts.append(RankPart(r, share.header, share.refs, share.slot, share.trace, share.keep, nodes[r], coords[r]))
+            parts.append(RankPart(r, share.header, share.refs, share.slot, share.trace, share.keep, nodes[r], coords[r],
+                                  returns=share.returns))
         return tuple(parts)
 
     @property
@@ -111,6 +117,17 @@ class CallRecord:
                     for part, handle in zip(self.parts, handles)]
         return [Pending(handle, rank, method, nodes[rank], coords[rank], carrier, call_id, generation, holds)
                 for rank, handle in zip(self.selection.ranks, handles)]
+
+
+    def pending_at(self, index: int, carrier: str, handle: Any) -> "Pending":
+        """The :class:`Pending` of the ``index``-th selected rank alone (:meth:`pending`'s, one of them)."""
+        if not self.nodes:
+            part = self.parts[index]
+            return Pending(handle, part.rank, self.method, part.node, part.coords, carrier, self.call_id, self.generation,
+                           self.holds or None)
+        rank = self.selection.ranks[index]
+        return Pending(handle, rank, self.method, self.nodes[rank], self.coords[rank], carrier, self.call_id,
+                       self.generation, self.holds or None)
 
 
 @dataclass(frozen=True, eq=False)

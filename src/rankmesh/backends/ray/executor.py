@@ -53,7 +53,7 @@ from rankmesh.tracing.marks import FETCH
 from rankmesh.sharedmem import register_store_processes
 from rankmesh.validate import optional_seconds, positive_int, positive_seconds
 
-from .agent import AGENT_FANOUT, AgentCall, AgentSends, AgentSession, owners_lost, ping_ranks
+from .agent import AGENT_FANOUT, AgentCall, AgentSends, AgentSession, NoOutput, owners_lost, ping_ranks
 from .hangs import gather_hangs
 from .hosts import HostSet
 from .order import Abandoned, Ledger
@@ -348,7 +348,7 @@ class RayExecutor:
         return [session.name if r in ranks else "ray" for r in range(self.world_size)]
 
     def _carriers(self) -> dict[str, Carrier]:
-        carriers: dict[str, Carrier] = {"ray": self._tasks}
+        carriers: dict[str, Carrier] = {"ray": self._tasks, NoOutput.name: NoOutput()}
         if self.session is not None:
             carriers[self.session.name] = self.session
         return carriers
@@ -560,8 +560,7 @@ class RayExecutor:
                 record = CallRecord.of_parts(record.call_id, record.generation, record.method, parts, record.deadline,
                                              record.blocking, record.holds)
             if bound is not deadline:  # it queues behind an abandoned call: its wait ends at the bound
-                record = CallRecord.of_parts(record.call_id, record.generation, record.method, record.parts, bound,
-                                             record.blocking, record.holds)
+                record = dataclasses.replace(record, deadline=bound)
                 self._bounds[record.call_id] = bound
                 while len(self._bounds) > BOUNDS_MAX:
                     self._bounds.pop(next(iter(self._bounds)))
@@ -605,6 +604,7 @@ class RayExecutor:
             shares = tuple(_share(role, method, share, cache, False) for share in calls.shares)
             selection = calls.selection
             blocking = all(share.blocking for share in calls.shares)
+            outputs_only = calls.outputs_only
         else:
             memo: dict[tuple[Any, ...], int] = {}
             encoded: list[RankPart] = []
@@ -622,8 +622,9 @@ class RayExecutor:
                 index.append(at)
             shares, selection = tuple(encoded), Selection(tuple(call.rank for call in calls), tuple(index))
             blocking = all(call.blocking for call in calls)
+            outputs_only = False
         return CallRecord(next(self._ids), self.generation, method, shares, selection, deadline, blocking,
-                          self.nodes, self.coords, _mapped_in(calls, selection))
+                          self.nodes, self.coords, _mapped_in(calls, selection), outputs_only)
 
     # ----- order (.order) -------------------------------------------------------------------------
 
@@ -857,7 +858,7 @@ def _mapped_in(calls: Sequence[RankCall] | GroupCall, selection: Selection) -> t
 def _share(role: str | None, method: str, call: RankCall, cache: Any, fetch_mark: bool) -> RankPart:
     """One share of a call, encoded (:func:`.wire.encode_rank_call`); its ``rank`` is set per rank later."""
     header, refs, slot = encode_rank_call(role, method, call, cache, fetch_mark)
-    return RankPart(-1, header, tuple(refs), slot, call.trace, call.keep)
+    return RankPart(-1, header, tuple(refs), slot, call.trace, call.keep, returns=call.return_output)
 
 
 def _by_call(pending: Sequence[Pending], outcomes: Mapping[int, Any]) -> list[tuple[int, list[int]]]:
