@@ -11,11 +11,14 @@ from stdin, so the test can cut a node off at a known moment.
   rank's node address, rank 0's rendezvous address, and a gloo all-reduce across the namespaces;
   with ``slow``, then ``READY``, and on the cue ``capped`` what a trace of three data calls and a
   call past its timeout say of the capped node.
-* ``partition BEAT_DIR``: a group of two ranks with one warm spare (``on_rank_death="replace"``,
-  one process per node); reports where each runs, prints ``CALLING`` and makes a call in which
-  every rank computes for :data:`WORK_S` (heartbeats in BEAT_DIR), which the test cuts rank 1's
-  node off during; reports the call's answer and the replacement; on the cue ``healed``, reports
-  a call and an all-reduce of the group after the heal.
+* ``partition BEAT_DIR``: a group of two ranks with one warm spare
+  (``on_rank_death="replace_or_shrink"``, one process per node); reports where each runs, prints
+  ``CALLING`` and makes a call in which every rank computes for :data:`WORK_S` (heartbeats in
+  BEAT_DIR), which the test cuts rank 1's node off during; reports the call's answer and the
+  replacement; on the cue ``healed``, reports a call and an all-reduce of the group after the
+  heal.  On the cue ``again`` it prints ``CALLING`` and makes the same call, during which the test
+  cuts the other worker node off: with no spare and no room left, the group shrinks; it reports
+  the answer, the shrink and a data call's rows, and on the cue ``healed`` a call after the heal.
 * ``cut_head BEAT_DIR``: a group of one rank per node (``on_rank_death="replace"``); reports
   where each runs, prints ``CALLING`` and makes a :data:`WORK_S` call, during which the test cuts
   the head (the controller's own node) off; reports the error and what a later call says.
@@ -135,8 +138,12 @@ def partition(beat_dir: str) -> None:
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from tests.multinode_worker import NodeWorker
 
+    import torch
+
+    from rankmesh.data import DataProto
+
     wg = RayWorkerGroup(RayResourcePool([1, 1], use_gpu=False, spares=1), RayClassWithInitArgs(NodeWorker),
-                        on_rank_death="replace", call_timeout_s=120)
+                        on_rank_death="replace_or_shrink", call_timeout_s=120)
     try:
         first = wg.work(0.0, beat_dir)  # answers at once: the undisturbed answer, and each rank's pid
         spares = wg.spares
@@ -155,7 +162,23 @@ def partition(beat_dir: str) -> None:
                       "detected_s": rep.detected_s if rep else None, "format": rep.format() if rep else ""})
         wait_cue("healed")
         after = wg.work(0.0, beat_dir)
-        print_report({"values": [w["value"] for w in after], "pids": [w["pid"] for w in after], "sums": wg.all_reduce()})
+        print_report({"values": [w["value"] for w in after], "pids": [w["pid"] for w in after], "sums": wg.all_reduce(),
+                      "node_ips": [info["node_ip"] for info in wg.node_info]})
+        wait_cue("again")  # no spare left now, and no node with room: the policy shrinks
+        print("CALLING", flush=True)
+        start = time.monotonic()
+        got = wg.work(time.time() + WORK_S, beat_dir)
+        seconds = time.monotonic() - start
+        shrunk = wg.remeshes[-1] if wg.remeshes else None
+        rows = wg.rows(DataProto.from_dict({"x": torch.arange(4)}))
+        print_report({"values": [w["value"] for w in got], "pids": [w["pid"] for w in got], "seconds": seconds,
+                      "replacements": len(wg.replacements), "world": wg.world_size, "rows": rows.batch["rank"].tolist(),
+                      "shrink": None if shrunk is None else {"kind": shrunk.kind, "lost_replicas": shrunk.lost_replicas,
+                                                             "dead": shrunk.dead, "detected_s": shrunk.detected_s,
+                                                             "format": shrunk.format()}})
+        wait_cue("healed")
+        last = wg.work(0.0, beat_dir)
+        print_report({"values": [w["value"] for w in last], "pids": [w["pid"] for w in last]})
     finally:
         wg.shutdown()
 

@@ -356,12 +356,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_and_its_rank_fenced_after_heal(cluster, tmp_path) -> None:
+def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_or_shrunk_and_its_rank_fenced_after_heal(cluster, tmp_path) -> None:
     """A rank's node cut off while every rank computes for WORK_S (tests/netns_scenarios.py,
-    ``partition``): within the health window the call fails there, a warm spare on another node
-    takes its place, and the call's retry gives the undisturbed answer [1, 2].  The cut-off
-    process keeps computing through it all (its heartbeats).  After the heal nothing of it is
-    taken (the group's answers come from the new process) and it ends, with its node's raylet."""
+    ``partition``, ``on_rank_death="replace_or_shrink"``): within the health window the call fails
+    there, a warm spare on another node takes its place, and the call's retry gives the
+    undisturbed answer [1, 2].  The cut-off process keeps computing through it all (its
+    heartbeats).  After the heal nothing of it is taken (the group's answers come from the new
+    process) and it ends, with its node's raylet.  Then the other worker node is cut off mid-call:
+    no spare is left and no node has room, so the group shrinks to the head's replica, whose
+    retry answers [1] and takes every row of a data call; after the heal that process ends too."""
     from tests.netns_scenarios import WORK_S
 
     # Three live nodes, one process each: the two ranks and the spare.  The earlier tests left the
@@ -391,6 +394,24 @@ def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_and_its_rank_fenced_af
         while pid_alive(old_pid) and time.monotonic() < end:
             time.sleep(0.5)
         ended = None if pid_alive(old_pid) else time.monotonic() - healed_at
+        # The second cut: the node of the rank the spare took over.
+        second_pid, second = after["pids"][rank], cluster.node(after["node_ips"][rank])
+        lines.send("again")
+        lines.wait_for("CALLING", 60)
+        end = time.monotonic() + 30
+        while not beats_of(beat_dir, second_pid) and time.monotonic() < end:
+            time.sleep(0.1)
+        second_cut_at = time.time()
+        cluster.partition(second)
+        shrunk = report_of(lines.wait_for(REPORT, WORK_S + DEATH_WINDOW_S + 120))
+        cluster.heal(second)
+        healed_at = time.monotonic()
+        lines.send("healed")
+        last = report_of(lines.wait_for(REPORT, 120))
+        end = time.monotonic() + 90  # 6-36 s here: its raylet ends once the GCS tells it it was declared dead
+        while pid_alive(second_pid) and time.monotonic() < end:
+            time.sleep(0.5)
+        second_ended = None if pid_alive(second_pid) else time.monotonic() - healed_at
         proc.wait(60)
     finally:
         if proc.poll() is None:
@@ -411,6 +432,21 @@ def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_and_its_rank_fenced_af
     # Fenced: after the heal the group answers from its new process only, and the old one ends.
     assert after["values"] == [1, 2] and old_pid not in after["pids"] and after["sums"] == [3.0, 3.0]
     assert ended is not None, f"the cut-off process {old_pid} still runs 60 s after the heal"
+    # The second cut, with nothing to replace it from: the policy shrinks to the survivor's replica.
+    logger.info("second partition (%s) mid-call: %s; answer %s after %.1f s; %d heartbeats after the cut; "
+                "the old process ended %s s after the heal", second.address, (shrunk["shrink"] or {}).get("format"),
+                shrunk["values"], shrunk["seconds"], sum(b > second_cut_at for b in beats_of(beat_dir, second_pid)),
+                second_ended)
+    assert shrunk["shrink"] is not None and shrunk["shrink"]["kind"] == "shrink", shrunk
+    assert shrunk["shrink"]["dead"] == [rank] and shrunk["shrink"]["lost_replicas"] == [rank], shrunk
+    assert shrunk["shrink"]["detected_s"] is not None and shrunk["shrink"]["detected_s"] <= DEATH_WINDOW_S + 5, shrunk
+    assert shrunk["replacements"] == 1 and shrunk["world"] == 1
+    survivor = 1 - rank
+    assert shrunk["values"] == [1] and shrunk["pids"] == [after["pids"][survivor]]  # the survivor, renumbered rank 0
+    assert shrunk["rows"] == [0, 0, 0, 0]  # every row of the data call, on the one replica left
+    assert any(b > second_cut_at + DEATH_WINDOW_S for b in beats_of(beat_dir, second_pid))  # it kept computing
+    assert last["values"] == [1] and last["pids"] == [after["pids"][survivor]]
+    assert second_ended is not None, f"the cut-off process {second_pid} still runs 90 s after the heal"
 
 
 def test_the_controllers_own_node_cut_off_is_reported_as_such_not_as_dead_ranks(cluster, tmp_path) -> None:

@@ -49,7 +49,7 @@ from rankmesh.deadline import Deadline
 from .executor import RayExecutor
 from .hangs import hang_inspector
 from .hosts import HostSet, start_host
-from .spares import prune_dead_spares, refill_spares, take_spares
+from .spares import prune_dead_spares, refill_spares, take_spares, usable_spares
 from .tasks import start_step
 from .waiting import PROCESS_DIED, fetch_outputs
 
@@ -364,7 +364,7 @@ def replace_dead_ranks(
             t1 = time.monotonic()
             report.drain_s = t1 - t0
             prune_dead_spares(hosts)
-            unspared = report.ranks[len(hosts.spares):]
+            unspared = report.ranks[len(usable_spares(hosts.spares)):]
             if shrink is not None and unspared and not bundles_placed(hosts, unspared, PLACE_TIMEOUT_S):
                 logger.warning("no process can be had for ranks %s (no spare, their bundles are not placed within %gs): "
                                "shrinking the group instead", unspared, PLACE_TIMEOUT_S)

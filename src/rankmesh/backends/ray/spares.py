@@ -34,9 +34,11 @@ from typing import Any, Collection, Sequence
 
 import ray
 import ray.exceptions as rex
+from ray.util import placement_group_table
 
 from .hosts import HostSet, start_host
 from .pool import Slot
+from .runtime import alive_nodes
 from .tasks import ready_refs, start_step
 from .calls import Pending
 
@@ -135,6 +137,33 @@ def warm_refs(spares: Sequence[Spare]) -> set[Any]:
     return ready_refs([s.warm.handle for s in spares], 0.0)
 
 
+def usable_spares(spares: Sequence[Spare]) -> list[Spare]:
+    """Of ``spares``, those a dead rank can take now: warm already, or in a bundle placed on a live
+    node (the process is still starting there).
+
+    Why: a spare started in a bundle whose node died (the standby bundle a replaced rank left on a
+    node that was lost) waits for Ray to place that bundle again, which may never happen: no other
+    node has room, or the node never comes back.  Counted as a spare, it would hold the next
+    replacement for the recovery's whole bound, and keep ``"replace_or_shrink"`` from shrinking."""
+    if not spares:
+        return []
+    warm = warm_refs(spares)
+    alive = alive_nodes()
+    tables: dict[int, dict[str, Any]] = {}
+    usable = []
+    for spare in spares:
+        if spare.warm.handle in warm:
+            usable.append(spare)
+            continue
+        pg = spare.slot.pg
+        table = tables.get(id(pg))
+        if table is None:
+            table = tables[id(pg)] = placement_group_table(pg)
+        if table.get("bundles_to_node_id", {}).get(spare.slot.bundle_index) in alive:
+            usable.append(spare)
+    return usable
+
+
 def spare_order(spares: Sequence[Spare], node_id: str | None, warm: Collection[Any]) -> list[Spare]:
     """Spares in the order a rank on ``node_id`` tries them: its node first, then warm (``warm``:
     the warm-up references that have answered) before cold, then oldest first."""
@@ -142,7 +171,8 @@ def spare_order(spares: Sequence[Spare], node_id: str | None, warm: Collection[A
 
 
 def take_spares(hosts: HostSet, ranks: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
-    """Dead rank -> node info of the spare that took its place, for as many ranks as spares allow.
+    """Dead rank -> node info of the spare that took its place, for as many ranks as usable spares
+    allow (:func:`usable_spares`).
 
     Each taken spare is waited for until warm (bounded by ``timeout``); one that died meanwhile,
     or failed to import the group's classes, is dropped (and logged) and the next is tried.  The
@@ -152,10 +182,12 @@ def take_spares(hosts: HostSet, ranks: Sequence[int], timeout: float) -> dict[in
     """
     taken: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + timeout
+    usable = usable_spares(hosts.spares)  # not those waiting for a dead node's bundle to be placed again
     for rank in sorted(ranks):
-        if not hosts.spares:
+        usable = [spare for spare in usable if spare in hosts.spares]
+        if not usable:
             break
-        for spare in spare_order(hosts.spares, hosts.slots[rank].node_id, warm_refs(hosts.spares)):
+        for spare in spare_order(usable, hosts.slots[rank].node_id, warm_refs(usable)):
             hosts.take_spare(spare)
             try:
                 info = ray.get(spare.warm.handle, timeout=max(0.1, deadline - time.monotonic()))
