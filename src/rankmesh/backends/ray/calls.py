@@ -118,7 +118,6 @@ class CallRecord:
         return [Pending(handle, rank, method, nodes[rank], coords[rank], carrier, call_id, generation, holds)
                 for rank, handle in zip(self.selection.ranks, handles)]
 
-
     def pending_at(self, index: int, carrier: str, handle: Any) -> "Pending":
         """The :class:`Pending` of the ``index``-th selected rank alone (:meth:`pending`'s, one of them)."""
         if not self.nodes:
