@@ -356,17 +356,39 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def cut_mid_call(cluster, lines, beat_dir, pid: int, node, end_wait_s: float) -> tuple[float, dict, dict, float | None]:
+    """Once the ``partition`` driver says ``CALLING`` and process ``pid`` beats, cut ``node`` off;
+    then heal it and cue ``healed``.  Returns when the cut came (wall clock), the driver's report of
+    the call and its report after the heal, and how long after the heal ``pid`` ended (``None``:
+    it still ran ``end_wait_s`` later)."""
+    from tests.netns_scenarios import WORK_S
+
+    lines.wait_for("CALLING", 60)
+    end = time.monotonic() + 30
+    while not beats_of(beat_dir, pid) and time.monotonic() < end:
+        time.sleep(0.1)
+    cut_at = time.time()
+    cluster.partition(node)
+    answered = report_of(lines.wait_for(REPORT, WORK_S + DEATH_WINDOW_S + 120))
+    cluster.heal(node)
+    healed_at = time.monotonic()
+    lines.send("healed")
+    after = report_of(lines.wait_for(REPORT, 120))
+    end = time.monotonic() + end_wait_s
+    while pid_alive(pid) and time.monotonic() < end:
+        time.sleep(0.5)
+    return cut_at, answered, after, None if pid_alive(pid) else time.monotonic() - healed_at
+
+
 def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_or_shrunk_and_its_rank_fenced_after_heal(cluster, tmp_path) -> None:
     """A rank's node cut off while every rank computes for WORK_S (tests/netns_scenarios.py,
     ``partition``, ``on_rank_death="replace_or_shrink"``): within the health window the call fails
     there, a warm spare on another node takes its place, and the call's retry gives the
     undisturbed answer [1, 2].  The cut-off process keeps computing through it all (its
     heartbeats).  After the heal nothing of it is taken (the group's answers come from the new
-    process) and it ends, with its node's raylet.  Then the other worker node is cut off mid-call:
+    process) and it ends, with its node's raylet.  Then the node of the rank not on the head is cut off mid-call:
     no spare is left and no node has room, so the group shrinks to the head's replica, whose
     retry answers [1] and takes every row of a data call; after the heal that process ends too."""
-    from tests.netns_scenarios import WORK_S
-
     # Three live nodes, one process each: the two ranks and the spare.  The earlier tests left the
     # head, n2 (dead since its partition) and the node they added.
     cluster.kill_node("n2")
@@ -379,39 +401,13 @@ def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_or_shrunk_and_its_rank
         # The rank not on the head (whose node is the controller's): cut its node off.
         rank = 1 if placed["node_ips"][1] != cluster.head.address else 0
         old_pid, victim = placed["pids"][rank], cluster.node(placed["node_ips"][rank])
-        lines.wait_for("CALLING", 60)
-        end = time.monotonic() + 30
-        while not beats_of(beat_dir, old_pid) and time.monotonic() < end:
-            time.sleep(0.1)
-        cut_at = time.time()
-        cluster.partition(victim)
-        answered = report_of(lines.wait_for(REPORT, WORK_S + DEATH_WINDOW_S + 120))
-        cluster.heal(victim)
-        healed_at = time.monotonic()
-        lines.send("healed")
-        after = report_of(lines.wait_for(REPORT, 120))
-        end = time.monotonic() + 60
-        while pid_alive(old_pid) and time.monotonic() < end:
-            time.sleep(0.5)
-        ended = None if pid_alive(old_pid) else time.monotonic() - healed_at
-        # The second cut: the node of the rank the spare took over.
-        second_pid, second = after["pids"][rank], cluster.node(after["node_ips"][rank])
+        cut_at, answered, after, ended = cut_mid_call(cluster, lines, beat_dir, old_pid, victim, 60)
+        # The second cut: the node of the rank not on the head now (the spare may have been there).
+        cut = 1 if after["node_ips"][1] != cluster.head.address else 0
+        second_pid, second = after["pids"][cut], cluster.node(after["node_ips"][cut])
         lines.send("again")
-        lines.wait_for("CALLING", 60)
-        end = time.monotonic() + 30
-        while not beats_of(beat_dir, second_pid) and time.monotonic() < end:
-            time.sleep(0.1)
-        second_cut_at = time.time()
-        cluster.partition(second)
-        shrunk = report_of(lines.wait_for(REPORT, WORK_S + DEATH_WINDOW_S + 120))
-        cluster.heal(second)
-        healed_at = time.monotonic()
-        lines.send("healed")
-        last = report_of(lines.wait_for(REPORT, 120))
-        end = time.monotonic() + 90  # 6-36 s here: its raylet ends once the GCS tells it it was declared dead
-        while pid_alive(second_pid) and time.monotonic() < end:
-            time.sleep(0.5)
-        second_ended = None if pid_alive(second_pid) else time.monotonic() - healed_at
+        # 6-36 s here until it ends: its raylet ends once the GCS tells it it was declared dead.
+        second_cut_at, shrunk, last, second_ended = cut_mid_call(cluster, lines, beat_dir, second_pid, second, 90)
         proc.wait(60)
     finally:
         if proc.poll() is None:
@@ -438,10 +434,10 @@ def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_or_shrunk_and_its_rank
                 shrunk["values"], shrunk["seconds"], sum(b > second_cut_at for b in beats_of(beat_dir, second_pid)),
                 second_ended)
     assert shrunk["shrink"] is not None and shrunk["shrink"]["kind"] == "shrink", shrunk
-    assert shrunk["shrink"]["dead"] == [rank] and shrunk["shrink"]["lost_replicas"] == [rank], shrunk
+    assert shrunk["shrink"]["dead"] == [cut] and shrunk["shrink"]["lost_replicas"] == [cut], shrunk
     assert shrunk["shrink"]["detected_s"] is not None and shrunk["shrink"]["detected_s"] <= DEATH_WINDOW_S + 5, shrunk
     assert shrunk["replacements"] == 1 and shrunk["world"] == 1
-    survivor = 1 - rank
+    survivor = 1 - cut
     assert shrunk["values"] == [1] and shrunk["pids"] == [after["pids"][survivor]]  # the survivor, renumbered rank 0
     assert shrunk["rows"] == [0, 0, 0, 0]  # every row of the data call, on the one replica left
     assert any(b > second_cut_at + DEATH_WINDOW_S for b in beats_of(beat_dir, second_pid))  # it kept computing
