@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 
 from rankmesh import DataProto  # noqa: E402
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
-from rankmesh.errors import HangError, StaleViewError, WorkerDiedError, WorkerError  # noqa: E402
+from rankmesh.errors import BackendError, HangError, StaleViewError, WorkerDiedError, WorkerError  # noqa: E402
 from rankmesh.mesh import RankMesh  # noqa: E402
 from tests.transport_workers import Explodes, TransportWorker  # noqa: E402
 
@@ -282,6 +282,42 @@ def test_after_a_hang_error_the_next_call_warns_at_once_and_ends_at_its_bound(ra
         assert wg.call_ranks("act", [("world",)] * 2, timeout_s=10) == [2.0, 2.0]
     finally:
         wg.shutdown()
+
+
+def test_on_hang_kill_replaces_a_stopped_rank_and_retries_and_frees_its_peer(ray_session):
+    """T3b: with on_hang="kill", a rank SIGSTOPped (frozen, not dead) mid-collective is killed at the call's
+    timeout, its peer blocked in the all_reduce with it is freed and kept, and the blocking call is retried
+    once on the replaced rank: the caller gets the undisturbed answer.  A non-blocking call's future raises
+    the HangError (saying the rank was killed), and the next call recovers first."""
+    wg = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(TransportWorker, distributed=True),
+                        on_rank_death="replace", on_hang="kill")
+    try:
+        pids = dict(wg.whoami())
+        os.kill(pids[1], signal.SIGSTOP)  # rank 1 freezes: rank 0 will wait for it in the all_reduce
+        t0 = time.monotonic()
+        assert wg.call_ranks("act", [("world",)] * 2, timeout_s=3) == [2.0, 2.0]  # replaced, then retried
+        took = time.monotonic() - t0
+        (report,) = wg.replacements
+        assert report.ranks == [1] and report.stuck == [] and took < 30, (report, took)
+        after = dict(wg.whoami())
+        assert after[0] == pids[0] and after[1] != pids[1]  # the peer kept its process; the frozen one is gone
+        assert not os.path.exists(f"/proc/{pids[1]}") or open(f"/proc/{pids[1]}/stat").read().split()[2] == "Z"
+        os.kill(after[0], signal.SIGSTOP)
+        later = wg.with_timeout(3).echo_later("x")
+        with pytest.raises(HangError, match=r"Ranks \[0\] were killed \(on_hang='kill'\)"):
+            later.get()
+        assert wg.echo("back") == ["back", "back"] and len(wg.replacements) == 2  # recovered before this call
+        assert dict(wg.whoami())[0] != after[0]
+    finally:
+        wg.shutdown()
+
+
+def test_on_hang_kill_is_refused_where_it_would_stop_the_group(ray_session):
+    with pytest.raises(BackendError, match="on_rank_death='fail'"):
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(TransportWorker), on_hang="kill")
+    with pytest.raises(BackendError, match="on_hang must be one of 'raise', 'kill'"):
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(TransportWorker),
+                       on_rank_death="replace", on_hang="restart")
 
 
 def test_a_survivor_blocked_on_a_live_peer_finishes_its_call_before_the_replacement(ray_session):

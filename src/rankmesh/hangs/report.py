@@ -119,6 +119,14 @@ class HangReport:
     def unfinished(self) -> list[int]:
         return [h.rank for h in self.hangs]
 
+    @property
+    def roots(self) -> list[int]:
+        """The unfinished ranks the others may be waiting for: those that gave no answer (a stopped
+        or wedged process) or are stuck outside a collective; every unfinished rank when each one
+        waits in a collective (then nothing here tells who is to blame)."""
+        roots = [h.rank for h in self.hangs if h.state == NO_ANSWER or (h.state == STUCK and h.collective is None)]
+        return roots or self.unfinished
+
     def places(self) -> list[list[RankHang]]:
         """The unfinished ranks grouped by place (see :func:`group_by_place`)."""
         return group_by_place(self.hangs)

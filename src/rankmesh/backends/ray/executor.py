@@ -45,8 +45,8 @@ import ray
 
 from rankmesh.backend import Change, GroupCall, RankCall, Selection, Shared
 from rankmesh.deadline import Deadline
-from rankmesh.errors import (AgentLostError, BackendError, ControllerCutOffError, RankMeshError, RingError, StaleViewError,
-                             WorkerDiedError)
+from rankmesh.errors import (AgentLostError, BackendError, ControllerCutOffError, FetchTimeoutError, HangError, RankMeshError,
+                             RingError, StaleViewError, WorkerDiedError)
 from rankmesh.mesh import RankCoords
 from rankmesh.serialization import receiving
 from rankmesh.tracing.marks import FETCH
@@ -120,6 +120,28 @@ class CallStats:
 #: ``shrink`` (drop the dead ranks' dp replicas and retry once), ``replace_or_shrink`` (replace;
 #: shrink when no process can be had for a dead rank).
 ON_RANK_DEATH: tuple[str, ...] = ("fail", "keep", "replace", "shrink", "replace_or_shrink")
+#: The ``on_rank_death`` policies that may drop dp replicas (:mod:`.remesh`).
+SHRINKING: tuple[str, ...] = ("shrink", "replace_or_shrink")
+#: The policies under which the group recovers by itself and retries the failed call once.
+RETRYING: tuple[str, ...] = ("replace", *SHRINKING)
+
+#: What a group does with ranks still running a call past its timeout: ``raise`` (the
+#: ``HangError``; they keep running it) or ``kill`` (the ``HangError``, and their processes are
+#: killed, so the ``on_rank_death`` policy recovers them as dead ranks: a stopped or wedged
+#: process is a dead one that has not noticed).
+ON_HANG: tuple[str, ...] = ("raise", "kill")
+
+
+def check_policies(on_rank_death: str, on_hang: str) -> None:
+    """Refuse an unknown ``on_rank_death`` or ``on_hang``, or a pair that cannot work together."""
+    if on_rank_death not in ON_RANK_DEATH:
+        raise BackendError(f"on_rank_death must be one of {', '.join(map(repr, ON_RANK_DEATH))}, got {on_rank_death!r}")
+    if on_hang not in ON_HANG:
+        raise BackendError(f"on_hang must be one of {', '.join(map(repr, ON_HANG))}, got {on_hang!r}")
+    if on_hang == "kill" and on_rank_death == "fail":
+        raise BackendError("on_hang='kill' treats ranks stuck past a call's timeout as dead, and on_rank_death='fail' "
+                           "would then stop the whole group; choose on_rank_death='replace' (or 'keep', 'shrink', "
+                           "'replace_or_shrink'), or keep on_hang='raise'")
 
 
 @dataclass(frozen=True)
@@ -168,7 +190,7 @@ class RayExecutor:
     a call runs that long (``None``: never); ``abandoned_wait_s`` bounds how long a call without a
     deadline waits for ranks still running an abandoned call.  Role groups spawned from one group
     share its executor: one closed flag, one failure, one set of stats.  ``on_rank_death`` is one
-    of :data:`ON_RANK_DEATH`.
+    of :data:`ON_RANK_DEATH`, ``on_hang`` of :data:`ON_HANG`.
     """
 
     def __init__(
@@ -179,9 +201,9 @@ class RayExecutor:
         stall_warn_s: float | None = None,
         on_rank_death: str = "fail",
         abandoned_wait_s: float = ABANDONED_WAIT_S,
+        on_hang: str = "raise",
     ) -> None:
-        if on_rank_death not in ON_RANK_DEATH:
-            raise BackendError(f"on_rank_death must be one of {', '.join(map(repr, ON_RANK_DEATH))}, got {on_rank_death!r}")
+        check_policies(on_rank_death, on_hang)
         self.hosts = hosts
         self.world_size = len(hosts.actors)
         self.coords: list[RankCoords | None] = list(coords) if coords is not None else [None] * self.world_size
@@ -189,6 +211,7 @@ class RayExecutor:
         self.stall_warn_s = optional_seconds(stall_warn_s, "stall_warn_s", BackendError)
         self.abandoned_wait_s = positive_seconds(abandoned_wait_s, "abandoned_wait_s", BackendError)
         self.on_rank_death = on_rank_death
+        self.on_hang = on_hang
         self.stats = CallStats()
         self.headers = hosts.headers  # shared by every executor over these processes (wire.HeaderCache)
         self.nodes = hosts.nodes
@@ -728,8 +751,33 @@ class RayExecutor:
                 self._end_session()
             raise err
         slow = [pending[i] for i in got.unfinished]
-        raise timed_out(pending, slow, deadline.seconds or 0.0, got.waited_s, self.fail, self.inspect,
-                        self.advice([p.rank for p in slow]))
+        ranks = sorted({p.rank for p in slow})
+        if self.on_hang != "kill" or self._failed is not None:
+            raise timed_out(pending, slow, deadline.seconds or 0.0, got.waited_s, self.fail, self.inspect, self.advice(ranks))
+        err = timed_out(pending, slow, deadline.seconds or 0.0, got.waited_s, self.fail, self.inspect)
+        if isinstance(err, FetchTimeoutError):
+            raise self._kill_stuck(err)
+        raise err
+
+    def _kill_stuck(self, err: FetchTimeoutError) -> FetchTimeoutError:
+        """``on_hang='kill'``: kill the ranks the others of a timed-out call wait for; the error to raise, saying so.
+
+        With a hang report those are its :attr:`~rankmesh.hangs.HangReport.roots` (the ranks that
+        gave no answer or are stuck outside a collective): their peers blocked in a collective
+        with them are freed by the death and drained by the recovery.  Without one, every
+        unfinished rank.
+        """
+        report = getattr(err, "report", None)
+        roots = list(report.roots) if report is not None else list(err.ranks)
+        self.kill_ranks(roots, f"still running {err.method} past its {err.timeout:g} s timeout (on_hang='kill')")
+        retry = " (a blocking call is retried once)" if self.on_rank_death in RETRYING else ""
+        note = (f"Ranks {roots} were killed (on_hang='kill'): the group recovers them as dead ranks by "
+                f"on_rank_death={self.on_rank_death!r}{retry}")
+        if isinstance(err, HangError):
+            return HangError(err.method, err.ranks, err.timeout, err.report, note)
+        killed = FetchTimeoutError(err.method, err.ranks, err.timeout)
+        killed.args = (f"{killed.args[0]}. {note}",)
+        return killed
 
     def _agent_outputs(self, call: AgentCall, deadline: Deadline, borrow: bool, stall_warn_s: float | None) -> list[Any] | None:
         """A call on the node agents, read whole: every rank's output once all top agents answered

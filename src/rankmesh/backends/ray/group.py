@@ -21,7 +21,8 @@ import uuid
 from typing import Any, Mapping, Sequence
 
 from rankmesh.dispatch.modes import DispatchRegistry
-from rankmesh.errors import BackendError, ControllerCutOffError, PaddingError, RecoveryError, WorkerDiedError, WorkerError
+from rankmesh.errors import (AgentLostError, BackendError, ControllerCutOffError, FetchTimeoutError, PaddingError,
+                             RecoveryError, WorkerDiedError, WorkerError)
 from rankmesh.binding import MethodTable, PerRank
 from rankmesh.group import WorkerGroup
 from rankmesh.mesh import RankMesh
@@ -29,24 +30,19 @@ from rankmesh.placement import Placement, RankPlace
 from rankmesh.validate import optional_seconds, positive_seconds
 
 from .classes import RayClassWithInitArgs, fused_worker_class, unwrap_actor_class
-from .executor import ABANDONED_WAIT_S, RayExecutor, control_mode
+from .executor import ABANDONED_WAIT_S, RETRYING, SHRINKING, RayExecutor, check_policies, control_mode
 from .hosts import HostSet, attach_hosts, build_workers, check_worker_env, start_hosts
 from .pool import RayResourcePool
-from .recovery import Recovery, ReplacementReport, check_recoverable, probe_dead, replace_dead_ranks
+from .recovery import PROBE_TIMEOUT, Recovery, ReplacementReport, check_recoverable, probe_dead, replace_dead_ranks
 from .remesh import RemeshReport, grow, shrink_dead_replicas
 from .spares import SpareStatus, refill_spares
-from .runtime import ensure_ray
+from .runtime import ensure_ray, node_death_window_s
 from .startup import StartupProgress, StartupReport
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_START_TIMEOUT = 300.0
 """Seconds to wait for every rank's process to start and its worker to be built."""
-
-#: The ``on_rank_death`` policies that may drop dp replicas (:mod:`.remesh`).
-SHRINKING = ("shrink", "replace_or_shrink")
-#: The policies under which the group recovers by itself and retries the failed call once.
-RETRYING = ("replace", *SHRINKING)
 
 
 def check_bin_pack(bin_pack: Any) -> None:
@@ -99,7 +95,10 @@ class RayWorkerGroup(WorkerGroup):
     blocking call once (see :mod:`.recovery` and the recovery model in docs/ray_backend.md);
     ``"shrink"`` drops the dead ranks' dp replicas and retries once on the others, and
     ``"replace_or_shrink"`` replaces, or shrinks when no process can be had (:mod:`.remesh`;
-    ``wg.grow(k)`` adds replicas back).
+    ``wg.grow(k)`` adds replicas back).  ``on_hang="kill"`` treats ranks still running a call past
+    its timeout as dead: the ``HangError`` is raised as before (a blocking call under a retrying
+    policy is instead retried once), their processes are killed, and ``on_rank_death`` recovers
+    them (a rank stopped or wedged for good comes back without a hand-written ``kill_ranks``).
     On a pool with ``spares=N`` such a group keeps N warm standby processes that take a dead
     rank's place without starting one (:mod:`.spares`; ``wg.spares`` lists them).
     ``bin_pack`` is verl's; only ``True`` is supported (:func:`check_bin_pack`).
@@ -123,6 +122,7 @@ class RayWorkerGroup(WorkerGroup):
         stall_warn_s: float | None = None,
         on_rank_death: str = "fail",
         abandoned_wait_s: float = ABANDONED_WAIT_S,
+        on_hang: str = "raise",
     ) -> None:
         call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
         abandoned_wait_s = positive_seconds(abandoned_wait_s, "abandoned_wait_s", BackendError)
@@ -133,6 +133,7 @@ class RayWorkerGroup(WorkerGroup):
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
             ray_cls_with_init = RayClassWithInitArgs(ray_cls_with_init)
         check_bin_pack(bin_pack)
+        check_policies(on_rank_death, on_hang)
         if not detached:
             control_mode()  # RANKMESH_CONTROL: a bad value fails here, not once Ray and the processes have started
         env = check_worker_env(worker_env)
@@ -171,7 +172,8 @@ class RayWorkerGroup(WorkerGroup):
         finally:
             startup.close()
         try:
-            executor, recovery = self._drive(hosts, table, call_timeout_s, stall_warn_s, on_rank_death, abandoned_wait_s)
+            executor, recovery = self._drive(hosts, table, call_timeout_s, stall_warn_s, on_rank_death, abandoned_wait_s,
+                                             on_hang)
             self._attach(hosts, table, executor, recovery, startup)
         except BaseException:
             hosts.shutdown()
@@ -222,10 +224,11 @@ class RayWorkerGroup(WorkerGroup):
         stall_warn_s: float | None = None,
         on_rank_death: str = "fail",
         abandoned_wait_s: float = ABANDONED_WAIT_S,
+        on_hang: str = "raise",
     ) -> tuple[RayExecutor, Recovery]:
         """A new executor over ``hosts`` and the recovery state of its ``on_rank_death`` policy."""
         coords = [table.mesh.rank_coords(r) for r in range(len(hosts.actors))]
-        executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s, on_rank_death, abandoned_wait_s)
+        executor = RayExecutor(hosts, coords, call_timeout_s, stall_warn_s, on_rank_death, abandoned_wait_s, on_hang)
         return executor, Recovery(on_rank_death)
 
     @classmethod
@@ -548,6 +551,11 @@ class RayWorkerGroup(WorkerGroup):
         return self._recovery.policy
 
     @property
+    def on_hang(self) -> str:
+        """What a call past its timeout does to its stuck ranks: ``"raise"`` (they run on) or ``"kill"``."""
+        return self.executor.on_hang
+
+    @property
     def spares(self) -> list[SpareStatus]:
         """The group's warm spares (``RayResourcePool(..., spares=N)``): node, pid and whether warm yet.
 
@@ -598,13 +606,18 @@ class RayWorkerGroup(WorkerGroup):
         start = time.monotonic()
         try:
             return run()
-        except (WorkerDiedError, WorkerError) as err:
+        except (WorkerDiedError, WorkerError, FetchTimeoutError, AgentLostError) as err:
             if not binding.method.blocking:
                 raise
-            if not isinstance(err, WorkerDiedError):
+            if isinstance(err, FetchTimeoutError):  # on_hang="kill" killed the ranks it was stuck on: recover them
+                if self.executor.on_hang != "kill" or not self.executor.dead:
+                    raise
+            elif not isinstance(err, WorkerDiedError):
                 # A peer's death can reach the survivors as a gloo error before Ray reports the
-                # process dead (a removed node takes its health checks to be declared dead).
-                dead = probe_dead(self._hosts)
+                # process dead (a removed node takes its health checks to be declared dead); an
+                # agent lost with its node says nothing of its ranks until the GCS declares the node dead.
+                wait_s = node_death_window_s() + 1.0 if isinstance(err, AgentLostError) else PROBE_TIMEOUT
+                dead = probe_dead(self._hosts, wait_s)
                 if not dead:
                     raise
                 failure = self.executor.fail(WorkerDiedError(min(dead), binding.name, f"found dead after: {err.detail}",

@@ -245,6 +245,14 @@ def health_window_s() -> float:
     return (config.health_check_period_ms() + config.health_check_timeout_ms()) / 1000
 
 
+def node_death_window_s() -> float:
+    """How long after a node stops answering the GCS declares it dead, at most (seconds): its failed
+    health checks in a row, each a period apart, plus the last one's timeout, as configured."""
+    config = ray._config  # noqa: SLF001 - the cluster's system config, as this process received it
+    return (config.health_check_failure_threshold() * config.health_check_period_ms()
+            + config.health_check_timeout_ms()) / 1000
+
+
 def referenced_objects() -> int:
     """How many objects Ray's reference table in this process lists: those it holds, and those it
     owns that another process still borrows (an owner keeps the entry until its borrowers let go).
