@@ -11,6 +11,10 @@ from rankmesh.worker import Worker
 
 
 class NodeWorker(Worker):
+    def __init__(self, distributed: bool = False) -> None:
+        if distributed:  # a replacement rank joins in its constructor, as its survivors re-join
+            init_torch_distributed("gloo")
+
     @register(Dispatch.ONE_TO_ALL)
     def where(self) -> dict:
         import ray
@@ -36,10 +40,11 @@ class NodeWorker(Worker):
         return DataProto.from_dict({"rank": torch.full((len(data),), self.rank)})
 
     @register(Dispatch.ONE_TO_ALL)
-    def work(self, until: float, beat_dir: str) -> dict:
+    def work(self, until: float, beat_dir: str, reduce: bool = False) -> dict:
         """Compute until wall time ``until``, appending the time to ``beat_dir/beats-<pid>`` every
         0.1 s (so a test sees this process still at work, whatever its node's link does); the
-        answer, ``rank + 1``, does not depend on how long it took."""
+        answer, ``rank + 1``, does not depend on how long it took.  ``reduce``: then all-reduce
+        it over every rank (gloo), as a training step ends (``sum``)."""
         import time
 
         with open(os.path.join(beat_dir, f"beats-{os.getpid()}"), "a") as beats:
@@ -47,4 +52,12 @@ class NodeWorker(Worker):
                 beats.write(f"{time.time()}\n")
                 beats.flush()
                 time.sleep(0.1)
-        return {"rank": self.rank, "pid": os.getpid(), "value": self.rank + 1}
+        out = {"rank": self.rank, "pid": os.getpid(), "value": self.rank + 1}
+        if reduce:
+            import torch
+            import torch.distributed as dist
+
+            t = torch.tensor([float(self.rank + 1)])
+            dist.all_reduce(t)
+            out["sum"] = float(t[0])
+        return out

@@ -12,9 +12,10 @@ from stdin, so the test can cut a node off at a known moment.
   with ``slow``, then ``READY``, and on the cue ``capped`` what a trace of three data calls and a
   call past its timeout say of the capped node.
 * ``partition BEAT_DIR``: a group of two ranks with one warm spare
-  (``on_rank_death="replace_or_shrink"``, one process per node); reports where each runs, prints
-  ``CALLING`` and makes a call in which every rank computes for :data:`WORK_S` (heartbeats in
-  BEAT_DIR), which the test cuts rank 1's node off during; reports the call's answer and the
+  (``on_rank_death="replace_or_shrink"``, one process per node, torch.distributed on gloo); reports
+  where each runs, prints ``CALLING`` and makes a call in which every rank computes for
+  :data:`WORK_S` (heartbeats in BEAT_DIR) and then all-reduces, which the test cuts rank 1's node
+  off during (the survivor then waits in the all-reduce on the cut-off rank); reports the call's answer and the
   replacement; on the cue ``healed``, reports a call and an all-reduce of the group after the
   heal.  On the cue ``again`` it prints ``CALLING`` and makes the same call, during which the test
   cuts the other worker node off: with no spare and no room left, the group shrinks; it reports
@@ -142,21 +143,22 @@ def partition(beat_dir: str) -> None:
 
     from rankmesh.data import DataProto
 
-    wg = RayWorkerGroup(RayResourcePool([1, 1], use_gpu=False, spares=1), RayClassWithInitArgs(NodeWorker),
+    wg = RayWorkerGroup(RayResourcePool([1, 1], use_gpu=False, spares=1), RayClassWithInitArgs(NodeWorker, distributed=True),
                         on_rank_death="replace_or_shrink", call_timeout_s=120)
     try:
-        first = wg.work(0.0, beat_dir)  # answers at once: the undisturbed answer, and each rank's pid
+        first = wg.work(0.0, beat_dir, True)  # answers at once: the undisturbed answer, and each rank's pid
         spares = wg.spares
         print_report({"node_ips": [info["node_ip"] for info in wg.node_info], "pids": [w["pid"] for w in first],
-                      "undisturbed": [w["value"] for w in first], "spares": len(spares),
+                      "undisturbed": [w["value"] for w in first], "sums": [w["sum"] for w in first], "spares": len(spares),
                       "control": wg.executor.control_paths()})
         until = time.time() + WORK_S
         print("CALLING", flush=True)
         start = time.monotonic()
-        got = wg.work(until, beat_dir)
+        got = wg.work(until, beat_dir, True)
         seconds = time.monotonic() - start
         rep = wg.replacements[-1] if wg.replacements else None
-        print_report({"values": [w["value"] for w in got], "pids": [w["pid"] for w in got], "seconds": seconds,
+        print_report({"values": [w["value"] for w in got], "sums": [w["sum"] for w in got], "pids": [w["pid"] for w in got],
+                      "seconds": seconds, "drain_s": rep.drain_s if rep else None,
                       "replaced": rep.ranks if rep else [], "from_spares": rep.from_spares if rep else [],
                       "old_nodes": rep.old_nodes if rep else {}, "new_nodes": rep.new_nodes if rep else {},
                       "detected_s": rep.detected_s if rep else None, "format": rep.format() if rep else ""})
@@ -167,11 +169,12 @@ def partition(beat_dir: str) -> None:
         wait_cue("again")  # no spare left now, and no node with room: the policy shrinks
         print("CALLING", flush=True)
         start = time.monotonic()
-        got = wg.work(time.time() + WORK_S, beat_dir)
+        got = wg.work(time.time() + WORK_S, beat_dir, True)
         seconds = time.monotonic() - start
         shrunk = wg.remeshes[-1] if wg.remeshes else None
         rows = wg.rows(DataProto.from_dict({"x": torch.arange(4)}))
-        print_report({"values": [w["value"] for w in got], "pids": [w["pid"] for w in got], "seconds": seconds,
+        print_report({"values": [w["value"] for w in got], "sums": [w["sum"] for w in got], "pids": [w["pid"] for w in got],
+                      "seconds": seconds,
                       "replacements": len(wg.replacements), "world": wg.world_size, "rows": rows.batch["rank"].tolist(),
                       "shrink": None if shrunk is None else {"kind": shrunk.kind, "lost_replicas": shrunk.lost_replicas,
                                                              "dead": shrunk.dead, "detected_s": shrunk.detected_s,

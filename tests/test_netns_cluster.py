@@ -389,6 +389,8 @@ def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_or_shrunk_and_its_rank
     process) and it ends, with its node's raylet.  Then the node of the rank not on the head is cut off mid-call:
     no spare is left and no node has room, so the group shrinks to the head's replica, whose
     retry answers [1] and takes every row of a data call; after the heal that process ends too."""
+    from tests.netns_scenarios import WORK_S
+
     # Three live nodes, one process each: the two ranks and the spare.  The earlier tests left the
     # head, n2 (dead since its partition) and the node they added.
     cluster.kill_node("n2")
@@ -417,8 +419,12 @@ def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_or_shrunk_and_its_rank
                 "cut, last %.1f s after it; after the heal %s; the old process ended %s s after the heal", victim.address,
                 answered["format"], answered["values"], answered["seconds"], sum(b > cut_at for b in beats),
                 (max(beats) - cut_at) if beats else -1, after, ended)
-    assert placed["undisturbed"] == [1, 2] and placed["spares"] == 1
-    assert answered["values"] == [1, 2]  # the retry's answer is the undisturbed one
+    assert placed["undisturbed"] == [1, 2] and placed["sums"] == [3.0, 3.0] and placed["spares"] == 1
+    assert answered["values"] == [1, 2] and answered["sums"] == [3.0, 3.0]  # the retry's answer is the undisturbed one
+    # The survivor, waiting in the all-reduce on the cut-off rank, was freed at once by cutting its
+    # connections to the dead node (before: until gloo's 10-minute timeout, or the heal).
+    # (The drain waits for the survivor's own WORK_S, then its all-reduce fails at once.)
+    assert answered["seconds"] < WORK_S + 15, answered
     assert answered["replaced"] == [rank] and answered["from_spares"] == [rank], answered
     assert answered["old_nodes"][str(rank)] == victim.address and answered["new_nodes"][str(rank)] != victim.address
     assert answered["detected_s"] is not None and answered["detected_s"] <= DEATH_WINDOW_S + 5, answered
@@ -438,7 +444,8 @@ def test_a_node_cut_off_mid_call_is_replaced_from_a_spare_or_shrunk_and_its_rank
     assert shrunk["shrink"]["detected_s"] is not None and shrunk["shrink"]["detected_s"] <= DEATH_WINDOW_S + 5, shrunk
     assert shrunk["replacements"] == 1 and shrunk["world"] == 1
     survivor = 1 - cut
-    assert shrunk["values"] == [1] and shrunk["pids"] == [after["pids"][survivor]]  # the survivor, renumbered rank 0
+    assert shrunk["values"] == [1] and shrunk["sums"] == [1.0] and shrunk["pids"] == [after["pids"][survivor]]  # renumbered rank 0
+    assert shrunk["seconds"] < WORK_S + 15, shrunk  # the survivor's all-reduce on the cut-off rank ended at once
     assert shrunk["rows"] == [0, 0, 0, 0]  # every row of the data call, on the one replica left
     assert any(b > second_cut_at + DEATH_WINDOW_S for b in beats_of(beat_dir, second_pid))  # it kept computing
     assert last["values"] == [1] and last["pids"] == [after["pids"][survivor]]

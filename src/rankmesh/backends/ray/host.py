@@ -46,7 +46,7 @@ from rankmesh.devices import unify_visible_devices
 from rankmesh.tracing.marks import FETCH_MARK, KEEP_MAX, timed_call
 from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke, move
 
-from .rejoin import exit_on_call, leave, rejoin, restore
+from .rejoin import exit_on_call, leave, rejoin, restore, sever
 from rankmesh.rendezvous import GLOO_IFNAME, interface_of, reserve_port
 from .reshard import RayObjects
 from .runtime import node_ip_address, worker_raylet_pid
@@ -488,6 +488,14 @@ class WorkerHost:
                 group_name=s.group_name,
             )
         return info
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def sever(self, addresses: list[str]) -> int:
+        """Shut down this process's connections to nodes declared dead (:func:`.rejoin.sever`).
+
+        Runs on the control thread, beside a call blocked in a collective with a rank there,
+        which then fails at once instead of at gloo's timeout."""
+        return sever(addresses)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def ping(self) -> int | None:

@@ -37,7 +37,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import ray
 
@@ -50,6 +50,7 @@ from .executor import RayExecutor
 from .hangs import hang_inspector
 from .hosts import HostSet, start_host
 from .spares import prune_dead_spares, refill_spares, take_spares, usable_spares
+from .runtime import alive_nodes
 from .tasks import start_step
 from .waiting import PROCESS_DIED, fetch_outputs
 
@@ -59,6 +60,8 @@ logger = logging.getLogger(__name__)
 STUCK_GRACE_S = 5.0
 #: How long a liveness probe waits for an idle rank's answer when no death was recorded (seconds).
 PROBE_TIMEOUT = 5.0
+#: How long survivors may take to cut their connections to a lost node (control thread: milliseconds).
+SEVER_WAIT_S = 5.0
 #: With ``on_rank_death="replace_or_shrink"``: how long a dead rank's bundle may take to be placed
 #: again (its node gone, Ray looking for room) before the group shrinks instead (seconds).
 PLACE_TIMEOUT_S = 3.0
@@ -203,8 +206,35 @@ def probe_dead(hosts: HostSet, timeout: float = PROBE_TIMEOUT) -> set[int]:
     return dead
 
 
-def drain(executor: RayExecutor, survivors: Sequence[int], mesh: RankMesh, timeout: float) -> tuple[set[int], set[int]]:
+def lost_addresses(hosts: HostSet, dead: Iterable[int]) -> set[str]:
+    """The addresses of the dead ranks' nodes that no live node of the cluster has (nodes declared dead).
+
+    On a cluster whose nodes share one address (simulated ones, on 127.0.0.1) there are none."""
+    live = {node.get("NodeManagerAddress") for node in alive_nodes().values()}
+    return {hosts.nodes[r] for r in dead if hosts.nodes[r]} - live
+
+
+def sever_lost(executor: RayExecutor, survivors: Sequence[int], addresses: set[str]) -> None:
+    """Have ``survivors`` cut their connections to ``addresses`` (nodes declared dead), so that a call
+    blocked in a collective with a rank there ends now (:func:`.rejoin.sever`); bounded, best effort."""
+    if not addresses or not survivors:
+        return
+    refs = [executor.hosts.actors[r].sever.remote(sorted(addresses)) for r in survivors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=SEVER_WAIT_S)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - a survivor that died meanwhile is found by the drain
+            logger.info("a survivor could not cut its connections to %s: %s", sorted(addresses), exc)
+
+
+def drain(executor: RayExecutor, survivors: Sequence[int], mesh: RankMesh, timeout: float,
+          lost: set[str] = frozenset()) -> tuple[set[int], set[int]]:
     """Every survivor leaves torch.distributed once the call it runs has ended.
+
+    First each survivor cuts its connections to ``lost`` (the dead ranks' node addresses that
+    the cluster declared dead: a partition, where nothing closes them), which ends a call
+    blocked on a rank there (:func:`sever_lost`).
 
     Leaving is a host step (:meth:`.executor.RayExecutor.start_step`): it queues behind the call a
     survivor still runs (the host's lock), so no process group is torn down under a live
@@ -214,6 +244,7 @@ def drain(executor: RayExecutor, survivors: Sequence[int], mesh: RankMesh, timeo
     replaced only if a free survivor holds its shard.  Otherwise the drain waits up to
     ``timeout`` and raises :class:`RecoveryError` naming the survivors still busy.
     """
+    sever_lost(executor, survivors, lost)
     pending = executor.start_step("leave_distributed", survivors)
     deadline = Deadline.after(timeout)
     died, failed, free = set(), [], set()
@@ -351,7 +382,7 @@ def replace_dead_ranks(
         try:
             peers = restore_peers(mesh, sorted(dead))
             survivors = [r for r in range(len(hosts.actors)) if r not in dead]
-            more, stuck = drain(executor, survivors, mesh, timeout)
+            more, stuck = drain(executor, survivors, mesh, timeout, lost_addresses(hosts, dead))
             if more or stuck:  # died while the others drained, or blocked for good: replace them too
                 dead |= more | stuck
                 peers = restore_peers(mesh, sorted(dead))

@@ -15,16 +15,25 @@ the sockets open while anything still holds the group object (measured: the peer
 blocked until this process exited), hence the workers clear what they hold in
 ``leave_distributed`` (megatron: captured groups and parallel_state's globals), the failed
 call's frames are cleared (:func:`rankmesh.worker.invoke`) and the garbage collector runs last.
+
+Why a survivor also cuts its connections to a lost node (:func:`sever`): a peer whose node was
+cut off (a partition) still lives, so the kernel closes nothing, and a collective waiting on it
+would wait for gloo's timeout (10 minutes) or until the link heals.  Once the GCS has declared
+the node dead nothing legitimate can come from it, so each survivor shuts down its own TCP
+connections to that address, from its control thread, while its call thread still waits: the
+collective gets gloo's "connection closed" at once, as after a process death.
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
+import ipaddress
 import logging
 import os
 import signal
-from typing import Any, Mapping
+import socket
+from typing import Any, Iterable, Mapping
 
 import torch.distributed as dist
 
@@ -54,6 +63,63 @@ def leave(workers: Mapping[Any, Any]) -> str | None:
     # group): collect them now, so the peers still waiting on this rank get their error.
     gc.collect()
     return backend
+
+
+def sever(addresses: Iterable[str]) -> int:
+    """Shut down every TCP connection of this process to ``addresses`` (nodes declared dead); how many.
+
+    The connections are found in ``/proc/self/net/tcp`` and ``tcp6`` by remote address, and
+    matched to this process's descriptors by socket inode.  Each is shut down, not closed: its
+    descriptor stays its owner's (gloo's), whose blocked reads and writes then fail.
+    """
+    lost = {ipaddress.ip_address(a) for a in addresses}
+    if not lost:
+        return 0
+    fds: dict[str, int] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            fds[target[len("socket:["):-1]] = int(name)
+    severed = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            fd = fds.get(fields[9])
+            if fd is None or _remote_address(fields[2]) not in lost:
+                continue
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                severed += 1
+            except OSError:  # already down
+                pass
+            finally:
+                sock.detach()  # the descriptor stays open: it is its owner's to close
+    if severed:
+        logger.warning("cut %d connection(s) to lost node(s) %s: collectives waiting on them fail now",
+                       severed, sorted(map(str, lost)))
+    return severed
+
+
+def _remote_address(field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """The remote address of a ``/proc/net/tcp`` row (``rem_address``: hex, 32-bit words in host order);
+    an IPv4-mapped IPv6 address as its IPv4 one."""
+    hexaddr = field.split(":")[0]
+    raw = b"".join(int(hexaddr[i:i + 8], 16).to_bytes(4, "little") for i in range(0, len(hexaddr), 8))
+    addr = ipaddress.ip_address(raw)
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return mapped if mapped is not None else addr
 
 
 def rejoin(workers: Mapping[Any, Any], backend: str | None) -> None:

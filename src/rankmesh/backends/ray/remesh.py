@@ -54,7 +54,7 @@ from .executor import RayExecutor
 from .hangs import hang_inspector
 from .hosts import HostSet, actor_name, start_host
 from .pool import Slot
-from .recovery import Recovery, drain, reform, restore, shard_of
+from .recovery import Recovery, drain, lost_addresses, reform, restore, shard_of
 from .spares import refill_spares, spare_order, warm_refs
 from .tasks import start_step
 from .waiting import fetch_outputs
@@ -191,7 +191,7 @@ def shrink_dead_replicas(
     try:
         survivors = [r for r in range(mesh.world_size) if r not in dead]
         if not drained:
-            more, _ = drain(executor, survivors, mesh, timeout)
+            more, _ = drain(executor, survivors, mesh, timeout, lost_addresses(hosts, dead))
             if more - set(plan.dropped):
                 # Died while the others drained, in a kept replica: that replica goes too.
                 dead |= more
