@@ -136,6 +136,16 @@ def simulated_scenario(cluster, *layouts: str) -> dict:
     node = pool.slots()[0].node_id
     out["pool_zone"] = [n["Labels"].get("zone") for n in ray.nodes() if n["NodeID"] == node]
     pool.remove()
+    # Its spares may have labels of their own: the ranks in zone a, the standby bundles in zone b.
+    pool = RayResourcePool([2], use_gpu=False, node_labels={"zone": "a"}, spares=2, spare_labels={"zone": "b"})
+    zones = {n["NodeID"]: n["Labels"].get("zone") for n in ray.nodes()}
+    out["spare_zones"] = ([zones[s.node_id] for s in pool.slots()], [zones[s.node_id] for s in pool.spare_slots()])
+    pool.remove()
+    try:
+        RayResourcePool([1], use_gpu=False, spare_labels={"zone": "b"})
+        out["labels_without_spares"] = "accepted"
+    except ResourcePoolError as exc:
+        out["labels_without_spares"] = str(exc)
     try:
         RayResourcePool([1], use_gpu=False, node_labels={"zone": "c"}, ready_timeout=3).slots()
         out["missing"] = "placed"
@@ -164,4 +174,6 @@ def test_preflight_on_a_simulated_three_node_cluster(simulated_cluster, tmp_path
     assert out[str(labelled)]["ok"] and out[str(labelled)]["placed"][0].startswith("layout node 0 (4 CPU, labels {zone: a}")
     assert "no live node with CPU has the labels {zone: c}" in out[str(nowhere)]["unplaced"][0]
     assert out["pool_zone"] == ["b"]
+    assert out["spare_zones"] == [["a", "a"], ["b", "b"]]
+    assert "keeps none: give spares=N too" in out["labels_without_spares"]
     assert "NOT placed" in out["missing"] and "with labels {'zone': 'c'}" in out["missing"]

@@ -105,7 +105,10 @@ class RayResourcePool:
     worker group on the pool that replaces dead ranks (``on_rank_death`` ``"keep"`` or
     ``"replace"``) keeps a warm standby process in each, which takes a dead rank's place in a
     fraction of the time a new process needs (:mod:`.spares`).  Views made by
-    :func:`split_resource_pool` and :func:`merge_resource_pool` carry no spares.
+    :func:`split_resource_pool` and :func:`merge_resource_pool` carry no spares.  ``node_labels``
+    selects the nodes of every bundle; ``spare_labels`` (default: ``node_labels``) those of the
+    standby bundles, e.g. to keep the spares on nodes of their own, where a node's loss never
+    takes a rank and its spares at once.
     """
 
     def __init__(
@@ -119,12 +122,18 @@ class RayResourcePool:
         accelerator_type: str | None = None,
         node_labels: Mapping[str, str] | None = None,
         spares: int = 0,
+        spare_labels: Mapping[str, str] | None = None,
     ) -> None:
         self._counts = _check_counts(process_on_nodes)
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise ResourcePoolError(f"spares must be a non-negative integer (standby bundles), got {spares!r}")
         self.spares = spares
         self.node_labels = validate_labels(node_labels, "node_labels", ResourcePoolError)
+        self.spare_labels = (self.node_labels if spare_labels is None
+                             else validate_labels(spare_labels, "spare_labels", ResourcePoolError))
+        if spare_labels is not None and not spares:
+            raise ResourcePoolError(f"spare_labels={dict(spare_labels)} says where standby bundles go, but the pool "
+                                    "keeps none: give spares=N too, or leave spare_labels out")
         if isinstance(max_colocate_count, bool) or not isinstance(max_colocate_count, int) or max_colocate_count < 1:
             raise ResourcePoolError(f"max_colocate_count must be a positive integer, got {max_colocate_count!r}")
         if ready_timeout is not None and ready_timeout <= 0:
@@ -333,7 +342,7 @@ class RayResourcePool:
             strategy="SPREAD",
             name=f"{self.name_prefix}_spares",
             lifetime=lifetime,
-            **({"bundle_label_selector": [dict(self.node_labels)] * self.spares} if self.node_labels else {}),
+            **({"bundle_label_selector": [dict(self.spare_labels)] * self.spares} if self.spare_labels else {}),
         )
         done, _ = ray.wait([pg.ready()], timeout=timeout)
         if not done:
@@ -341,7 +350,8 @@ class RayResourcePool:
             self._remove_own()
             raise ResourcePoolError(
                 f"resource pool {self.name_prefix!r}: its {self.spares} spare bundle(s) of {self.bundle} could not be "
-                f"placed within {timeout:g} s (the ranks' bundles were); ask for fewer spares, or declare more "
+                f"placed{f' on nodes with labels {self.spare_labels}' if self.spare_labels else ''} within {timeout:g} s "
+                "(the ranks' bundles were); ask for fewer spares, or declare more "
                 "logical CPUs (`rankmesh.backends.ray.ensure_ray(num_cpus=N)` before the first pool, N counting spares)"
             )
         self._pgs.append(pg)
