@@ -15,7 +15,7 @@ import pytest
 from rankmesh import cli
 from rankmesh.cli import main
 
-SHIPPED = ["cpu_demo", "llama70b_4x8", "long_context_cp", "moe_ep", "multinode_ppo", "single_node_8gpu"]
+SHIPPED = ["chaos_3node", "cpu_demo", "llama70b_4x8", "long_context_cp", "moe_ep", "multinode_ppo", "single_node_8gpu"]
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -143,7 +143,7 @@ BAD_FILE = "name: bad\ncluster: {nodes: 1, devices_per_node: 8\n"
         (["--tp", "2", "--nodes", "2", "--process-on-nodes", "1,1"], "cannot be combined"),
         (["--tp", "2", "--pp", "2", "--dp", "2", "--rank", "8"], "rank 8 is out of range for a mesh of world size 8"),
         (["cpu_demo", "--rank", "-1"], "rank -1 is out of range"),
-        (["no_such_layout"], "unknown layout 'no_such_layout' (known layouts: cpu_demo"),
+        (["no_such_layout"], "unknown layout 'no_such_layout' (known layouts: chaos_3node, cpu_demo"),
         (["cpu_demo", "--role", "judge"], "unknown role 'judge' (roles: actor, ref, critic, rollout)"),
         (["cpu_demo", "--tp", "2"], "either a layout or explicit sizes"),
         ([], "give a layout name or file, or explicit sizes"),
@@ -290,7 +290,8 @@ def test_console_script_and_python_m(tmp_path):
         (["--kill-at-iteration", "2"], "--kill-at-iteration needs --kill-rank"),
         (["--kill-rank", "8"], "--kill-rank must be an actor rank, 0 to 7"),  # cpu_demo's actor: tp2·pp2·dp2
         (["--kill-rank", "1", "--kill-at-iteration", "5"], "between 1 and --iterations (4)"),
-        (["--spares", "-1"], "--spares must be 0 or more (warm standby processes of the actor), got -1"),
+        (["--spares", "-1"], "--spares must be 0 or more (warm standby processes of each group), got -1"),
+        (["--call-timeout", "0"], "--call-timeout must be a positive number of seconds, got 0.0"),
         # Every option against the layout and the model (the demo model: 4 heads, hidden 32, 2 layers, 32 rows).
         (["--layout", "nosuch"], "--layout nosuch: unknown layout 'nosuch'"),
         (["--no-layout", "--actor-tp", "3"], "--actor-tp 3: the demo model's num_heads=4 is not divisible by tp=3"),

@@ -6,6 +6,8 @@ No Ray: records are built by hand, and expected groups are derived by hand from 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pickle
 import threading
 import time
@@ -69,6 +71,17 @@ def report(after_s: float = 3.0) -> HangReport:
         RankHang(7, tp_dp(7), "n1", NO_ANSWER, detail="did not answer within 2 s"),
     )
     return HangReport("compute", after_s, hangs, finished=(0, 4, 5), gather_s=0.05)
+
+
+def test_the_roots_of_a_hang_are_the_silent_ranks_and_those_stuck_in_their_own_code():
+    """What on_hang="kill" kills (by hand from report()): rank 7 gave no answer (a stopped process)
+    and rank 2 runs the call in user code; ranks 1 and 3 wait in an all-reduce (for someone else),
+    rank 6 is dead already, and a rank not running the call (waiting for its turn) is no root."""
+    idle = dataclasses.replace(stacks(None), busy=False)
+    hangs = (*report().hangs, RankHang(8, None, "n1", STUCK, idle))
+    assert HangReport("compute", 3.0, hangs, finished=(0,)).roots == [2, 7]
+    waiting = tuple(h for h in report().hangs if h.rank in (1, 3)) + (RankHang(8, None, "n1", STUCK, idle),)
+    assert HangReport("compute", 3.0, waiting, finished=(0,)).roots == []  # nobody to blame: nothing is killed
 
 
 def test_ranks_at_one_place_are_grouped():

@@ -25,7 +25,7 @@ from rankmesh.layout import (
     validate_layout,
 )
 
-SHIPPED = ["cpu_demo", "llama70b_4x8", "long_context_cp", "moe_ep", "multinode_ppo", "single_node_8gpu"]
+SHIPPED = ["chaos_3node", "cpu_demo", "llama70b_4x8", "long_context_cp", "moe_ep", "multinode_ppo", "single_node_8gpu"]
 
 # Hand-derived from megatron's order tp-cp-ep-dp-pp (tp fastest): stride tp=1, then cp, dp, pp.
 TP2_PP2_DP2 = {
@@ -43,6 +43,13 @@ TP4_PP2_DP2 = {
 TP2_PP2_DP2_WORLD8 = TP2_PP2_DP2
 
 EXPECTED: dict[str, dict[str, dict]] = {
+    # Order tp-cp-ep-pp-dp (pp fastest): rank = pp + 2 * dp, so each replica's ranks are consecutive.
+    "chaos_3node": {
+        **{role: {"world": 4, "pool": "global", "tp": [[0], [1], [2], [3]], "pp": [[0, 1], [2, 3]],
+                  "dp": [[0, 2], [1, 3]], "collect": [1, 3]} for role in ("actor", "ref")},
+        "critic": {"world": 2, "pool": "critic_pool", "tp": [[0], [1]], "dp": [[0, 1]], "collect": [0, 1]},
+        "rollout": {"world": 2, "pool": "rollout_pool", "tp": [[0], [1]], "dp": [[0, 1]], "collect": [0, 1]},
+    },
     "cpu_demo": {
         "actor": {"world": 8, "pool": "global", **TP2_PP2_DP2},
         "ref": {"world": 8, "pool": "global", **TP2_PP2_DP2},
@@ -117,6 +124,7 @@ EXPECTED: dict[str, dict[str, dict]] = {
 }
 
 CLUSTERS = {
+    "chaos_3node": (4, 4),
     "cpu_demo": (16,),
     "single_node_8gpu": (8,),
     "llama70b_4x8": (8, 8, 8, 8),

@@ -51,7 +51,7 @@ from tqdm.contrib import DummyTqdmFile
 
 from rankmesh.data import DataProto
 from rankmesh.errors import RankMeshError, UsageError
-from rankmesh.demo_async import AsyncRollout, AsyncTally
+from rankmesh.demo_async import FAULT_ERRORS, AsyncRollout, AsyncTally
 from rankmesh.demo_config import SIZE_OPTIONS, DemoConfig, table_legend
 from rankmesh.demo_hang import HangDrill, run_hang_drill
 from rankmesh.layout import load_layout
@@ -252,7 +252,19 @@ def start_rollout(cfg: DemoConfig, model: dict, processes: Any):
 
     mesh, counts = resolve_rollout(cfg)
     return processes.start(counts, RayClassWithInitArgs(RolloutWorker, model=model), mesh, pool_name="rollout_pool",
-                           name_prefix="rollout")
+                           name_prefix="rollout", spares=cfg.spares, **recovery_policy(cfg))
+
+
+def recovery_policy(cfg: DemoConfig) -> dict[str, Any]:
+    """What every group does with a dead or stuck rank: replace it and retry the call once, when a
+    kill is planned, spares are kept or calls are bounded (``--call-timeout``: a rank stuck past it
+    is killed, ``on_hang="kill"``); else the groups' defaults."""
+    policy: dict[str, Any] = {}
+    if cfg.kill_rank is not None or cfg.spares or cfg.call_timeout_s is not None:
+        policy["on_rank_death"] = "replace"
+    if cfg.call_timeout_s is not None:
+        policy.update(call_timeout_s=cfg.call_timeout_s, on_hang="kill")
+    return policy
 
 
 def ppo_loss(log_probs, old_log_probs, advantages, clip_ratio: float):
@@ -274,13 +286,13 @@ def start_groups(cfg: DemoConfig, model: dict, processes: Any):
         "actor": RayClassWithInitArgs(ActorWorker, lr=cfg.actor_lr, clip_ratio=cfg.clip_ratio, **common),
         "ref": RayClassWithInitArgs(RefWorker, **common),
     })
-    # With a kill planned (or spares kept), the actor replaces a dead rank in place and retries the call once.
-    policy = {} if cfg.kill_rank is None and not cfg.spares else {"on_rank_death": "replace"}
+    policy = recovery_policy(cfg)
     actor_group = processes.start(actor_counts, colocated, actor_mesh, pool_name="actor_pool", spares=cfg.spares,
                                   name_prefix="actor+ref", **policy)
     roles = check_megatron_group(actor_group, actor_mesh, roles=["actor", "ref"])
     critic_group = processes.start(critic_counts, RayClassWithInitArgs(CriticWorker, lr=cfg.critic_lr, **common),
-                                   critic_mesh, pool_name="critic_pool", name_prefix="critic")
+                                   critic_mesh, pool_name="critic_pool", name_prefix="critic", spares=cfg.spares,
+                                   **policy)
     return roles["actor"], roles["ref"], check_megatron_group(critic_group, critic_mesh), source
 
 
@@ -319,7 +331,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) 
     conn = actor = ref = critic = rollout = None
     try:
         bar.set_description("starting Ray")
-        conn = ensure_ray(cfg.address, num_cpus=16 + cfg.spares)
+        conn = ensure_ray(cfg.address, num_cpus=16 + 3 * cfg.spares)
         bar.set_description("starting actor+ref and critic")
         actor, ref, critic, source = start_groups(cfg, tcfg.to_dict(), processes)
         bar.set_description("starting rollout")
@@ -361,10 +373,13 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) 
                 key = view.selection.replicas
                 if key not in plans:
                     plans[key] = plan_between(actor, view)
-                return reshard(actor, view, plans[key]).bytes_moved
+                return refit(actor, view, plans[key]).bytes_moved
 
-            source = AsyncRollout(rollout, prompts, cfg.async_staleness, cfg.iterations, refit_replica)
+            source = AsyncRollout(rollout, prompts, cfg.async_staleness, cfg.iterations, refit_replica, cfg.call_timeout_s)
+        t_first = time.perf_counter()
         for it in range(cfg.iterations):
+            if cfg.duration_s is not None and it and time.perf_counter() - t_first >= cfg.duration_s:
+                break
             bar.set_description(f"iteration {it + 1}/{cfg.iterations}")
             times: dict[str, float] = {}
 
@@ -407,7 +422,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) 
             m_critic = timed("upd_critic", critic.update_critic, batch)
             actor.weight_version = it + 1
             if source is None:
-                result.refit_bytes.append(timed("refit", reshard, actor, rollout, plan).bytes_moved)
+                result.refit_bytes.append(timed("refit", refit, actor, rollout, plan).bytes_moved)
             else:  # idle replicas behind are refit one by one now, the others when they finish
                 timed("refit", source.updated, it + 1)
             times["total"] = time.perf_counter() - t_iter
@@ -441,7 +456,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) 
         bar.set_description("final check")
         if source is not None:
             result.asynchronous = source.finish()
-            result.refit_bytes.append(reshard(actor, rollout, plan).bytes_moved)  # every replica on the final weights
+            result.refit_bytes.append(refit(actor, rollout, plan).bytes_moved)  # every replica on the final weights
             new_lp = rollout.compute_log_prob(batch).batch["rollout_log_probs"]
         weights, result.replica_max_diff = gathered_actor_weights(actor)
         result.final_weights_sha256 = weights_digest(weights)
@@ -471,6 +486,32 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None, processes: Any = None) 
     return result
 
 
+#: How long a refit is tried again after faults (seconds): a rank of either group may die during
+#: it, and a node lost with its agents is only declared dead by the GCS seconds later.
+REFIT_RETRY_S = 120.0
+#: The pause between two tries of a refit (seconds).
+REFIT_PAUSE_S = 0.5
+
+
+def refit(actor: Any, rollout: Any, plan: Any) -> Any:
+    """``reshard(actor, rollout, plan)`` (the rollout, or a replica view of it), again from the start
+    while a rank of either group died or was stuck during it, for up to :data:`REFIT_RETRY_S`: a
+    refit is two groups' calls, so neither group's own retry covers it, and each group recovers its
+    dead ranks on its next call.  The rollout's weights and version are only recorded once a whole
+    refit went through."""
+    from rankmesh.reshard.run import reshard
+
+    deadline = time.monotonic() + REFIT_RETRY_S
+    while True:
+        try:
+            return reshard(actor, rollout, plan)
+        except FAULT_ERRORS as err:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("refit: %s; refitting again (each group recovers first)", str(err).splitlines()[0])
+            time.sleep(REFIT_PAUSE_S)
+
+
 def kill_actor_rank(actor: Any, rank: int) -> int:
     """Arm actor ``rank`` to SIGKILL itself on entering ``update_actor``: before it changes any state; returns its pid.
 
@@ -494,6 +535,10 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+#: The updates whose losses must fall (the demo's default run): a long run (a soak) stops learning.
+LEARNING_CHECKED = DemoConfig.iterations
+
+
 def _judge(result: DemoResult) -> None:
     tol, its, tally = result.config.tolerance, result.iterations, result.asynchronous
     result.logprob_max_diff = max((s.logprob_diff for s in its), default=float("nan"))
@@ -504,6 +549,10 @@ def _judge(result: DemoResult) -> None:
     if tally is not None:
         refits_exact = refits_exact and all(b * replicas == result.refit_minimum_bytes for b in tally.refit_bytes)
     seen = "the refit rollout" if tally is None else "the actor's log-probs"
+    # Learning is checked over the first updates: later, every sample of a prompt scores the same
+    # (zero advantages, nothing left to learn) and Adam's momentum may lift a batch's loss a little.
+    learning = its[:LEARNING_CHECKED]
+    first = "" if len(its) <= LEARNING_CHECKED else f" of the first {LEARNING_CHECKED}"
     result.checks = {
         "actor log-probs (3D-parallel) == one process with the actor's weights, every iteration": result.logprob_max_diff <= tol,
         "actor log-probs after training == reference from gathered weights": result.final_logprob_max_diff <= tol,
@@ -515,9 +564,9 @@ def _judge(result: DemoResult) -> None:
         ("every refit moved exactly the bytes the rollout keeps" if tally is None else
          "every refit moved exactly the bytes its replicas keep (rolling: one replica's)"): refits_exact,
         "dp replicas hold identical weights": result.replica_max_diff <= tol,
-        f"actor loss falls with every update (seen through {seen})":
-            bool(its) and all(s.actor_loss_after < s.actor_loss for s in its),
-        "critic loss falls with every update": bool(its) and all(s.critic_loss_after < s.critic_loss for s in its),
+        f"actor loss falls with every update{first} (seen through {seen})":
+            bool(its) and all(s.actor_loss_after < s.actor_loss for s in learning),
+        f"critic loss falls with every update{first}": bool(its) and all(s.critic_loss_after < s.critic_loss for s in learning),
     }
     if tally is not None:
         k = tally.staleness

@@ -51,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-at-iteration", dest="kill_at_iteration", type=int, default=None, metavar="K",
                         help="the iteration (1-based) in which --kill-rank strikes (default 1)")
     parser.add_argument("--spares", dest="spares", type=int, default=None, metavar="N",
-                        help="the actor's pool keeps N warm standby processes; a killed rank's place goes to one")
+                        help="each group's pool keeps N warm standby processes; a killed rank's place goes to one")
+    parser.add_argument("--call-timeout", dest="call_timeout_s", type=float, default=None, metavar="S",
+                        help="bound every call of every group to S seconds; a rank still running one past it is killed "
+                             "and replaced, and the call retried once")
     parser.add_argument("--async-staleness", dest="async_staleness", type=int, default=None, metavar="K",
                         help="rollout replicas generate on their own; train on rows at most K weight versions old, "
                              "refitting one replica at a time (K=0 gives the synchronous run's batches and weights)")
@@ -84,7 +87,9 @@ def checked_config(args: argparse.Namespace) -> DemoConfig:
     if cfg.async_staleness is not None and cfg.async_staleness < 0:
         raise UsageError(f"--async-staleness must be 0 or more (weight versions a row may lag), got {cfg.async_staleness}")
     if cfg.spares < 0:
-        raise UsageError(f"--spares must be 0 or more (warm standby processes of the actor), got {cfg.spares}")
+        raise UsageError(f"--spares must be 0 or more (warm standby processes of each group), got {cfg.spares}")
+    if cfg.call_timeout_s is not None and not cfg.call_timeout_s > 0:
+        raise UsageError(f"--call-timeout must be a positive number of seconds, got {cfg.call_timeout_s}")
     if getattr(args, "trace_path", None):  # trace()'s own check, now rather than when the demo is done
         check_trace_path(args.trace_path, "--trace", UsageError)
     if getattr(args, "json_path", None):

@@ -38,8 +38,14 @@ class DemoConfig:
     hang_rank: int | None = None  # --hang-rank: rankmesh.demo_hang
     kill_rank: int | None = None  # actor rank whose process is killed (with kill_at_iteration, 1-based)
     kill_at_iteration: int | None = None
-    spares: int = 0  # warm standby processes the actor's pool keeps (--spares N; a killed rank takes one)
+    spares: int = 0  # warm standby processes each group's pool keeps (--spares N; a killed rank takes one)
     async_staleness: int | None = None  # --async-staleness K: rankmesh.demo_async (None: the synchronous loop)
+    #: Bounds every call of every group (--call-timeout S); a rank still running one past it is
+    #: killed and replaced (``on_hang="kill"``), and a blocking call is retried once.
+    call_timeout_s: float | None = None
+    #: Stop after the first iteration that ends this long after the start (``iterations`` is then
+    #: the most it runs): how a soak (``scripts/chaos.py``) runs the demo for a given time.
+    duration_s: float | None = None
 
 
 #: Options that size the meshes without a layout (``--no-layout``); with a layout they would be ignored.

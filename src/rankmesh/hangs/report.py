@@ -122,10 +122,11 @@ class HangReport:
     @property
     def roots(self) -> list[int]:
         """The unfinished ranks the others may be waiting for: those that gave no answer (a stopped
-        or wedged process) or are stuck outside a collective; every unfinished rank when each one
-        waits in a collective (then nothing here tells who is to blame)."""
-        roots = [h.rank for h in self.hangs if h.state == NO_ANSWER or (h.state == STUCK and h.collective is None)]
-        return roots or self.unfinished
+        or wedged process) and those running the call outside a collective (stuck in user code).
+        Not a rank waiting in a collective (it waits for another), nor one not running the call
+        (it waits for its turn); empty when nothing here tells who is to blame."""
+        return [h.rank for h in self.hangs if h.state == NO_ANSWER
+                or (h.state == STUCK and h.stacks is not None and h.stacks.busy and h.collective is None)]
 
     def places(self) -> list[list[RankHang]]:
         """The unfinished ranks grouped by place (see :func:`group_by_place`)."""

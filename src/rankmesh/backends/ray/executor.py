@@ -763,12 +763,17 @@ class RayExecutor:
         """``on_hang='kill'``: kill the ranks the others of a timed-out call wait for; the error to raise, saying so.
 
         With a hang report those are its :attr:`~rankmesh.hangs.HangReport.roots` (the ranks that
-        gave no answer or are stuck outside a collective): their peers blocked in a collective
+        gave no answer or run the call outside a collective): their peers blocked in a collective
         with them are freed by the death and drained by the recovery.  Without one, every
-        unfinished rank.
+        unfinished rank.  When the report names no such rank (all wait in collectives, or for
+        their turn), nothing is killed and the error is the usual one: killing them all could
+        lose every copy of a shard.
         """
         report = getattr(err, "report", None)
         roots = list(report.roots) if report is not None else list(err.ranks)
+        if not roots:
+            note = f"on_hang='kill' found no rank the others wait for. {self.advice(err.ranks)}"
+            return HangError(err.method, err.ranks, err.timeout, report, note)
         self.kill_ranks(roots, f"still running {err.method} past its {err.timeout:g} s timeout (on_hang='kill')")
         retry = " (a blocking call is retried once)" if self.on_rank_death in RETRYING else ""
         note = (f"Ranks {roots} were killed (on_hang='kill'): the group recovers them as dead ranks by "
