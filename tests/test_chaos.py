@@ -1,5 +1,6 @@
 """The chaos soak's short form (``scripts/chaos.py``): the asynchronous demo on a namespaced 3-node
-cluster through a rank killed, a rank stopped past its call's timeout and a node cut off, each once.
+cluster through a rank killed, a rank stopped past its call's timeout and a node cut off, each once,
+in one minute.
 
 Every fault must be survived (the group(s) of its ranks report replacing them), no row lost
 (generated = trained + dropped + held, from the demo's own tally), no hang, and the demo's own
@@ -29,8 +30,10 @@ def test_a_short_soak_survives_a_kill_a_stop_and_a_partition_and_loses_no_row(ch
     why = unavailable()
     if why:
         pytest.skip(why)
-    args = chaos.parse_args(["--minutes", "1.2", "--faults", "3", "--kinds", "kill,stop,partition", "--seed", "3",
-                             "--spares", "1", "--out", str(tmp_path)])
+    # Small and quick: one spare per group, a 6 s call timeout (the demo's calls take well under
+    # 1 s) and a partition healed 1 s after its node's ranks are replaced.
+    args = chaos.parse_args(["--minutes", "1", "--faults", "3", "--kinds", "kill,stop,partition", "--seed", "3",
+                             "--spares", "1", "--call-timeout", "6", "--heal-s", "1", "--out", str(tmp_path)])
     report = chaos.Soak(args, tmp_path).run()
     logger.info("%s", chaos.format_report(report, args.faults, args.p95_target))
     injected = [f for f in report.faults if f.kind != "add"]

@@ -87,6 +87,7 @@ def test_every_place_names_a_rank_alike(tmp_path):
     err = info.value
     assert str(err).startswith(f"{NAMED} on node localhost failed in FaultWorker.act: ValueError"), str(err)
     assert str(pickle.loads(pickle.dumps(err))) == str(err)
+    assert err.cause == "builtins.ValueError" and pickle.loads(pickle.dumps(err)).cause == err.cause  # the rank's class
     coords = err.coords
     assert coords.to_dict() == {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "pp": 1}
 

@@ -50,8 +50,8 @@ from tqdm import tqdm
 from tqdm.contrib import DummyTqdmFile
 
 from rankmesh.data import DataProto
-from rankmesh.errors import RankMeshError, UsageError
-from rankmesh.demo_async import FAULT_ERRORS, AsyncRollout, AsyncTally
+from rankmesh.errors import RankMeshError, UsageError, WorkerError
+from rankmesh.demo_async import FAULT_ERRORS, AsyncRollout, AsyncTally, lost_input
 from rankmesh.demo_config import SIZE_OPTIONS, DemoConfig, table_legend
 from rankmesh.demo_hang import HangDrill, run_hang_drill
 from rankmesh.layout import load_layout
@@ -495,7 +495,8 @@ REFIT_PAUSE_S = 0.5
 
 def refit(actor: Any, rollout: Any, plan: Any) -> Any:
     """``reshard(actor, rollout, plan)`` (the rollout, or a replica view of it), again from the start
-    while a rank of either group died or was stuck during it, for up to :data:`REFIT_RETRY_S`: a
+    while a rank of either group died or was stuck during it (or a destination lost its input with
+    a source rank that died after sending), for up to :data:`REFIT_RETRY_S`: a
     refit is two groups' calls, so neither group's own retry covers it, and each group recovers its
     dead ranks on its next call.  The rollout's weights and version are only recorded once a whole
     refit went through."""
@@ -505,8 +506,8 @@ def refit(actor: Any, rollout: Any, plan: Any) -> Any:
     while True:
         try:
             return reshard(actor, rollout, plan)
-        except FAULT_ERRORS as err:
-            if time.monotonic() > deadline:
+        except (*FAULT_ERRORS, WorkerError) as err:
+            if time.monotonic() > deadline or not (isinstance(err, FAULT_ERRORS) or lost_input(err)):
                 raise
             logger.warning("refit: %s; refitting again (each group recovers first)", str(err).splitlines()[0])
             time.sleep(REFIT_PAUSE_S)

@@ -17,8 +17,10 @@ The batch a step trains on is put back in prompt order when it holds each prompt
 
 A generation that fails (a rank died, or was stuck past ``call_timeout_s`` and killed: the
 groups' ``on_hang="kill"``) is counted and given to its replica again; the replica is refit
-first, since its replaced rank holds the weights it started with.  Rows are counted as
-generated when they arrive, so ``generated == trained + dropped + left`` holds through faults.
+first, since its replaced rank holds the weights it started with.  So a generation is read as
+soon as it is done (the trainer reads every row anyway), before its rows go into the buffer:
+rows are counted as generated when they arrive, and ``generated == trained + dropped + left``
+holds through faults.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 from rankmesh.data import DataProto
 from rankmesh.data.buffer import VERSION_COLUMN, RowBuffer
-from rankmesh.errors import AgentLostError, FetchTimeoutError, WorkerDiedError
+from rankmesh.errors import AgentLostError, FetchTimeoutError, WorkerDiedError, WorkerError
 from rankmesh.futures import wait
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,14 @@ logger = logging.getLogger(__name__)
 #: its dead or killed ranks on its next call): a rank died, its node agent was lost with its node,
 #: or it was stuck past the call's timeout (and killed, ``on_hang="kill"``).
 FAULT_ERRORS = (WorkerDiedError, AgentLostError, FetchTimeoutError)
+#: The exceptions on a rank that say its input was lost with the process that held it (a refit's
+#: source rank that died after sending): :func:`lost_input`.
+LOST_INPUT = ("ray.exceptions.OwnerDiedError", "ray.exceptions.ObjectLostError")
+
+
+def lost_input(err: BaseException) -> bool:
+    """Whether ``err`` is a rank's failure to read an input whose holder died (a fault elsewhere, not a bug)."""
+    return isinstance(err, WorkerError) and err.cause in LOST_INPUT
 
 #: How long the trainer waits for a generation before it looks again for ones running past their
 #: timeout (seconds; only with ``call_timeout_s``).

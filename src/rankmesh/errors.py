@@ -133,7 +133,9 @@ class WorkerError(RankMeshError):
     ``coords`` is the rank's :class:`~rankmesh.mesh.RankCoords` (``None`` for a worker built
     outside any group); ``remote_traceback`` is the worker's traceback text (also the ``__cause__`` on Ray) and
     ``others`` the failures of further ranks in the same call, lowest rank first (this error is
-    the lowest failing rank).  Every field survives pickling across processes.
+    the lowest failing rank); ``cause`` the dotted name of the exception's class on the rank
+    (e.g. ``ray.exceptions.OwnerDiedError``: the rank's input was lost with the process that held
+    it), kept as text for the same reason as the traceback.  Every field survives pickling.
     """
 
     def __init__(
@@ -145,8 +147,10 @@ class WorkerError(RankMeshError):
         node: str | None = None,
         remote_traceback: str | None = None,
         others: list["WorkerError"] | None = None,
+        cause: str | None = None,
     ) -> None:
         self.rank = rank
+        self.cause = cause
         self.coords = coords
         self.method = method
         self.node = node
@@ -172,7 +176,8 @@ class WorkerError(RankMeshError):
         the controller (a class only the worker imports).
         """
         text = "".join(traceback.format_exception(exc))
-        return cls(rank, coords, method, f"{type(exc).__name__}: {exc}", node, text)
+        cause = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        return cls(rank, coords, method, f"{type(exc).__name__}: {exc}", node, text, cause=cause)
 
     def attach(self, others: list["WorkerError"]) -> "WorkerError":
         """Record further failing ranks of the same call (refreshes the message)."""
@@ -184,7 +189,8 @@ class WorkerError(RankMeshError):
         return self._text()
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.coords, self.method, self.detail, self.node, self.remote_traceback, self.others))
+        return (type(self), (self.rank, self.coords, self.method, self.detail, self.node, self.remote_traceback, self.others,
+                             self.cause))
 
 
 class MeshMismatchError(RankMeshError, RuntimeError):
