@@ -288,7 +288,8 @@ def test_on_hang_kill_replaces_a_stopped_rank_and_retries_and_frees_its_peer(ray
     """T3b: with on_hang="kill", a rank SIGSTOPped (frozen, not dead) mid-collective is killed at the call's
     timeout, its peer blocked in the all_reduce with it is freed and kept, and the blocking call is retried
     once on the replaced rank: the caller gets the undisturbed answer.  A non-blocking call's future raises
-    the HangError (saying the rank was killed), and the next call recovers first."""
+    the HangError (saying the rank was killed), and the next call recovers first.  A rank holding the
+    last live copy of its shard is never killed."""
     wg = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(TransportWorker, distributed=True),
                         on_rank_death="replace", on_hang="kill")
     try:
@@ -307,7 +308,16 @@ def test_on_hang_kill_replaces_a_stopped_rank_and_retries_and_frees_its_peer(ray
         with pytest.raises(HangError, match=r"Ranks \[0\] were killed \(on_hang='kill'\)"):
             later.get()
         assert wg.echo("back") == ["back", "back"] and len(wg.replacements) == 2  # recovered before this call
-        assert dict(wg.whoami())[0] != after[0]
+        now = dict(wg.whoami())
+        assert now[0] != after[0]
+        # Both copies of the one shard frozen: killing either would lose it, so nothing is killed.
+        for pid in now.values():
+            os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(HangError, match=r"ranks \[0, 1\] hold the last live copy of their shard, so nothing was killed"):
+            wg.call_ranks("act", [("world",)] * 2, timeout_s=3)
+        for pid in now.values():
+            os.kill(pid, signal.SIGCONT)
+        assert dict(wg.whoami()) == now and len(wg.replacements) == 2  # they run on, the same processes
     finally:
         wg.shutdown()
 

@@ -771,9 +771,13 @@ class RayExecutor:
         """
         report = getattr(err, "report", None)
         roots = list(report.roots) if report is not None else list(err.ranks)
+        spared = self._last_copies(roots)
+        roots = [r for r in roots if r not in spared]
         if not roots:
-            note = f"on_hang='kill' found no rank the others wait for. {self.advice(err.ranks)}"
-            return HangError(err.method, err.ranks, err.timeout, report, note)
+            why = (f"ranks {spared} hold the last live copy of their shard" if spared else
+                   "found no rank the others wait for")
+            note = f"on_hang='kill' {why}, so nothing was killed. {self.advice(err.ranks)}"
+            return HangError(err.method, err.ranks, err.timeout, report, note) if isinstance(err, HangError) else err
         self.kill_ranks(roots, f"still running {err.method} past its {err.timeout:g} s timeout (on_hang='kill')")
         retry = " (a blocking call is retried once)" if self.on_rank_death in RETRYING else ""
         note = (f"Ranks {roots} were killed (on_hang='kill'): the group recovers them as dead ranks by "
@@ -783,6 +787,23 @@ class RayExecutor:
         killed = FetchTimeoutError(err.method, err.ranks, err.timeout)
         killed.args = (f"{killed.args[0]}. {note}",)
         return killed
+
+    def _last_copies(self, ranks: Sequence[int]) -> list[int]:
+        """Those of ``ranks`` whose shard (coordinates but dp) no other live rank holds: killing one
+        loses the shard for good, so ``on_hang='kill'`` leaves it running.  The other ranks are
+        pinged first (a rank stuck waiting on another group's rank whose node was just cut off must
+        not take its own replica's last copy with it)."""
+        if any(c is None for c in self.coords):
+            return []
+        others = [r for r in range(self.world_size) if r not in ranks and r not in self.dead]
+        answered, _ = ping_ranks(self.hosts.actors, others) if others else (set(), {})
+
+        def shard(r: int) -> tuple[int, ...]:
+            c = self.coords[r]
+            return (c.tp, c.cp, c.ep, c.pp)
+
+        live = {shard(r) for r in answered}
+        return sorted(r for r in ranks if shard(r) not in live)
 
     def _agent_outputs(self, call: AgentCall, deadline: Deadline, borrow: bool, stall_warn_s: float | None) -> list[Any] | None:
         """A call on the node agents, read whole: every rank's output once all top agents answered
