@@ -369,12 +369,14 @@ class Soak:
 
         A kind that cannot be injected now (a node fault while another is being recovered, or no
         node whose loss every group survives) waits in the round, and the next one is tried, then
-        the kinds already done this round; ``None`` when none can be injected now."""
+        the kinds already done this round, the least injected first; ``None`` when none can be
+        injected now."""
         kinds = [k for k in self.args.kinds if k in KINDS]
         if not self.queue:
             self.queue = list(kinds)
             self.rng.shuffle(self.queue)
-        for kind in [*self.queue, *(k for k in kinds if k not in self.queue)]:
+        done = sorted((k for k in kinds if k not in self.queue), key=lambda k: sum(f.kind == k for f in self.faults))
+        for kind in [*self.queue, *done]:
             fault = self.inject(kind, state)
             if fault is not None:
                 if kind in self.queue:
