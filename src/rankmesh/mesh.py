@@ -11,7 +11,8 @@ megatron-core import, so the mesh is cheap to build on the controller, even for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+
+from dataclasses import dataclass, replace
 from functools import cached_property
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Mapping
@@ -206,6 +207,10 @@ class RankCoords:
         unknown = [a for a in self.shown if a not in AXES]
         if unknown:
             raise MeshError(f"RankCoords shown={self.shown!r}: unknown axis {unknown[0]!r} (known axes: {', '.join(AXES)})")
+
+    def shard(self) -> "RankCoords":
+        """Which shard the rank holds: these coordinates with dp set to 0 (dp only says which copy)."""
+        return replace(self, dp=0)
 
     def label(self) -> str:
         """``tp1 dp0 pp1``: the coordinates along the shown axes, in :data:`AXES` order."""

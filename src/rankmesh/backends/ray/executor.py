@@ -797,13 +797,8 @@ class RayExecutor:
             return []
         others = [r for r in range(self.world_size) if r not in ranks and r not in self.dead]
         answered, _ = ping_ranks(self.hosts.actors, others) if others else (set(), {})
-
-        def shard(r: int) -> tuple[int, ...]:
-            c = self.coords[r]
-            return (c.tp, c.cp, c.ep, c.pp)
-
-        live = {shard(r) for r in answered}
-        return sorted(r for r in ranks if shard(r) not in live)
+        live = {self.coords[r].shard() for r in answered}
+        return sorted(r for r in ranks if self.coords[r].shard() not in live)
 
     def _agent_outputs(self, call: AgentCall, deadline: Deadline, borrow: bool, stall_warn_s: float | None) -> list[Any] | None:
         """A call on the node agents, read whole: every rank's output once all top agents answered

@@ -32,7 +32,6 @@ death with ``on_rank_death="fail"``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
@@ -150,8 +149,8 @@ class Recovery:
 
 
 def shard_of(mesh: RankMesh, rank: int) -> RankCoords:
-    """Which shard ``rank`` holds: its coordinates with dp set to 0 (dp only says which copy)."""
-    return dataclasses.replace(mesh.rank_coords(rank), dp=0)
+    """Which shard ``rank`` holds (:meth:`~rankmesh.mesh.RankCoords.shard`)."""
+    return mesh.rank_coords(rank).shard()
 
 
 def restore_peers(mesh: RankMesh, dead: Sequence[int]) -> dict[int, int]:
