@@ -388,8 +388,14 @@ class Soak:
         return [f for f in self.faults if f.recovered_at is None and f.kind != "add"]
 
     def pick_rank(self, state: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """A random rank of a group with no fault open, whose process still runs.
+
+        The state can name a rank that died since it was written, or that its group killed as
+        collateral of another group's fault (a refit's receiver stuck on a stopped source) and
+        replaces only at its next call: such a rank is not a place for a new fault."""
         busy = {g for f in self._open() for g in f.victims}
-        choices = [(g, r) for g, s in sorted(state["groups"].items()) if g not in busy for r in s["ranks"] if r.get("pid")]
+        choices = [(g, r) for g, s in sorted(state["groups"].items()) if g not in busy for r in s["ranks"]
+                   if r.get("pid") and _running(r["pid"])]
         return self.rng.choice(choices) if choices else None
 
     def node_survivable(self, state: dict[str, Any], address: str) -> dict[str, list[int]] | None:
@@ -411,7 +417,10 @@ class Soak:
             if picked is None:
                 return None
             group, rank = picked
-            os.kill(rank["pid"], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+            try:
+                os.kill(rank["pid"], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+            except ProcessLookupError:  # died since pick_rank looked: the next slot's turn
+                return None
             return Fault(kind, now, f"{group} rank {rank['rank']} (pid {rank['pid']}, {rank['node']})",
                          {group: [rank["rank"]]})
         if self._open() or self.pending_node is not None or len(self.cluster.nodes) < 3:
@@ -523,6 +532,15 @@ class Soak:
                                                         else None, faults=True)
         return SoakReport(self.args.seed, self.args.minutes, self.faults, result, self.hangs, started, iterations,
                           undisturbed)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and runs: not gone, not a zombie, not stopped (``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X", "T", "t")
 
 
 def _comm(pid: int) -> str:

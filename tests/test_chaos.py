@@ -11,6 +11,9 @@ Skips with one line where namespaces cannot be made (no root, no ``ip``).
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import time
 
 import pytest
 
@@ -23,6 +26,43 @@ logger = logging.getLogger(__name__)
 @pytest.fixture(scope="module")
 def chaos():
     yield from script_module("chaos")
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from ``/proc`` (R, S, T stopped, Z zombie)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_rank_fault_is_injected_only_into_a_live_process(chaos, tmp_path):
+    """The driver's state can name a rank that has died since it was written (killed by its group's
+    ``on_hang`` as collateral of another fault, and not yet replaced): such a rank, gone or a zombie
+    not yet reaped, or one already stopped, is never picked; a live one is."""
+    gone = subprocess.Popen(["sleep", "0"])
+    gone.wait()
+    zombie = subprocess.Popen(["sleep", "0"])  # exits at once; not reaped until the end of the test
+    stopped = subprocess.Popen(["sleep", "60"])
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(stopped.pid, 19)  # SIGSTOP
+        deadline = time.monotonic() + 10
+        while _state(zombie.pid) != "Z" or _state(stopped.pid) != "T":
+            assert time.monotonic() < deadline, "the helper processes did not settle"
+            time.sleep(0.01)
+        soak = chaos.Soak(chaos.parse_args(["--seed", "3", "--out", str(tmp_path)]), tmp_path)
+
+        def state(*pids):
+            ranks = [{"rank": i, "pid": pid, "node": "10.1.0.9", "shard": [0, 0, 0, i]} for i, pid in enumerate(pids)]
+            return {"groups": {"critic": {"ranks": ranks, "replacements": []}}}
+
+        assert soak.inject("kill", state(gone.pid, zombie.pid, stopped.pid)) is None
+        fault = soak.inject("kill", state(gone.pid, zombie.pid, stopped.pid, live.pid))
+        assert fault is not None and fault.victims == {"critic": [3]}, fault
+        assert live.wait(timeout=10) == -9  # SIGKILL
+    finally:
+        for p in (zombie, stopped, live):
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.timeout(420)
