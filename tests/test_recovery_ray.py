@@ -238,7 +238,7 @@ def test_spares_are_refused_where_they_cannot_work(ray_session):
     assert pool.reserved_cpus == 3
 
 
-def test_a_rank_tries_spares_on_its_own_node_first_then_warm_ones():
+def test_a_rank_tries_spares_away_from_its_shards_copies_then_on_its_own_node_then_warm_ones():
     def spare(node: str, started: float) -> Spare:
         warm = Pending(f"ref-{node}-{started}", -1, "warm (a spare)")  # a stand-in handle: only its identity matters here
         return Spare(Slot(pg=None, entry=-1, bundle_index=0, node_id=node, node_ip="127.0.0.1"), None, warm, started)
@@ -248,6 +248,10 @@ def test_a_rank_tries_spares_on_its_own_node_first_then_warm_ones():
     # By hand: node "a" first (warm before cold), then node "b" (warm before cold).
     assert spare_order([far_warm, near_cold, near_warm, far_old], "a", warm) == [near_warm, near_cold, far_warm, far_old]
     assert spare_order([far_warm, near_cold, near_warm, far_old], "c", set()) == [far_old, near_cold, far_warm, near_warm]
+    # A node that holds a live copy of the rank's shard comes last, its own node included: node "b"
+    # first (warm before cold), then "a".
+    assert spare_order([far_warm, near_cold, near_warm, far_old], "a", warm, avoid={"a"}) == [
+        far_warm, far_old, near_warm, near_cold]
 
 
 def test_spares_and_replacements_print_short_node_ids_and_rounded_seconds():

@@ -153,6 +153,13 @@ def shard_of(mesh: RankMesh, rank: int) -> RankCoords:
     return mesh.rank_coords(rank).shard()
 
 
+def copy_nodes(hosts: HostSet, mesh: RankMesh, rank: int, live: Sequence[int]) -> set[str]:
+    """The nodes where a rank of ``live`` holds a copy of ``rank``'s shard (where its replacement
+    should not go: one node's loss would take both copies)."""
+    want = shard_of(mesh, rank)
+    return {hosts.info[p]["node_id"] for p in live if p != rank and shard_of(mesh, p) == want}
+
+
 def restore_peers(mesh: RankMesh, dead: Sequence[int]) -> dict[int, int]:
     """Dead rank -> the live rank it restores from: the lowest live one with identical shard coordinates.
 
@@ -399,7 +406,7 @@ def replace_dead_ranks(
                 logger.warning("no process can be had for ranks %s (no spare, their bundles are not placed within %gs): "
                                "shrinking the group instead", unspared, PLACE_TIMEOUT_S)
                 return shrink(dead)
-            info = take_spares(hosts, report.ranks, timeout)
+            info = take_spares(hosts, report.ranks, timeout, {r: copy_nodes(hosts, mesh, r, survivors) for r in report.ranks})
             report.from_spares = sorted(info)
             report.spare_paid = {r: (i["spare_start_s"], i["spare_import_s"]) for r, i in info.items()}
             info.update(start_replacements(hosts, [r for r in report.ranks if r not in info], timeout))

@@ -11,7 +11,8 @@ took 5-7 s, of which ~1.5 s was starting the process and ~2.2 s importing the wo
   and has it import what a rank of the group imports (:meth:`~.host.WorkerHost.warm`).  A spare
   has no rank, no environment and no worker object until it takes a rank's place.
 * **Taking one** (:func:`take_spares`, step 3 of :mod:`.recovery`): a dead rank takes a live spare
-  on its own node when there is one, else any live spare (warm ones first).  The spare's bundle
+  on a node that holds no live copy of its shard when there is one (else one node's loss could
+  take every copy of the shard), on its own node first, else any live spare (warm ones first).  The spare's bundle
   becomes the rank's (``HostSet.slots``) and the dead rank's bundle, free once its process is
   gone, becomes a standby bundle.  A rank with no spare left gets a new process in its own
   bundle, as without spares.  The re-forming, restoring and checking steps are the same.
@@ -30,7 +31,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import ray
 import ray.exceptions as rex
@@ -164,15 +165,20 @@ def usable_spares(spares: Sequence[Spare]) -> list[Spare]:
     return usable
 
 
-def spare_order(spares: Sequence[Spare], node_id: str | None, warm: Collection[Any]) -> list[Spare]:
-    """Spares in the order a rank on ``node_id`` tries them: its node first, then warm (``warm``:
-    the warm-up references that have answered) before cold, then oldest first."""
-    return sorted(spares, key=lambda s: (s.slot.node_id != node_id, s.warm.handle not in warm, s.started))
+def spare_order(spares: Sequence[Spare], node_id: str | None, warm: Collection[Any],
+                avoid: Collection[str] = ()) -> list[Spare]:
+    """Spares in the order a rank on ``node_id`` tries them: those on nodes outside ``avoid`` (the
+    nodes of its shard's live copies) first, then its node, then warm (``warm``: the warm-up
+    references that have answered) before cold, then oldest first."""
+    return sorted(spares, key=lambda s: (s.slot.node_id in avoid, s.slot.node_id != node_id, s.warm.handle not in warm,
+                                         s.started))
 
 
-def take_spares(hosts: HostSet, ranks: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
+def take_spares(hosts: HostSet, ranks: Sequence[int], timeout: float,
+                avoid: Mapping[int, Collection[str]] | None = None) -> dict[int, dict[str, Any]]:
     """Dead rank -> node info of the spare that took its place, for as many ranks as usable spares
-    allow (:func:`usable_spares`).
+    allow (:func:`usable_spares`); ``avoid[rank]``: the nodes a spare of ``rank`` is taken from
+    last (those of its shard's live copies, :func:`spare_order`).
 
     Each taken spare is waited for until warm (bounded by ``timeout``); one that died meanwhile,
     or failed to import the group's classes, is dropped (and logged) and the next is tried.  The
@@ -187,7 +193,7 @@ def take_spares(hosts: HostSet, ranks: Sequence[int], timeout: float) -> dict[in
         usable = [spare for spare in usable if spare in hosts.spares]
         if not usable:
             break
-        for spare in spare_order(usable, hosts.slots[rank].node_id, warm_refs(usable)):
+        for spare in spare_order(usable, hosts.slots[rank].node_id, warm_refs(usable), (avoid or {}).get(rank, ())):
             hosts.take_spare(spare)
             try:
                 info = ray.get(spare.warm.handle, timeout=max(0.1, deadline - time.monotonic()))
