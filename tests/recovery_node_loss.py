@@ -118,9 +118,13 @@ def shrink_then_grow(nodes, ids: list[str]) -> dict:
         before = wg.whoami()
         spare = wait_warm_spare(set())
         out["spare_on_small_node"] = by_node[spare.node_id] == len(ids) - 1
+        # The spare's node has no rank: its node agent stands by (started with the session).
+        standby = {node: agent._actor_id.hex() for node, agent in getattr(wg.executor.session, "standby", {}).items()}
         # (1) A warm spare takes rank 3's place.
         exit_on_next_call(wg, 3, "world_sum")
         out["result_spare"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])
+        serving = wg.executor.session.agents.get(spare.node_id)
+        out["spare_node_agent"] = [standby.get(spare.node_id), serving and serving._actor_id.hex()]
         rep = wg.replacements[-1]
         out["spare_taken"] = {"ranks": rep.ranks, "from_spares": rep.from_spares, "format": rep.format(),
                               "seconds": (rep.detected_s or 0.0) + rep.total_s}

@@ -1,7 +1,7 @@
 """Node agents on a simulated multi-node cluster: one Ray task per node per call, both control paths.
 
 The scenarios run in the shared simulated cluster's driver process (``simulated_cluster``,
-tests/drivers.py), which returns one JSON report.  A 6-rank group spans ``node_a`` (4 ranks)
+tests/drivers.py), which returns one JSON report.  One 6-rank group spans ``node_a`` (4 ranks)
 and ``node_c`` (2 ranks); the driver sits on the CPU-less head, so no rank shares its node and
 every rank is served by its node's agent.  The same scenarios run with the agents in a tree
 (``agent_fanout=1``: the controller sends to ``node_a``'s agent, which forwards ``node_c``'s share),
@@ -36,12 +36,16 @@ def scenarios(cluster) -> dict:
     from tests.control_workers import TP2, ControlWorker, kill_after
 
     report: dict = {}
-    for path in PATHS:
-        os.environ["RANKMESH_CONTROL"] = "ray" if path == "ray" else "auto"
-        wg = RayWorkerGroup(RayResourcePool([4, 2], use_gpu=False), RayClassWithInitArgs(ControlWorker),
-                            meshes={TP2: RankMesh(tp=2, dp=3)})
-        if path == "tree":
-            wg.set_control("auto", agent_fanout=1)
+    # One group for the three paths (each ends by replacing a killed rank): it starts on Ray's
+    # tasks, then takes the agents, flat and then in a tree.
+    os.environ["RANKMESH_CONTROL"] = "ray"
+    wg = RayWorkerGroup(RayResourcePool([4, 2], use_gpu=False), RayClassWithInitArgs(ControlWorker),
+                        meshes={TP2: RankMesh(tp=2, dp=3)}, on_rank_death="keep")
+    os.environ.pop("RANKMESH_CONTROL")
+    for path in ("ray", "agent", "tree"):
+        if path != "ray":
+            wg.set_control("auto", agent_fanout=1 if path == "tree" else None)
+        wg.history()  # what the previous path ran
         got: dict = {}
         got["echo"] = wg.echo("x")
         got["tops"] = len(getattr(wg._executor.session, "tops", []))
@@ -202,14 +206,21 @@ def scenarios(cluster) -> dict:
             got["after_orphan"] = wg.echo("after orphan read")
             wg.set_control("auto", agent_fanout=fanout)
             wg.echo("agents back again")
+        agents = {node: agent._actor_id.hex() for node, agent in getattr(wg.executor.session, "agents", {}).items()}
         killed = kill_after(wg._hosts.info[5]["pid"], 0.5)
-        try:
-            wg.sleep(20.0)
+        try:  # rank 5 would sleep 20 s, the others 3 s: the replacement's drain waits for them
+            wg.call_ranks("sleep", [(3.0,)] * 5 + [(20.0,)])
         except WorkerDiedError as exc:
             got["died"] = {"ranks": exc.ranks, "after_s": time.monotonic() - killed["at"]}
-        wg.shutdown()
+        # The dead rank replaced by a new process: the next call's session takes over the node
+        # agents the death retired (both nodes keep ranks), rather than starting new ones.
+        wg.replace_dead_ranks()
+        got["after_replacement"] = wg.echo("replaced")
+        got["agents_before"] = agents
+        got["agents_after"] = {node: agent._actor_id.hex()
+                               for node, agent in getattr(wg.executor.session, "agents", {}).items()}
         report[path] = got
-    os.environ.pop("RANKMESH_CONTROL", None)
+    wg.shutdown()
     return report
 
 
@@ -278,6 +289,17 @@ def test_a_rank_killed_on_another_node_is_named_within_two_seconds(report, path)
     died = report[path]["died"]
     assert died["ranks"] == [5]
     assert died["after_s"] < (10.0 if path == "ray" else 2.0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_replaced_rank_is_served_by_the_node_agents_that_served_its_group_before(report, path):
+    """A replacement keeps both nodes, so the session after it takes over the agents the death
+    retired (a new agent is a new Ray worker process: seconds the call after a replacement
+    would wait); on Ray's path there are none."""
+    got = report[path]
+    assert got["after_replacement"] == ["replaced"] * 6
+    assert len(got["agents_before"]) == (0 if path == "ray" else 2)
+    assert got["agents_after"] == got["agents_before"]
 
 
 @pytest.mark.parametrize("path", PATHS)

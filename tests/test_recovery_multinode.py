@@ -41,6 +41,9 @@ def test_removed_node_ranks_are_re_placed_on_a_node_with_room():
     shrink = report["shrink"]
     assert shrink["spare_on_small_node"] and shrink["result_spare"] == [10.0] * 4, shrink
     assert shrink["spare_taken"]["ranks"] == [3] == shrink["spare_taken"]["from_spares"], shrink
+    # The spare's node had an agent standing by, which serves the rank now (no agent started for it).
+    standby, serving = shrink["spare_node_agent"]
+    assert standby is not None and serving == standby, shrink
     assert shrink["refill_on_victim"] and shrink["ranks_on_victim"] == [2], shrink
     assert shrink["shrink"]["lost_replicas"] == [1] and shrink["shrink"]["dead"] == [2], shrink
     assert shrink["result"] == [3.0, 3.0] and shrink["survivor_pids_kept"], shrink  # 1 + 2 on ranks 0, 1

@@ -481,6 +481,11 @@ class NodeAgent:
             session.close(stop=False)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
+    def pid(self) -> int:
+        """This agent's pid: whether it lives and answers, before a new session takes it over."""
+        return os.getpid()
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def holds_references(self) -> bool:
         """Whether Ray's reference table in this process still lists an object: an output this
         agent owns that a future elsewhere names, or one it borrows.  A retired agent lives while
@@ -722,9 +727,27 @@ class AgentSession:
         # (a selection's, the same tuple for every call of it: id -> (call id, ranks)), not per rank.
         self._submitted: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._submitted_before: dict[int, int] = {}  # rank -> the same, folded from sets beyond SUBMITTED_SETS
+        self._inherited = False  # agents taken over from a session that owned outputs (open(reuse=...))
+        self.agent_pids: dict[str, int] = {}  # node -> its agent's pid, once open
+        self.standby: dict[str, Any] = {}  # node -> an agent serving nothing yet (open(standby=...))
 
-    def open(self, timeout_s: float = 60.0) -> None:
-        self.agents = start_agents(list(self.by_node))
+    def open(self, timeout_s: float = 60.0, reuse: AgentSession | None = None, standby: Sequence[str] = ()) -> None:
+        """Start an agent on each node, or take over the live agent that ``reuse`` (an earlier
+        session of the group, retired) has there; also start one, serving nothing yet, on each
+        node of ``standby`` (the group's warm spares' nodes without a rank).
+
+        Why: a new agent is a new Ray worker process, seconds of start-up and imports that the
+        group's first call after a replacement would wait for.  After a rank's replacement most
+        nodes still hold the group's ranks, and a warm spare that took a rank's place on a node of
+        its own finds an agent there already.  A taken agent keeps owning the outputs of the
+        non-blocking calls it sent (:attr:`owns_outputs` carries over); the agents not taken stay
+        with ``reuse``.  If opening fails, the taken agents go back to ``reuse``."""
+        taken = reuse.hand_over([*self.by_node, *standby]) if reuse is not None else {}
+        self.agents = {**start_agents([n for n in self.by_node if n not in taken]),
+                       **{n: a for n, a in taken.items() if n in self.by_node}}
+        self.standby = {**start_agents([n for n in standby if n not in taken and n not in self.by_node]),
+                        **{n: a for n, a in taken.items() if n not in self.by_node}}
+        self._inherited = bool(taken) and reuse is not None and reuse.owns_outputs
         try:
             opened = []
             for node, ranks in self.by_node.items():
@@ -733,15 +756,48 @@ class AgentSession:
                 opened.append(self.agents[node].open.remote(
                     ranks, {r: self.actors[r] for r in ranks}, {r: self.pids[r] for r in ranks}, self.nodes, self.coords,
                     node, kids, below))
-            ray.get(opened, timeout=timeout_s)
+            self.agent_pids = dict(zip(self.by_node, ray.get(opened, timeout=timeout_s)))
         except BaseException:
+            if reuse is not None:
+                reuse.standby.update(taken)
+            self.agents = {n: a for n, a in self.agents.items() if n not in taken}
+            self.standby = {n: a for n, a in self.standby.items() if n not in taken}
             self.close()
             raise
 
+    def hand_over(self, nodes: Sequence[str]) -> dict[str, Any]:
+        """This retired session's agents (serving or standby) on ``nodes`` that answer within
+        :data:`PROBE_S`, given up by it (a later session serves with them); a dead or silent one
+        stays here."""
+        held = {**self.standby, **self.agents}
+        asked = {held[n].pid.remote(): n for n in dict.fromkeys(nodes) if n in held}
+        if not asked:
+            return {}
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=PROBE_S, fetch_local=True)
+        taken = {}
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:  # gone with its node: its outputs are lost already
+                continue
+            node = asked[ref]
+            taken[node] = self.agents.pop(node, None) or self.standby.pop(node)
+        return taken
+
+    def drop_standby(self) -> None:
+        """End the standby agents (they serve nothing and own nothing)."""
+        standby, self.standby = self.standby, {}
+        for agent in standby.values():
+            try:
+                ray.kill(agent, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone with its node already
+                pass
+
     @property
     def owns_outputs(self) -> bool:
-        """Whether these agents sent non-blocking calls: they own those outputs (futures may still name them)."""
-        return bool(self._submitted or self._submitted_before)
+        """Whether these agents sent non-blocking calls, or were taken over from a session that
+        did: they own those outputs (futures may still name them)."""
+        return bool(self._submitted or self._submitted_before or self._inherited)
 
     def retire(self) -> None:
         """Stop serving (each agent closes its node's session) but keep the agents alive: they own
@@ -787,6 +843,7 @@ class AgentSession:
             except Exception:  # noqa: BLE001 - gone with its node already
                 pass
         self.agents = {}
+        self.drop_standby()
 
     # ----- sending ----------------------------------------------------------------------------
 

@@ -233,6 +233,10 @@ class RayExecutor:
         self.agent_fanout = AGENT_FANOUT
         self.session: CallSession | AgentSession | None = None
         self._retired: list[AgentSession] = []  # agents replaced while owning outputs somebody references
+        #: The agents of a session that ended because the group's processes changed (a rank's death,
+        #: a replacement, a shrink or grow): retired, alive, for the next session to take over on
+        #: the nodes it shares (:meth:`AgentSession.open`).
+        self._idle: AgentSession | None = None
         self.session_note = "detached group" if hosts.detached else ""
         # Outputs fetched here map copy-on-write through the raylet's fd of the object store.
         register_store_processes(raylet_pids())
@@ -313,36 +317,58 @@ class RayExecutor:
                 session: CallSession | AgentSession = CallSession(
                     range(self.world_size), self.hosts.actors, dict(enumerate(pids)), self.nodes, self.coords
                 )
+                session.open()
             else:
                 session = AgentSession(self.hosts.actors, pids, node_ids, self.nodes, self.coords, self.agent_fanout)
-            session.open()
+                standby = [s.slot.node_id for s in self.hosts.spares if s.slot.node_id and s.slot.node_id not in node_ids]
+                try:
+                    session.open(reuse=self._idle, standby=standby)
+                except Exception:  # noqa: BLE001 - a taken agent failed to open: new agents everywhere, once
+                    if self._idle is None:
+                        raise
+                    logger.warning("worker group %s: the earlier node agents did not open a session; starting new ones",
+                                   self.hosts.name_prefix, exc_info=True)
+                    session = AgentSession(self.hosts.actors, pids, node_ids, self.nodes, self.coords, self.agent_fanout)
+                    session.open()
         except Exception as exc:  # noqa: BLE001 - Ray's tasks always work: say why once, and use them
             self.session_note = f"{type(exc).__name__}: {exc}"
             logger.warning("worker group %s: no call session (%s); its calls take Ray's tasks", self.hosts.name_prefix,
                            self.session_note)
             return None
+        finally:
+            idle, self._idle = self._idle, None
+            if idle is not None:  # the agents no node of the new session took
+                self._let_go(idle)
         self.session = session
         return session
 
-    def _end_session(self, keep_owners: bool = True) -> None:
+    def _end_session(self, keep_owners: bool = True, reuse: bool = False) -> None:
         """Close the session (its processes changed or stopped); the next call may open a new one.
 
         Calls the hosts were sent and had not started are dropped with it (a closed ring); a call
         a rank still runs goes on, and the rank's next call queues behind it (the host's lock).
-        Node agents that sent non-blocking calls own those calls' outputs, which unread futures
-        may still name: with ``keep_owners`` they stop serving but live on, and at each later
-        change every kept agent that no longer owns a referenced object ends
-        (:meth:`AgentSession.let_go_unowned`); ``keep_owners=False`` (the group ends) ends them all."""
+        With ``reuse`` (the processes changed, the nodes mostly did not) its node agents stop
+        serving and wait for the next session to take them over.  Otherwise node agents that
+        sent non-blocking calls own those calls' outputs, which unread futures may still name:
+        with ``keep_owners`` they stop serving but live on, and at each later change every kept
+        agent that no longer owns a referenced object ends (:meth:`AgentSession.let_go_unowned`);
+        ``keep_owners=False`` (the group ends) ends them all."""
         with self._send_lock:
             session, self.session = self.session, None
-            if isinstance(session, AgentSession) and keep_owners and session.owns_outputs:
+            spent = None  # retired agents no later session will take over
+            if isinstance(session, AgentSession) and keep_owners:
                 session.retire()
-                self._retired.append(session)
+                spent = session
+                if reuse:
+                    spent, self._idle = self._idle, session
             elif session is not None:
                 session.close(stop=False) if isinstance(session, CallSession) else session.close()
+            if spent is not None:
+                self._let_go(spent)
             retired = list(self._retired)  # a snapshot: another thread may retire agents meanwhile
             if not keep_owners:
-                self._retired = []
+                retired += [self._idle] if self._idle is not None else []
+                self._retired, self._idle = [], None
             if not self.hosts.detached:
                 self.session_note = ""
         if not keep_owners:
@@ -353,6 +379,15 @@ class RayExecutor:
         still = [kept for kept in retired if kept.let_go_unowned()]
         with self._send_lock:
             self._retired = [kept for kept in self._retired if kept not in retired] + still
+
+    def _let_go(self, session: AgentSession) -> None:
+        """A retired session's agents that serve nothing now: kept while they own outputs, else ended."""
+        if session.owns_outputs:
+            session.drop_standby()
+            with self._send_lock:
+                self._retired.append(session)
+        else:
+            session.close()
 
     @property
     def kept_agents(self) -> int:
@@ -388,7 +423,7 @@ class RayExecutor:
         """
         cut = self._cut_off(err) if self._failed is None else None
         self.dead.update(err.ranks)
-        self._end_session()
+        self._end_session(reuse=True)  # the nodes stay: their agents serve the replacement's ranks
         if cut is not None:
             self._failed = cut
             logger.error("worker group failed: %s", cut)
@@ -484,7 +519,7 @@ class RayExecutor:
 
     def _recovered(self) -> None:
         self.nodes = self.hosts.nodes
-        self._end_session()  # new processes: the next call opens a session with them
+        self._end_session(reuse=True)  # new processes: the next call opens a session with them
         self.dead.clear()
         self._failed = None
         self.settle()  # the survivors were drained: their failed attempts' outputs are in
