@@ -288,9 +288,17 @@ def test_a_rank_death_during_a_refit_is_replaced_and_the_refit_completes(ray_ses
 
         dst.refill(None)
         dead_src = exit_on_next_call(src, 2, "reshard_send")
-        reshard(src, dst, plan)
+        reshard(src, dst, plan, version=7)
         assert [r.ranks for r in src.replacements] == [[2]] and src.node_info[2]["pid"] != dead_src
         assert_shards(dst.shards(), expected(LAYOUTS, dst_mesh, seed=6))
+
+        # A destination rank dies outside a refit: its replacement is built with the constructor's
+        # (zero) weights, and gets what the last refit wrote, and its version, from its live peer
+        # before the retried call runs on it.
+        dead_dst = exit_on_next_call(dst, 0, "shards")
+        assert_shards(dst.shards(), expected(LAYOUTS, dst_mesh, seed=6))
+        assert [r.ranks for r in dst.replacements] == [[1], [0]] and dst.node_info[0]["pid"] != dead_dst
+        assert dst.held_versions() == [7, 7]
     finally:
         src.shutdown()
         dst.shutdown()

@@ -215,6 +215,17 @@ class Worker:
         order on both ends.  A worker with no state needs none: the default does nothing.
         """
 
+    def recovery_state(self) -> Any:
+        """What a replaced rank takes from this live peer through the backend's object store, for
+        state that cannot go over torch.distributed (a group without process groups); ``None``
+        (the default): nothing.  Run on the peer after :meth:`restore_from_peer`; the new rank
+        gets it in :meth:`load_recovery_state`."""
+        return None
+
+    def load_recovery_state(self, state: Any) -> None:
+        """A replaced rank: take ``state``, what its live peer's :meth:`recovery_state` returned
+        (never ``None``).  Default: nothing."""
+
     # ----- verl's worker-side dispatch info ----------------------------------------------------
 
     def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:

@@ -513,12 +513,18 @@ class MegatronWorker(MegatronReshardWorker):
     def _comm_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
+    def recovery_state(self) -> None:
+        """Nothing through the object store: :meth:`restore_from_peer` moves every module, the
+        optimizers and the version over torch.distributed."""
+        return None
+
     def restore_from_peer(self, peer_rank: int, sending: bool) -> None:
-        """Parameters and buffers (tensor by tensor), optimizer state and the torch RNG state, over torch.distributed.
+        """Parameters and buffers (tensor by tensor), optimizer state, the torch RNG state and the
+        weight version, over torch.distributed.
 
         The live peer holds the same shard (same tp, pp, cp, ep coordinates), so both ends walk
         identical ``state_dict`` keys; tensors travel as they are (bit-exact).  Optimizer state
-        (moments and step counts) and the RNG state travel as one ``torch.save`` payload, loaded
+        (moments and step counts), the RNG state and the version travel as one ``torch.save`` payload, loaded
         with ``weights_only=True``.  Other Python state of a subclass is not restored: extend this
         method (call ``super()`` first) if it has any.
         """
@@ -537,7 +543,8 @@ class MegatronWorker(MegatronReshardWorker):
         optimizers = self.recovery_optimizers()
         if sending:
             out = io.BytesIO()
-            torch.save({"optimizers": [o.state_dict() for o in optimizers], "rng": torch.get_rng_state()}, out)
+            torch.save({"optimizers": [o.state_dict() for o in optimizers], "rng": torch.get_rng_state(),
+                        "weight_version": self.weight_version}, out)
             payload = torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
             dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst=peer_rank)
             dist.send(payload.to(device), dst=peer_rank)
@@ -553,3 +560,4 @@ class MegatronWorker(MegatronReshardWorker):
         for optimizer, sd in zip(optimizers, state["optimizers"]):
             optimizer.load_state_dict(sd)
         torch.set_rng_state(state["rng"])
+        self.weight_version = state["weight_version"]

@@ -437,6 +437,29 @@ class ReshardWorker(Worker):
                                "(WorkerContext.objects): build it through a worker group to reshard")
         return objects
 
+    def recovery_state(self) -> dict[str, Any]:
+        """What the refits wrote, for a replaced rank: every reshard tensor and the weight version.
+
+        Why: a replaced rank is built from its constructor's arguments, so a receiving group's
+        new rank (a rollout) would hold its initial weights and version, and the call the group
+        retries after the replacement would run on them, its rows stamped with the old version,
+        with nothing to say so.  (:class:`rankmesh.megatron.worker.MegatronWorker` moves whole
+        modules over torch.distributed instead.)"""
+        return {"tensors": self.reshard_tensors(), "weight_version": self.weight_version}
+
+    def load_recovery_state(self, state: Mapping[str, Any]) -> None:
+        """Copy the peer's reshard tensors into this rank's, in place, and take its version."""
+        tensors = self.reshard_tensors()
+        if set(state["tensors"]) != set(tensors):
+            raise ReshardError(
+                f"rank {self.rank}: its live peer's reshard tensors {sorted(state['tensors'])} are not this rank's "
+                f"{sorted(tensors)}: a replaced rank must build the same parameters as the rank it replaces"
+            )
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                tensor.copy_(state["tensors"][name])
+        self.weight_version = state["weight_version"]
+
     @register(Dispatch.ONE_TO_ALL)
     def reshard_place(self) -> TensorPlace:
         """Where this rank's reshard tensors live (asked before each reshard that may use CUDA IPC)."""

@@ -46,7 +46,7 @@ from rankmesh.devices import unify_visible_devices
 from rankmesh.tracing.marks import FETCH_MARK, KEEP_MAX, timed_call
 from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke, move
 
-from .rejoin import exit_on_call, leave, rejoin, restore, sever
+from .rejoin import exit_on_call, leave, load_recovery_states, recovery_states, rejoin, restore, sever
 from rankmesh.rendezvous import GLOO_IFNAME, interface_of, reserve_port
 from .reshard import RayObjects
 from .runtime import node_ip_address, worker_raylet_pid
@@ -68,7 +68,7 @@ CONTROL_GROUP = "control"
 #: while a call runs (the control thread).
 STEPS: frozenset[str] = frozenset({
     "node_info", "reserve_master_port", "setup", "warm", "teardown", "clock", "leave_distributed",
-    "rejoin_distributed", "restore_from_peer", "exit_on_next_call",
+    "rejoin_distributed", "restore_from_peer", "recovery_state", "load_recovery_state", "exit_on_next_call",
 })
 
 
@@ -529,6 +529,14 @@ class WorkerHost:
     def restore_from_peer(self, peer_rank: int, sending: bool) -> None:
         """Every role's ``restore_from_peer`` (the new rank receives, its live dp peer sends)."""
         restore(self._workers, peer_rank, sending)
+
+    def recovery_state(self) -> dict[Any, Any]:
+        """Every role's state for a replaced rank, through the object store (this is its live peer)."""
+        return recovery_states(self._workers)
+
+    def load_recovery_state(self, states: Mapping[Any, Any]) -> None:
+        """A replaced rank: every role takes its peer's :meth:`recovery_state`."""
+        load_recovery_states(self._workers, states)
 
     def exit_on_next_call(self, role: str | None, method: str) -> int:
         """Fault injection for drills and the demo: die on entering the next ``method`` call; returns the pid."""

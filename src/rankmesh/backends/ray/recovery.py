@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import ray
 
+from rankmesh.backend import Shared
 from rankmesh.errors import RecoveryError, ShardLostError, WorkerDiedError
 from rankmesh.mesh import RankCoords, RankMesh
 
@@ -333,7 +334,9 @@ def reform(executor: RayExecutor, new: Sequence[int], survivors: Sequence[int], 
 
 
 def restore(executor: RayExecutor, peers: Mapping[int, int], timeout: float) -> None:
-    """Each new rank receives its state from its live peer (both ends called at once), round by round."""
+    """Each new rank receives its state from its live peer: over torch.distributed (both ends
+    called at once, round by round), then what goes through the object store (each peer's
+    ``recovery_state``, handed to its new ranks by reference: the controller never fetches it)."""
     deadline = Deadline.after(timeout)
     for rnd in restore_rounds(peers):
         ranks, args = [], []
@@ -342,6 +345,12 @@ def restore(executor: RayExecutor, peers: Mapping[int, int], timeout: float) -> 
             args += [(peer, False), (rank, True)]
         fetch_outputs(executor.start_step("restore_from_peer", ranks, args), deadline=deadline,
                       inspect=executor.inspect, advice=executor.advice)
+    if not peers:
+        return
+    sources = sorted(set(peers.values()))
+    states = dict(zip(sources, executor.start_step("recovery_state", sources)))
+    loads = executor.start_step("load_recovery_state", list(peers), [(Shared(states[p].handle),) for p in peers.values()])
+    fetch_outputs(loads, deadline=deadline, inspect=executor.inspect, advice=executor.advice)
 
 
 def check_recoverable(hosts: HostSet, executor: RayExecutor, what: str) -> None:

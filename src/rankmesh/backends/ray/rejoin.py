@@ -136,6 +136,18 @@ def restore(workers: Mapping[Any, Any], peer_rank: int, sending: bool) -> None:
         invoke(worker, "restore_from_peer", (peer_rank, sending))
 
 
+def recovery_states(workers: Mapping[Any, Any]) -> dict[Any, Any]:
+    """Every role's :meth:`~rankmesh.worker.Worker.recovery_state`, by role (a live peer's)."""
+    return {role: invoke(worker, "recovery_state") for role, worker in workers.items()}
+
+
+def load_recovery_states(workers: Mapping[Any, Any], states: Mapping[Any, Any]) -> None:
+    """Give each role of a replaced rank its peer's state (:meth:`~rankmesh.worker.Worker.load_recovery_state`)."""
+    for role, state in states.items():
+        if state is not None:
+            invoke(workers[role], "load_recovery_state", (state,))
+
+
 def exit_on_call(worker: Any, method: str) -> None:
     """Fault injection: the next call of ``method`` on ``worker`` SIGKILLs this process on entering it.
 

@@ -129,9 +129,11 @@ def ready_refs(refs: Sequence[Any], timeout: float | None = 0.0) -> set[Any]:
 
 def step_part(rank: int, step: str, args: tuple[Any, ...] = (), node: str | None = None,
               coords: RankCoords | None = None) -> RankPart:
-    """Rank ``rank``'s share of a call of host step ``step(*args)`` (:data:`.host.STEPS`)."""
-    header = encode_rank_call(None, step, RankCall(rank, tuple(args)), None, step=True)[0]
-    return RankPart(rank, header, node=node, coords=coords)
+    """Rank ``rank``'s share of a call of host step ``step(*args)`` (:data:`.host.STEPS`); an
+    argument given as :class:`~rankmesh.backend.Shared` travels by reference (Ray resolves it
+    on the rank's node: the controller never fetches it)."""
+    header, refs, _ = encode_rank_call(None, step, RankCall(rank, tuple(args)), None, step=True)
+    return RankPart(rank, header, tuple(refs), node=node, coords=coords)
 
 
 def start_step(actor: Any, rank: int, step: str, args: tuple[Any, ...] = (), what: str | None = None,
