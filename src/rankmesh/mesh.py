@@ -11,7 +11,6 @@ megatron-core import, so the mesh is cheap to build on the controller, even for 
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass, replace
 from functools import cached_property
 from types import MappingProxyType

@@ -728,7 +728,6 @@ class AgentSession:
         self._submitted: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._submitted_before: dict[int, int] = {}  # rank -> the same, folded from sets beyond SUBMITTED_SETS
         self._inherited = False  # agents taken over from a session that owned outputs (open(reuse=...))
-        self.agent_pids: dict[str, int] = {}  # node -> its agent's pid, once open
         self.standby: dict[str, Any] = {}  # node -> an agent serving nothing yet (open(standby=...))
 
     def open(self, timeout_s: float = 60.0, reuse: AgentSession | None = None, standby: Sequence[str] = ()) -> None:
@@ -756,7 +755,7 @@ class AgentSession:
                 opened.append(self.agents[node].open.remote(
                     ranks, {r: self.actors[r] for r in ranks}, {r: self.pids[r] for r in ranks}, self.nodes, self.coords,
                     node, kids, below))
-            self.agent_pids = dict(zip(self.by_node, ray.get(opened, timeout=timeout_s)))
+            ray.get(opened, timeout=timeout_s)
         except BaseException:
             if reuse is not None:
                 reuse.standby.update(taken)
