@@ -27,6 +27,11 @@ import pytest
 
 #: The pools of each mesh's group: one node each (a pool entry is one node's bundles).
 POOLS = {"tp2dp2pp2": [4, 4], "dp4": [2, 2]}
+#: Each pool's ``max_colocate_count``, which is its bundles' CPUs: an entry must need more CPUs
+#: than half of a 4-CPU node (tests/drivers.py SHARED_NODES), or Ray may pack both entries onto
+#: one node (STRICT_PACK holds within an entry, not between entries).  dp4's 2 x 2 CPUs fill
+#: node_a and node_b; tp2dp2pp2's 4 x 1 does already.
+COLOCATE = {"tp2dp2pp2": 1, "dp4": 2}
 
 
 def _cases() -> list[tuple[str, str, dict]]:
@@ -75,8 +80,8 @@ class OneGroupAtATime:
             raise LookupError(f"no group here for {worker_cls.__name__} on {mesh}")
         if self.key != name:
             self.close()
-            self.group = RayWorkerGroup(RayResourcePool(POOLS[name], use_gpu=False), RayClassWithInitArgs(worker_cls),
-                                        mesh=mesh)
+            pool = RayResourcePool(POOLS[name], use_gpu=False, max_colocate_count=COLOCATE[name])
+            self.group = RayWorkerGroup(pool, RayClassWithInitArgs(worker_cls), mesh=mesh)
             self.key = name
             self.nodes[name] = len({info["node_id"] for info in self.group._hosts.info})
         return self.group

@@ -1,9 +1,9 @@
 """Resharding across simulated nodes: same-node pairs read each other directly, the others use the object store.
 
 The shared simulated cluster (``simulated_cluster``, tests/drivers.py: raylets of 4, 4 and 2 CPUs
-on 127.0.0.1); a tp2·pp2 source group and a tp1·dp4 destination group, each placed 2 + 2 over two
-nodes (four entries on three nodes: some source and destination ranks always share a node, and
-some never do).  As in tests/test_ray_multinode.py the scenario runs in the cluster's driver
+or their namespaced form); a tp2·pp2 source group and a tp1·dp4 destination group on one pool of
+2 + 2 bundles over two nodes.  Each node holds one pp stage of the source, and every destination
+rank needs both stages: some of its pieces come from its own node and some from the other.  As in tests/test_ray_multinode.py the scenario runs in the cluster's driver
 process (one Ray connection per process), which returns one JSON report; the tests check it.
 Expected direct bytes come from the plan's transfers and the node each rank reported, not from
 the reshard's own bookkeeping, and the weights are compared with megatron's cut
@@ -33,10 +33,12 @@ def scenario(cluster) -> dict:
         return True
 
     report: dict = {}
-    src = RayWorkerGroup(RayResourcePool([2, 2], use_gpu=False), RayClassWithInitArgs(ShardHolder, PIPE_LAYOUTS, seed=3),
-                         mesh=PIPE)
-    dst = RayWorkerGroup(RayResourcePool([2, 2], use_gpu=False), RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=None),
-                         mesh=GEN)
+    # One pool for both groups, each bundle of 2 CPUs: an entry (4 CPUs) fills node_a or node_b
+    # (tests/drivers.py SHARED_NODES), so each group spans both.  With 1-CPU bundles Ray may
+    # pack a group's two entries onto one node (STRICT_PACK binds within an entry only).
+    pool = RayResourcePool([2, 2], use_gpu=False, max_colocate_count=2)
+    src = RayWorkerGroup(pool, RayClassWithInitArgs(ShardHolder, PIPE_LAYOUTS, seed=3), mesh=PIPE)
+    dst = RayWorkerGroup(pool, RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=None), mesh=GEN)
     plan = plan_between(src, dst)
     report["src_nodes"] = [i["node_id"] for i in src.node_info]
     report["dst_nodes"] = [i["node_id"] for i in dst.node_info]
