@@ -51,6 +51,10 @@ def run() -> dict:
         report["format"] = rep.format() if rep else ""
         report["timings"] = {k: getattr(rep, k) for k in ("detected_s", "drain_s", "start_s", "import_s", "init_s",
                                                             "restore_s", "total_s")} if rep else {}
+        # The new processes' node had no agent of the group: one started while they started and
+        # restored, and the retried call's session took it rather than starting its own.
+        report["agents_started"] = [by_node.get(n) for n in getattr(rep, "agents_started", [None])]
+        report["agents_the_call_started"] = [by_node.get(n) for n in getattr(wg.executor.session, "started", [None])]
         after = wg.whoami()
         report["nodes_after"] = [by_node.get(wg.node_of(r)) for r in range(4)]
         report["nodes_before"] = placed
@@ -158,6 +162,12 @@ def shrink_then_grow(nodes, ids: list[str]) -> dict:
         out["mesh_after_grow"] = repr(wg.mesh)
         out["state_after_grow"] = wg.get_state()
         out["result_after_grow"] = wg.world_sum([1.0, 2.0, 3.0, 4.0])
+        out["grow_and_call_seconds"] = time.monotonic() - start  # the first call opens the grown group's session
+        # The old nodes' agents served on; the new node's was started during the grow.
+        out["grow_agents"] = {"started": [by_node.get(n, "new") for n in getattr(grown, "agents_started", [None])],
+                              "new_node": by_node.get(wg.node_of(2), "new"),
+                              "the_call_started": [by_node.get(n, "new")
+                                                   for n in getattr(wg.executor.session, "started", [None])]}
         out["data_after_grow"] = data_calls(wg)
     finally:
         wg.shutdown()

@@ -34,6 +34,8 @@ def test_removed_node_ranks_are_re_placed_on_a_node_with_room():
     spare = ({0, 1, 2} - set(report["nodes_before"])).pop()
     assert all(report["nodes_after"][r] == spare for r in report["replaced"]), report
     assert report["survivor_pids_kept"], report
+    # The spare node's agent was started during the replacement, and the retried call took it.
+    assert report["agents_started"] == [spare] and report["agents_the_call_started"] == [], report
 
     # Then on_rank_death="replace_or_shrink" with one spare: a warm spare takes a dead rank's place;
     # when a node is lost with no spare left and no room, the group drops the replica (tp2·dp2 ->
@@ -52,6 +54,9 @@ def test_removed_node_ranks_are_re_placed_on_a_node_with_room():
     assert shrink["mesh_after_grow"] == repr(RankMesh(tp=2, dp=2)), shrink
     assert shrink["state_after_grow"] == [[1.0, 2.0, 3.0], [11.0, 12.0, 13.0]] * 2, shrink  # copied by tp rank
     assert shrink["result_after_grow"] == [10.0] * 4, shrink
+    # The grow kept the agents of the nodes it had, and started the added node's while it re-formed.
+    grown = shrink["grow_agents"]
+    assert grown["started"] == ["new"] == [grown["new_node"]] and grown["the_call_started"] == [], grown
     # Data calls through the node agents after the shrink and after the grow, a small batch (inside
     # the call) and a large one (pieces in the store): every rank tags its piece's rows (expected by
     # hand from DP_COMPUTE_PROTO's split of 8 rows over 2, then 4 ranks), the rows come back in

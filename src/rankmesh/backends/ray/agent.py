@@ -73,6 +73,11 @@ PROBE_S = 2.0
 #: (seconds): a full ring means a rank there still runs an earlier call, and the controller is told.
 WRITE_WAIT_S = 30.0
 
+#: How long a session's opening waits for an agent started during a replacement
+#: (:meth:`AgentSession.start_standby`) to answer, past :data:`PROBE_S` (seconds): its process
+#: is new, and a node's first Ray worker may take seconds to start on a loaded machine.
+AGENT_START_S = 30.0
+
 #: The longest a non-blocking call waits for an agent to have sent its subtree's ranks their tasks,
 #: when the call has no deadline (seconds): the agent first finishes the call it runs.
 SUBMIT_WAIT_S = 300.0
@@ -729,6 +734,9 @@ class AgentSession:
         self._submitted_before: dict[int, int] = {}  # rank -> the same, folded from sets beyond SUBMITTED_SETS
         self._inherited = False  # agents taken over from a session that owned outputs (open(reuse=...))
         self.standby: dict[str, Any] = {}  # node -> an agent serving nothing yet (open(standby=...))
+        self._starting: set[str] = set()  # standby nodes whose agents start_standby started, not yet probed
+        #: The nodes whose agents :meth:`open` started itself (the others it took over).
+        self.started: list[str] = []
 
     def open(self, timeout_s: float = 60.0, reuse: AgentSession | None = None, standby: Sequence[str] = ()) -> None:
         """Start an agent on each node, or take over the live agent that ``reuse`` (an earlier
@@ -742,8 +750,8 @@ class AgentSession:
         non-blocking calls it sent (:attr:`owns_outputs` carries over); the agents not taken stay
         with ``reuse``.  If opening fails, the taken agents go back to ``reuse``."""
         taken = reuse.hand_over([*self.by_node, *standby]) if reuse is not None else {}
-        self.agents = {**start_agents([n for n in self.by_node if n not in taken]),
-                       **{n: a for n, a in taken.items() if n in self.by_node}}
+        self.started = [n for n in self.by_node if n not in taken]
+        self.agents = {**start_agents(self.started), **{n: a for n, a in taken.items() if n in self.by_node}}
         self.standby = {**start_agents([n for n in standby if n not in taken and n not in self.by_node]),
                         **{n: a for n, a in taken.items() if n not in self.by_node}}
         self._inherited = bool(taken) and reuse is not None and reuse.owns_outputs
@@ -772,7 +780,11 @@ class AgentSession:
         asked = {held[n].pid.remote(): n for n in dict.fromkeys(nodes) if n in held}
         if not asked:
             return {}
-        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=PROBE_S, fetch_local=True)
+        ready, rest = ray.wait(list(asked), num_returns=len(asked), timeout=PROBE_S, fetch_local=True)
+        starting = [ref for ref in rest if asked[ref] in self._starting]
+        if starting:  # started moments ago (start_standby): its process may still be importing
+            more, _ = ray.wait(starting, num_returns=len(starting), timeout=AGENT_START_S, fetch_local=True)
+            ready += more
         taken = {}
         for ref in ready:
             try:
@@ -781,7 +793,22 @@ class AgentSession:
                 continue
             node = asked[ref]
             taken[node] = self.agents.pop(node, None) or self.standby.pop(node)
+            self._starting.discard(node)
         return taken
+
+    def start_standby(self, nodes: Sequence[str]) -> list[str]:
+        """Start an agent, serving nothing yet, on each of ``nodes`` where this retired session
+        holds none; the nodes started on.
+
+        Why: the nodes of a replacement's new processes may hold no agent of the group (a lost
+        node's ranks placed again elsewhere, a spare refilled after the session opened).  An
+        agent is a new Ray worker process, 1.2-2.3 s of start-up and imports here, which the
+        first call after the replacement would wait for; started while the new ranks start,
+        import and restore, it is ready when the next session takes it (:meth:`hand_over`)."""
+        missing = [n for n in dict.fromkeys(nodes) if n and n not in self.agents and n not in self.standby]
+        self.standby.update(start_agents(missing))
+        self._starting.update(missing)
+        return missing
 
     def drop_standby(self) -> None:
         """End the standby agents (they serve nothing and own nothing)."""

@@ -276,6 +276,12 @@ class RayExecutor:
         """End the call session but keep the processes (another group will drive them)."""
         self._end_session(keep_owners=False)
 
+    def retire_session(self) -> None:
+        """End the call session before the group's processes change (a grow): calls the ranks were
+        sent and had not started go with it, and its node agents wait for the next session to
+        take them over, owning what they owned (:meth:`AgentSession.open`)."""
+        self._end_session(reuse=True)
+
     # ----- call sessions (.session, .agent) -------------------------------------------------------
 
     def set_control(self, mode: str, agent_fanout: int | None = None) -> None:
@@ -388,6 +394,18 @@ class RayExecutor:
                 self._retired.append(session)
         else:
             session.close()
+
+    def ready_agents(self, node_ids: Sequence[str]) -> list[str]:
+        """Start node agents now on those of ``node_ids`` where the group keeps none, for its next
+        session to take over; the nodes started on.
+
+        For a replacement: its new processes' nodes, while the processes start, import and
+        restore (:meth:`AgentSession.start_standby` says why).  Only where the group's calls took
+        node agents (a retired session waiting to be taken over, or the open one): a group on the
+        controller's node, or on Ray's tasks, has no agents to add to."""
+        with self._send_lock:
+            agents = self._idle or (self.session if isinstance(self.session, AgentSession) else None)
+            return agents.start_standby(node_ids) if agents is not None else []
 
     @property
     def kept_agents(self) -> int:

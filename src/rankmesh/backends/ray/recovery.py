@@ -16,7 +16,8 @@ when a rank dies; :func:`replace_dead_ranks` then rebuilds the group around them
    (:mod:`.spares`: on the rank's node if one is there, else any); otherwise one new host process
    per dead rank in the rank's own placement-group bundle: on its old node, whose bundle is free
    again since the process died, or, when the node itself is gone, wherever Ray re-placed the
-   bundle (a node with room);
+   bundle (a node with room).  A node of theirs that no node agent of the group serves gets
+   one now, while they start (:meth:`.executor.RayExecutor.ready_agents`);
 4. **re-form**: rank 0 (old or new) reserves a fresh MASTER_PORT (race-free, as at start-up);
    the new processes build their workers from the dead ranks' own setup (same rank, coordinates,
    environment, classes and constructor arguments; colocated roles together) while the
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import ray
+from ray.util.placement_group import placement_group_table
 
 from rankmesh.backend import Shared
 from rankmesh.errors import RecoveryError, ShardLostError, WorkerDiedError
@@ -76,6 +78,9 @@ class ReplacementReport:
     coords: dict[int, RankCoords] = field(default_factory=dict)  # each replaced rank's place in the mesh
     old_nodes: dict[int, str | None] = field(default_factory=dict)  # node address, before and after
     new_nodes: dict[int, str | None] = field(default_factory=dict)
+    #: Node ids where a node agent was started during the replacement, for the next call: new
+    #: processes' nodes that no agent of the group served.
+    agents_started: list[str] = field(default_factory=list)
     moved: dict[int, bool] = field(default_factory=dict)  # the new process runs on another Ray node
     stuck: list[int] = field(default_factory=list)  # survivors blocked for good, replaced with the dead
     from_spares: list[int] = field(default_factory=list)  # ranks whose place a warm spare took
@@ -290,8 +295,12 @@ def drain(executor: RayExecutor, survivors: Sequence[int], mesh: RankMesh, timeo
     return died, stuck
 
 
-def start_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
-    """Start one host per rank in the rank's bundle (old node, or where Ray re-placed it); their node info."""
+def start_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float,
+                       placed: Callable[[list[str]], Any] | None = None) -> dict[int, dict[str, Any]]:
+    """Start one host per rank in the rank's bundle (old node, or where Ray re-placed it); their node info.
+
+    ``placed(node_ids)``: told the nodes of the bundles once they are placed, before the hosts
+    start (the group starts node agents there meanwhile, :meth:`.executor.RayExecutor.ready_agents`)."""
     if not ranks:
         return {}
     if hosts.pool is None:
@@ -305,6 +314,9 @@ def start_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float) -> 
         if not pg.wait(timeout_seconds=max(0.1, deadline.left())):
             raise RecoveryError(f"the placement group of ranks {list(ranks)} is not placed again within {timeout:g}s "
                                 "(no node has room for the lost bundles)", list(ranks))
+    if placed is not None:
+        tables = {id(slots[r].pg): placement_group_table(slots[r].pg)["bundles_to_node_id"] for r in ranks}
+        placed([tables[id(slots[r].pg)].get(slots[r].bundle_index, "") for r in ranks])
     actors = {r: start_host(hosts.pool, slots[r], r, hosts.name_prefix, hosts.detached, hosts.options) for r in ranks}
     pend = [start_step(a, r, "node_info", what="start") for r, a in actors.items()]
     info = fetch_outputs(pend, deadline=deadline.bounded(max(0.1, deadline.left())), inspect=hang_inspector(actors))
@@ -418,7 +430,12 @@ def replace_dead_ranks(
             info = take_spares(hosts, report.ranks, timeout, {r: copy_nodes(hosts, mesh, r, survivors) for r in report.ranks})
             report.from_spares = sorted(info)
             report.spare_paid = {r: (i["spare_start_s"], i["spare_import_s"]) for r, i in info.items()}
-            info.update(start_replacements(hosts, [r for r in report.ranks if r not in info], timeout))
+            report.agents_started = executor.ready_agents([i.get("node_id") for i in info.values()])
+
+            def placed(node_ids: list[str]) -> None:
+                report.agents_started += executor.ready_agents(node_ids)
+
+            info.update(start_replacements(hosts, [r for r in report.ranks if r not in info], timeout, placed))
             t2 = time.monotonic()
             report.start_s = t2 - t1
             report.new_nodes = {r: i.get("node_ip") for r, i in info.items()}

@@ -120,6 +120,7 @@ class RemeshReport:
     added: list[int] = field(default_factory=list)  # grow: the new ranks
     from_spares: list[int] = field(default_factory=list)  # grow: new ranks whose process was a warm spare
     peers: dict[int, int] = field(default_factory=dict)  # grow: new rank -> the live rank it restored from
+    agents_started: list[str] = field(default_factory=list)  # grow: node ids given a node agent for the new ranks
     detected_s: float | None = None
     drain_s: float = 0.0
     start_s: float = 0.0  # grow: processes had (spares taken, new ones started)
@@ -300,7 +301,9 @@ def grow(
     t1 = time.monotonic()
     report.start_s = t1 - t0
     try:
-        executor.release()  # calls the ranks were sent and had not started go with the session
+        executor.retire_session()  # calls the ranks were sent and had not started go with the session
+        # The new ranks' nodes get node agents while the group drains, re-forms and restores.
+        report.agents_started = executor.ready_agents([i.get("node_id") for i in info.values()])
         drain(executor, list(range(mesh.world_size)), mesh, timeout)
         t2 = time.monotonic()
         report.drain_s = t2 - t1
