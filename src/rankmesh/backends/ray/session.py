@@ -82,6 +82,9 @@ class CallSession:
         self.replies: dict[int, Ring] = {}
         self._write_lock = threading.Lock()  # one writer at a time: the ring carries calls in id order
         self._read_lock = threading.Lock()  # reply rings, the answers read ahead, the epoll set
+        self._sleep_lock = threading.Lock()  # held by the one poller sleeping on the doorbells (poll)
+        self._drained = threading.Condition()  # notified when that poller drained doorbells or stopped sleeping
+        self._drains = 0  # how many times a poller drained doorbells (poll: look again after one)
         self._owed: dict[int, list[int]] = {rank: [] for rank in self.ranks}  # per rank: calls sent, answer not taken
         self._unwanted: set[int] = set()  # calls given up: their answers are dropped as they come
         self._answers: dict[tuple[int, int], tuple[int, Any]] = {}  # (rank, call id) -> answer read ahead
@@ -89,6 +92,7 @@ class CallSession:
         self._epoll: select.epoll | None = None  # every reply ring's doorbell and host pidfd, registered once
         self._rank_of_fd: dict[int, int] = {}
         self._exited: set[int] = set()  # ranks whose host process exited
+        self._rung: set[int] = set()  # ranks whose doorbell was drained and whose reply ring was not read empty since
         self._plans: dict[int, tuple[int | None, ...]] = {}  # a reusable selection's key -> the command's plan
         #: The memory files large call arguments go to for the ranks to map (:mod:`.files`), and
         #: whether every host could open one when it joined (else large arguments take the store).
@@ -264,15 +268,22 @@ class CallSession:
         """Outcomes of the answered ones among ``pending`` (by index): it waits up to ``within`` for all
         of them, and returns early once one failed (the wait loop's fail-fast needs it at once).
 
-        It reads only the ranks whose doorbell rang (or whose host exited): an answer that is in has
-        rung its rank's doorbell.  A slice in which none rang looks at every rank once (another
-        thread may have drained a doorbell meant for this call)."""
+        Several callers may poll at once (threads of one controller).  One of them at a time
+        sleeps on the doorbells, outside the lock that guards the answers, so the others send
+        calls and read answers meanwhile; the others wait until it drains a doorbell or stops
+        sleeping.  The sleeper drains whichever doorbell rang, the answer that rang may be
+        another caller's, and a drained doorbell does not ring again for it.  So a poll reads,
+        first and after each drain by another, the ranks of its calls whose answer is kept for
+        it (read ahead by another poll), whose doorbell was drained and whose reply ring was not
+        read empty since (``_rung``), or whose host is gone; after its own drain, the ranks
+        whose doorbell rang.  A slice in which none rang reads every rank."""
         end = time.monotonic() + within
         got: dict[int, Outcome] = {}
         waiting: dict[int, list[int]] = {}  # rank -> its pending calls here, oldest first
         for i, p in enumerate(pending):
             waiting.setdefault(p.rank, []).append(i)
-        look: Iterable[int] = () if within > 0 else list(waiting)  # the ranks to read
+        seen = self._drains  # the drains this poll has looked after (only a sleeper drains)
+        look: Iterable[int] = list(waiting) if within <= 0 else self._maybe_in(pending, waiting)  # the ranks to read
         while True:
             with self._read_lock:
                 failed = False
@@ -289,10 +300,35 @@ class CallSession:
                             waiting[rank] = left_here
                         else:
                             del waiting[rank]
-                left = end - time.monotonic()
-                if not waiting or left <= 0 or failed:
-                    return got
-                look = self._wait(left) or list(waiting)
+            left = end - time.monotonic()
+            if not waiting or left <= 0 or failed:
+                return got
+            if self._sleep_lock.acquire(blocking=False):  # this poll sleeps on the doorbells
+                try:
+                    if self._drains != seen:  # another poller drained a doorbell since this one looked
+                        seen = self._drains
+                        look = self._maybe_in(pending, waiting)
+                        continue
+                    look = self._wait(left) or list(waiting)
+                    seen = self._drains  # its own drain: nobody else sleeps, so nobody else drained
+                finally:
+                    self._sleep_lock.release()
+                    with self._drained:
+                        self._drained.notify_all()
+            else:  # another poll sleeps on them: wait for its next drain (the doorbell may be this call's)
+                with self._drained:
+                    if self._drains == seen and self._sleep_lock.locked():
+                        self._drained.wait(left)
+                    seen = self._drains
+                look = self._maybe_in(pending, waiting)
+
+    def _maybe_in(self, pending: Sequence[Pending], waiting: Mapping[int, list[int]]) -> list[int]:
+        """The ranks of ``waiting`` whose next answer may be in with no doorbell left to say so:
+        kept for it, behind a drained doorbell (``_rung``), or never coming (a broken ring, a host gone)."""
+        with self._read_lock:
+            return [rank for rank, indices in waiting.items()
+                    if rank in self._rung or rank in self._broken or rank in self._exited
+                    or (rank, pending[indices[0]].handle) in self._answers]
 
     def _take(self, p: Pending) -> Outcome | None:
         """``p``'s outcome if its answer is in (reading what its rank answered before it), else ``None``."""
@@ -326,6 +362,7 @@ class CallSession:
                 self._broken[rank] = RingError(f"rank {rank}'s call session ended: {exc}")
                 return
             if message is None:
+                self._rung.discard(rank)  # read empty: its next answer rings the doorbell again
                 return
             call_id, status, value, released = decode_answer(message)
             if released:
@@ -338,6 +375,8 @@ class CallSession:
                     self._unwanted.discard(call_id)  # every rank answered it: nothing more to drop
                 continue
             self._answers[(rank, call_id)] = (status, value)
+        if not owed:
+            self._rung.discard(rank)  # every answer owed is read: nothing more behind its doorbell
 
     def _outcome(self, p: Pending, answer: tuple[int, Any]) -> Outcome:
         status, value = answer
@@ -358,22 +397,34 @@ class CallSession:
         return Outcome(value)
 
     def _wait(self, within: float) -> set[int]:
-        """Sleep until an answer may be in or a host exits (at most ``within``); the ranks whose doorbell rang or host exited."""
-        if self._epoll is None:
+        """Sleep until an answer may be in or a host exits (at most ``within``); the ranks whose
+        doorbell rang or host exited.  Called holding ``_sleep_lock``; takes ``_read_lock`` only
+        to drain what woke it."""
+        epoll = self._epoll
+        if epoll is None:
             time.sleep(max(0.0, min(within, 0.05)))
             return set()
+        try:
+            events = epoll.poll(max(0.0, within))
+        except (OSError, ValueError):  # closed meanwhile (the session ended): the next look says so
+            return set()
         rang = set()
-        for fd, _ in self._epoll.poll(max(0.0, within)):
-            rank = self._rank_of_fd[fd]
-            reply = self.replies.get(rank)
-            if reply is None:
-                continue
-            rang.add(rank)
-            try:
-                reply.check_peers([fd])
-            except RingPeerDied:
-                self._epoll.unregister(fd)  # a pidfd stays readable: it would wake every wait from now on
-                self._exited.add(rank)
+        with self._read_lock:
+            for fd, _ in events:
+                rank = self._rank_of_fd[fd]
+                reply = self.replies.get(rank)
+                if reply is None:
+                    continue
+                rang.add(rank)
+                self._rung.add(rank)
+                try:
+                    reply.check_peers([fd])
+                except RingPeerDied:
+                    epoll.unregister(fd)  # a pidfd stays readable: it would wake every wait from now on
+                    self._exited.add(rank)
+        if events:
+            with self._drained:
+                self._drains += 1
         return rang
 
     def _died(self, p: Pending) -> WorkerDiedError:
