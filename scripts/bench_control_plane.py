@@ -30,12 +30,16 @@ the ranks per node does.  Left out: the network, the agents' and ranks' own CPU,
 background threads in the controller; each send to a top agent is timed against a live agent
 in the same run and added.
 
+``--threads N`` runs N callers on one group at once (the last one's calls non-blocking) and
+prints each caller's round trips against one kind of caller alone.
+
 ``--kill`` adds the failure drill: a rank SIGKILLed mid-call (time to the group's error), and
 the controller SIGKILLed (time until its ranks' processes are gone), with ``/dev/shm`` listed
 before and after.
 
     python scripts/bench_control_plane.py                      # N = 1, 2, 4, 8, 16; 1000 calls each
     python scripts/bench_control_plane.py --ranks 8 --calls 200 --kill
+    python scripts/bench_control_plane.py --threads 3 --ranks 4 --calls 60   # callers on threads
     python scripts/bench_control_plane.py --cluster 1x2,2x2,4x2,8x2,2x4,4x4 --calls 300
     python scripts/bench_control_plane.py --cluster 2x2,4x2,8x2 --fanout 2 --calls 300   # and a tree 2 wide
     python scripts/bench_control_plane.py --cluster 2x2,2x4,2x8 --data --calls 200      # a data call, per ranks per node
@@ -298,6 +302,58 @@ def one_node(args: argparse.Namespace) -> dict:
         print("rank SIGKILLed mid-call:", json.dumps(out["kill_rank"]))
         print("controller SIGKILLed:", json.dumps(out["kill_controller"]))
     return out
+
+
+def threads(args: argparse.Namespace) -> dict:
+    """``--threads N``: N callers at once on one group (the first size of ``--ranks``): all but
+    the last make blocking ``echo`` calls, the last non-blocking ``slow_append(i, 0)`` read at
+    once, ``--calls`` each.  Each kind alone first, then all together: per caller p50, p90 and
+    max, and the wall time together against the callers' time alone added up (1.0: no caller
+    waits on another; the ranks run every call in turn, so under 1.0 is overlap)."""
+    import threading
+
+    from rankmesh.backends.ray.runtime import ensure_ray
+
+    ranks = int(args.ranks.split(",")[0])
+    ensure_ray(num_cpus=ranks + 8, logging_level="ERROR", log_to_driver=False)
+    wg = make_group([ranks])
+    kinds = {"blocking": lambda i: wg.echo(i), "non-blocking": lambda i: wg.slow_append(i, 0.0).get()}
+    callers = ["blocking"] * (args.threads - 1) + ["non-blocking"]
+
+    def run(kind: str, out: list[float]) -> None:
+        for i in range(args.calls):
+            start = time.perf_counter()
+            kinds[kind](i)
+            out.append(time.perf_counter() - start)
+
+    def line(name: str, times: list[float]) -> dict:
+        row = {"caller": name, "p50_ms": pct(times, 0.5) * 1e3, "p90_ms": pct(times, 0.9) * 1e3, "max_ms": max(times) * 1e3}
+        print(f"{name:>22}  p50 {row['p50_ms']:8.2f} ms  p90 {row['p90_ms']:8.2f} ms  max {row['max_ms']:8.2f} ms")
+        return row
+
+    try:
+        wg.echo(0), wg.slow_append(0, 0.0).get()
+        print(f"{args.threads} callers, {args.calls} calls each, one group of {ranks} ranks on this node")
+        rows, alone = [], {}
+        for kind in dict.fromkeys(callers):
+            times: list[float] = []
+            run(kind, times)
+            alone[kind] = sum(times)
+            rows.append(line(f"{kind} alone", times))
+        results: list[list[float]] = [[] for _ in callers]
+        workers = [threading.Thread(target=run, args=(kind, out)) for kind, out in zip(callers, results)]
+        start = time.perf_counter()
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        wall = time.perf_counter() - start
+        rows += [line(f"{kind} {i}, together", times) for i, (kind, times) in enumerate(zip(callers, results))]
+        serial = sum(alone[kind] for kind in callers)
+        print(f"together {wall:.2f} s against {serial:.2f} s one caller after another: {wall / serial:.2f}x")
+    finally:
+        wg.shutdown()
+    return {"threads": rows, "together_s": wall, "one_after_another_s": serial}
 
 
 def cluster(args: argparse.Namespace) -> dict:
@@ -684,9 +740,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dp", type=int, help="with --scale: also MEGATRON_COMPUTE(_PROTO) calls with this many dp pieces")
     ap.add_argument("--piece-kib", type=int, default=0, help="with --scale --dp: each data piece this many KiB (default: "
                     "one number, small enough to ride inside the call; over 100 each piece is put in the store)")
+    ap.add_argument("--threads", type=int, help="instead: this many callers at once on one group of the first --ranks "
+                    "(the last non-blocking), against each kind alone")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
-    out = scale(args) if args.scale else cluster(args) if args.cluster else one_node(args)
+    if args.threads is not None and args.threads < 2:
+        ap.error(f"--threads: at least 2 callers, got {args.threads}")
+    out = (scale(args) if args.scale else cluster(args) if args.cluster else threads(args) if args.threads
+           else one_node(args))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), **out}, indent=1))
     return out
