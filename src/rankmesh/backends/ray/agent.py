@@ -76,7 +76,7 @@ WRITE_WAIT_S = 30.0
 #: How long a session's opening waits for an agent started during a replacement
 #: (:meth:`AgentSession.start_standby`) to answer, past :data:`PROBE_S` (seconds): its process
 #: is new, and a node's first Ray worker may take seconds to start on a loaded machine.
-AGENT_START_S = 30.0
+AGENT_START_S = 15.0
 
 #: The longest a non-blocking call waits for an agent to have sent its subtree's ranks their tasks,
 #: when the call has no deadline (seconds): the agent first finishes the call it runs.
