@@ -375,8 +375,6 @@ class CallSession:
                     self._unwanted.discard(call_id)  # every rank answered it: nothing more to drop
                 continue
             self._answers[(rank, call_id)] = (status, value)
-        if not owed:
-            self._rung.discard(rank)  # every answer owed is read: nothing more behind its doorbell
 
     def _outcome(self, p: Pending, answer: tuple[int, Any]) -> Outcome:
         status, value = answer
