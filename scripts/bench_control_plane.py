@@ -33,6 +33,10 @@ in the same run and added.
 ``--threads N`` runs N callers on one group at once (the last one's calls non-blocking) and
 prints each caller's round trips against one kind of caller alone.
 
+With ``--later`` it is a non-blocking no-op call to every rank instead, its future (every rank's
+output: a ``GroupFuture``) read at once: through the agents each top agent answers its subtree
+joined, so the controller's CPU should not move with the ranks per node either.
+
 ``--kill`` adds the failure drill: a rank SIGKILLed mid-call (time to the group's error), and
 the controller SIGKILLed (time until its ranks' processes are gone), with ``/dev/shm`` listed
 before and after.
@@ -43,6 +47,7 @@ before and after.
     python scripts/bench_control_plane.py --cluster 1x2,2x2,4x2,8x2,2x4,4x4 --calls 300
     python scripts/bench_control_plane.py --cluster 2x2,4x2,8x2 --fanout 2 --calls 300   # and a tree 2 wide
     python scripts/bench_control_plane.py --cluster 2x2,2x4,2x8 --data --calls 200      # a data call, per ranks per node
+    python scripts/bench_control_plane.py --cluster 2x2,2x4,2x8 --later --calls 200     # a non-blocking call, read at once
     python scripts/bench_control_plane.py --scale 128x8,256x8,512x8,1024x8,1024x16,4096x8   # the controller alone
 """
 
@@ -383,6 +388,9 @@ def cluster(args: argparse.Namespace) -> dict:
             expected = [x * 10 + d * ranks_per_node for d in range(nodes) for x in range(4 * d, 4 * d + 4)]
             assert wg.rows_megatron(batch).batch["y"].tolist() == expected
             call = functools.partial(wg.rows_megatron, batch)
+        if args.later:
+            assert wg.slow_append(0, 0.0).get() == [None] * (nodes * ranks_per_node)
+            call = functools.partial(later_every, wg)
         try:
             rows += measure(wg, {"nodes": nodes, "ranks": nodes * ranks_per_node}, args, idle=False, paths=paths, call=call)
         finally:
@@ -404,6 +412,11 @@ def cluster(args: argparse.Namespace) -> dict:
     if args.fanout:
         out["tree_model"] = tree_model([r for r in rows if r["path"] == "tree"], args.fanout)
     return out
+
+
+def later_every(wg) -> None:
+    """A non-blocking no-op call to every rank whose future holds every rank's output, read at once."""
+    wg.slow_append(0, 0.0).get()
 
 
 def tree_model(rows: list[dict], fanout: int) -> dict:
@@ -480,17 +493,28 @@ class InstantAgent:
         self.submit = InstantSubmit(self)  # handle.submit.remote(...): a non-blocking call
 
     def remote(self, call_id: int, method: str, headers: tuple, refs: tuple, key, plans, timeout_s, generation: int = 0):
-        import pickle
-
         import ray
-        import torch
 
         from rankmesh.backends.ray.agent import NodeAnswer
+
+        shared = self.shared
+        start = time.thread_time()
+        ref = ray.put(NodeAnswer(self.values(headers, key, plans)))
+        shared.shares.append((call_id, method, headers, refs, key, plans, timeout_s, generation))
+        del shared.shares[:-64]
+        shared.spent_s += time.thread_time() - start
+        return ref
+
+    def values(self, headers: tuple, key, plans) -> dict:
+        """The subtree's outputs that are not ``None``, as a real agent answers them (see the class)."""
+        import pickle
+
+        import torch
+
         from rankmesh.backends.ray.wire import SharedSlot
         from rankmesh.data import DataProto
 
         shared = self.shared
-        start = time.thread_time()
         if plans is not None and key is not None:
             self.routes[key] = plans
         values = {}
@@ -505,24 +529,22 @@ class InstantAgent:
                 for rank, share in zip(shared.ranks_of[node], plan):
                     if share is not None and sends[share]:  # small: inside the answer, as a real agent sends it
                         values[rank] = DataProto.from_dict({"y": torch.zeros(1)})
-        ref = ray.put(NodeAnswer(values))
-        shared.shares.append((call_id, method, headers, refs, key, plans, timeout_s, generation))
-        del shared.shares[:-64]
-        shared.spent_s += time.thread_time() - start
-        return ref
+        return values
 
 
 class InstantSubmit:
-    """A top agent stand-in's :meth:`~rankmesh.backends.ray.agent.NodeAgent.submit`: the ObjectRef
-    of its subtree's ``{rank: output ref}`` at once, the outputs already there (a one-row
-    ``DataProto`` each, put here).  Like a real agent it returns the references of the ranks whose
-    share answers (``answering``) when given, else of every rank called."""
+    """A top agent stand-in's :meth:`~rankmesh.backends.ray.agent.NodeAgent.submit`, answered at
+    once, the outputs already there (a one-row ``DataProto`` each, put here): the ObjectRef of its
+    subtree's ``{rank: output ref}``, of the ranks whose share answers (``answering``) when given,
+    else of every rank called; or, ``joined``, of a :class:`~rankmesh.backends.ray.agent.Joined`,
+    as a real agent answers a call whose future reads every rank (its subtree's answer, put as
+    :meth:`InstantAgent.remote` puts one, and where each rank's output is)."""
 
     def __init__(self, agent: InstantAgent) -> None:
         self.agent = agent
 
     def remote(self, call_id: int, method: str, headers: tuple, refs: tuple, key, plans, timeout_s, generation: int = 0,
-               answering=None):
+               answering=None, joined: bool = False):
         import ray
         import torch
 
@@ -536,7 +558,13 @@ class InstantSubmit:
         outputs = {rank: row for node, plan in (plans if plans is not None else agent.routes[key]).items()
                    for rank, share in zip(shared.ranks_of[node], plan)
                    if share is not None and (answering is None or answering[share])}
-        ref = ray.put(outputs)
+        if joined:
+            from rankmesh.backends.ray.agent import Joined, NodeAnswer, SubtreeOutputs
+
+            answer = ray.put(NodeAnswer(agent.values(headers, key, plans)))
+            ref = ray.put(Joined(answer, ray.put(SubtreeOutputs(outputs))))
+        else:
+            ref = ray.put(outputs)
         shared.spent_s += time.thread_time() - start
         return ref
 
@@ -668,6 +696,11 @@ def scale(args: argparse.Namespace) -> dict:
                "agents_stand_in_ms": stand_in}
         line = (f"{nodes:5d} x {per_node:2d} = {nodes * per_node:6d} ranks: controller CPU per no-op call "
                 f"{row['controller_cpu_ms']:7.2f} ms = {own:6.2f} in process + {tops} sends x {send:.2f} ms")
+        # The no-op non-blocking, its future (every rank's output) read at once: the agents answer joined.
+        assert len(wg.slow_append(0, 0.0).get()) == nodes * per_node
+        own_every, _ = controller_ms(agents, functools.partial(later_every, wg), calls)
+        row["every_later_cpu_ms"] = own_every + tops * send
+        line += f"; non-blocking {row['every_later_cpu_ms']:7.2f} ms"
         if mesh is not None:
             values = list(range(args.dp))
             batch = scale_batch(args.dp, args.piece_kib)  # one row per dp piece
@@ -699,7 +732,8 @@ def scale(args: argparse.Namespace) -> dict:
                     row["proto_after_puts_ms"] = row["proto_cpu_ms"] - out["ray_floor_ms"]
                     print(f"{row['nodes']:5d} x {row['per_node']:2d}: MEGATRON_COMPUTE_PROTO {row['proto_cpu_ms']:.2f} ms "
                           f"= {out['ray_floor_ms']:.2f} ms of puts + {row['proto_after_puts_ms']:.2f} ms of the rest")
-    kinds = (("controller_cpu_ms", "no-op", "fit", 10), ("megatron_cpu_ms", f"MEGATRON_COMPUTE dp={args.dp}", "fit_megatron", None),
+    kinds = (("controller_cpu_ms", "no-op", "fit", 10), ("every_later_cpu_ms", "no-op non-blocking", "fit_every_later", None),
+             ("megatron_cpu_ms", f"MEGATRON_COMPUTE dp={args.dp}", "fit_megatron", None),
              ("proto_cpu_ms", f"MEGATRON_COMPUTE_PROTO dp={args.dp}", "fit_proto", 30),
              ("later_cpu_ms", f"MEGATRON_COMPUTE_PROTO non-blocking dp={args.dp}", "fit_later", None))
     for key, what, name, target in kinds:
@@ -734,6 +768,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fanout", type=int, help="with --cluster: also measure the agents in a tree this wide")
     ap.add_argument("--data", action="store_true", help="with --cluster: time a MEGATRON_COMPUTE_PROTO call (mesh tp = "
                     "ranks per node, dp = nodes, 4 rows per piece) instead of a no-op")
+    ap.add_argument("--later", action="store_true", help="with --cluster: time a non-blocking no-op call to every rank, "
+                    "its future read at once (slow_append(0, 0).get(): a GroupFuture of every rank's output)")
     ap.add_argument("--kill", action="store_true", help="also run the SIGKILL drills (one node)")
     ap.add_argument("--scale", help="instead: the controller alone at shapes NODESxRANKS (e.g. 1024x8,4096x8) against "
                                     "in-process agents whose ranks answer at once (--fanout: the tree's width, default 8)")

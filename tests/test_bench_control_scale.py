@@ -71,7 +71,9 @@ def test_the_controller_does_the_same_work_per_call_whatever_the_ranks_per_node(
     """Issue 41, item 1: a call is its shares plus a selection the agents expand, so the controller's
     work per call does not depend on the ranks per node (or tp): counted as the Python functions it
     calls for one call, at 2, 4 and 8 ranks per node on 16 nodes in a tree 4 wide.  A non-blocking
-    data call too: its future reads the collect ranks alone, and the agents send back theirs.  Expected by hand:
+    data call too: its future reads the collect ranks alone, and the agents send back theirs; and a
+    non-blocking call whose future reads every rank (a ``GroupFuture``): one joined answer per top
+    agent.  Expected by hand:
     4 sends per call (the tops), the selection's plans sent with the first call only."""
     from rankmesh.mesh import RankMesh
 
@@ -79,7 +81,7 @@ def test_the_controller_does_the_same_work_per_call_whatever_the_ranks_per_node(
 
     from rankmesh.data import DataProto
 
-    counts: dict[str, list[int]] = {"noop": [], "shifted": [], "later": []}
+    counts: dict[str, list[int]] = {"noop": [], "shifted": [], "later": [], "every_later": []}
     batch = DataProto.from_dict({"x": torch.arange(16)})
     for per_node in (2, 4, 8):
         wg, agents, tops = bench.scale_group(16, per_node, 4, RankMesh(tp=per_node, dp=16))
@@ -98,6 +100,12 @@ def test_the_controller_does_the_same_work_per_call_whatever_the_ranks_per_node(
         for _ in range(2):
             assert len(wg.rows_megatron_later(batch).get()) == 16
         counts["later"].append(_python_calls(lambda: wg.rows_megatron_later(batch).get()))
+        # A non-blocking call whose future holds every rank's output (ONE_TO_ALL, a GroupFuture) read
+        # at once: each top agent answers its subtree joined, not a reference per rank.
+        for _ in range(2):
+            assert len(wg.slow_append("x", 0.0).get()) == 16 * per_node
+        counts["every_later"].append(_python_calls(lambda: wg.slow_append("x", 0.0).get()))
     assert len(set(counts["noop"])) == 1, counts
     assert len(set(counts["shifted"])) == 1, counts
     assert len(set(counts["later"])) == 1, counts
+    assert len(set(counts["every_later"])) == 1, counts

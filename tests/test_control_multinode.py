@@ -27,11 +27,12 @@ def scenarios(cluster) -> dict:
 
     import torch
 
+    import rankmesh
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from rankmesh.backends.ray.agent import subtree
     from rankmesh.backends.ray.tasks import output_refs
     from rankmesh.data import DataProto
-    from rankmesh.errors import AgentLostError, HangError, WorkerDiedError, WorkerError
+    from rankmesh.errors import AgentLostError, FetchTimeoutError, HangError, WorkerDiedError, WorkerError
     from rankmesh.mesh import RankMesh
     from tests.control_workers import TP2, ControlWorker, kill_after
 
@@ -76,6 +77,28 @@ def scenarios(cluster) -> dict:
             got["future_error"] = {"rank": exc.rank, "text": str(exc)}
         got["future_carriers"] = {k: v - before.get(k, 0) for k, v in wg._executor.stats.by_carrier.items()
                                   if v != before.get(k, 0)}
+        # An unread non-blocking call whose future reads every rank's output: the references the
+        # controller holds for it (the entries new in Ray's reference table in this process).
+        core = ray._private.worker.global_worker.core_worker
+        gc.collect()
+        held = set(core.get_all_reference_counts())
+        unread_every = wg.slow_append("counted", 0.0)
+        got["every_refs"] = len(set(core.get_all_reference_counts()) - held)
+        got["every_values"] = unread_every.get()
+        del unread_every
+        # rankmesh.wait asks about the joined answers (one per top agent), not about each rank.
+        waited = wg.slow_append("waited", 1.0)
+        got["waits"] = len(waited.waits)
+        got["wait_running"] = len(rankmesh.wait([waited], timeout=0.2)[0])
+        got["wait_finished"] = len(rankmesh.wait([waited], timeout=60)[0])
+        got["waited_values"] = waited.get()
+        # Its get() past its timeout: the ranks still running are named, and the next call queues behind them.
+        try:
+            wg.slow_append("late", 1.5).get(timeout=0.5)
+            got["future_hang"] = None
+        except FetchTimeoutError as exc:
+            got["future_hang"] = sorted(exc.ranks)
+        got["after_future_hang"] = wg.echo("after late")
         # A non-blocking call over tp2 x dp3 whose future reads the collect ranks (tp0) alone: the agents
         # send back their references only (counted in tests/test_bench_control_scale.py); every rank runs it.
         wg.history()
@@ -98,7 +121,6 @@ def scenarios(cluster) -> dict:
         got["after_data_hang"] = wg.echo("after")
         got["after_data_hang_order"] = [[m for m, _, _ in log] for log in wg.history()]
         # Nothing of a data call stays referenced by the controller once it returned.
-        core = ray._private.worker.global_worker.core_worker
         gc.collect()
         held = len(core.get_all_reference_counts())
         for _ in range(3):
@@ -187,6 +209,7 @@ def scenarios(cluster) -> dict:
             # A kept agent that dies (its node's crash, say) loses the outputs it owns, but not its
             # ranks: reading the future says so, and the group stays usable.
             orphan = wg.rows_later(wide)
+            orphan_every = wg.slow_append("orphan", 0.0)  # a future of every rank's output, joined by its agents
             time.sleep(0.5)
             wg.set_control("auto", agent_fanout=fanout + 1)
             wg.echo("after orphan")
@@ -201,7 +224,11 @@ def scenarios(cluster) -> dict:
                 got["orphan"] = {"type": None}
             except Exception as exc:  # noqa: BLE001 - recorded for the assertion
                 got["orphan"] = {"type": type(exc).__name__, "ranks": getattr(exc, "ranks", None), "text": str(exc)}
-            del orphan
+            try:
+                got["orphan_every"] = {"type": None, "values": orphan_every.get()}
+            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+                got["orphan_every"] = {"type": type(exc).__name__, "ranks": getattr(exc, "ranks", None), "text": str(exc)}
+            del orphan, orphan_every
             got["usable_after_orphan"] = wg.failed is None
             got["after_orphan"] = wg.echo("after orphan read")
             wg.set_control("auto", agent_fanout=fanout)
@@ -248,6 +275,14 @@ def test_a_group_across_nodes_runs_every_call_on_both_paths(report, path):
     assert got["data_carriers"] == ({"ray": 3} if path == "ray" else {"agent": 3})
     assert got["future_carriers"] == ({"ray": 2} if path == "ray" else {"agent": 2})
     assert got["handles"] == ["ObjectRef"] * 6 and got["handle_values"] == [None] * 6
+    # Unread, a future of every rank's output costs the controller one reference per rank on Ray's
+    # tasks (it owns each task's return), and through the agents two per top agent (its subtree's
+    # answer, joined once every rank finished, and where each rank's output is), whatever the ranks.
+    assert got["every_refs"] == (6 if path == "ray" else 2 * got["tops"])
+    assert got["every_values"] == [None] * 6
+    assert got["waits"] == (6 if path == "ray" else got["tops"])
+    assert (got["wait_running"], got["wait_finished"], got["waited_values"]) == (0, 1, [None] * 6)
+    assert got["future_hang"] == list(range(6)) and got["after_future_hang"] == ["after late"] * 6
     # tp2 x dp3, ranks tp-fastest: dp replica d is ranks 2d, 2d + 1 with rows 2d, 2d + 1; tp0 answers.
     assert got["tp2_rows"] == [0, 10, 22, 32, 44, 54]  # x * 10 + rank of ranks 0, 2, 4, by hand
     assert got["tp2_ran"] == [[2]] * 6  # two rows per dp replica, on both of its tp ranks
@@ -279,6 +314,14 @@ def test_a_future_outlives_the_agents_that_sent_its_call(report, path):
     assert got["orphan"]["type"] == "AgentLostError", got["orphan"]
     assert got["orphan"]["ranks"] == [0, 1, 2, 3, 4, 5]
     assert "lost with its owner" in got["orphan"]["text"] and "the rank lives" in got["orphan"]["text"]
+    # The same for a future of every rank's output, which its agents joined: unless the controller
+    # already holds the (small) outputs, which Ray may have handed it while it waited on them.
+    every = got["orphan_every"]
+    if every["type"] is None:
+        assert every["values"] == [None] * 6, every
+    else:
+        assert every["type"] == "AgentLostError" and every["ranks"] == [0, 1, 2, 3, 4, 5], every
+        assert "lost with its owner" in every["text"], every
     assert got["usable_after_orphan"] is True
     assert got["after_orphan"] == ["after orphan read"] * 6
 

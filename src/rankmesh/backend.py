@@ -190,6 +190,21 @@ def merge_failures(failures: Sequence[tuple[int, str | None, Any, BaseException]
 
 
 @runtime_checkable
+class JoinedPendings(Protocol):
+    """A call's pendings that the backend waits for as fewer handles than it has ranks (on Ray,
+    a non-blocking call through the node agents: one answer per top agent).
+
+    It is still the sequence of the ranks' pendings, made only when asked for (iterating it);
+    :attr:`waits` are the handles that say the whole call is done, what :func:`rankmesh.wait`
+    asks a :class:`ReadyCheck` about, so waiting on such a future costs nothing per rank.
+    """
+
+    @property
+    def waits(self) -> tuple[Any, ...]:
+        """The handles whose being done means every rank's is."""
+
+
+@runtime_checkable
 class ReadyCheck(Protocol):
     """Says which pending handles are done, without fetching them (what :func:`rankmesh.wait` asks).
 

@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
-from rankmesh.backend import ReadyCheck
+from rankmesh.backend import JoinedPendings, ReadyCheck
 from rankmesh.data import DataProtoFuture
 from rankmesh.data.future import fetch_futures, identity_fetch
 from rankmesh.errors import DispatchError
@@ -36,7 +36,9 @@ class GroupFuture:
         stall_warn_s: float | None = None,
         ready_check: ReadyCheck | None = None,
     ) -> None:
-        self._fetch, self._pending, self._finish = fetch, list(pending), finish
+        # Joined pendings stay as they are: listing them would make every rank's pending now.
+        self._fetch, self._finish = fetch, finish
+        self._pending: Sequence[Any] = pending if isinstance(pending, JoinedPendings) else list(pending)
         self._done, self._value = False, None
         self._timeout, self._stall_warn_s = timeout, stall_warn_s
         self._ready_check = ready_check
@@ -52,8 +54,19 @@ class GroupFuture:
 
         Another group's call may take them as an argument: its workers wait for and read them
         through their context's :class:`~rankmesh.backend.ObjectTransport`, with no round trip
-        through the controller (reshard's receives wait for its sends this way).
+        through the controller (reshard's receives wait for its sends this way).  Where the backend
+        joins a call's ranks (:class:`~rankmesh.backend.JoinedPendings`: on Ray, a call through the
+        node agents) they are made when first asked for, at a cost per rank that :meth:`get` and
+        ``rankmesh.wait`` do not pay.
         """
+        return tuple(self._pending)
+
+    @property
+    def waits(self) -> tuple[Any, ...]:
+        """The handles whose being done means the call is: :attr:`handles`, or fewer where the
+        backend joins them (what ``rankmesh.wait`` asks the :attr:`ready_check` about)."""
+        if isinstance(self._pending, JoinedPendings):
+            return self._pending.waits
         return tuple(self._pending)
 
     def get(self, timeout: float | None = None) -> Any:
@@ -78,7 +91,7 @@ Wait = tuple[ReadyCheck, Any]
 def _waits(future: Any, where: str) -> list[Wait]:
     """The (check, handle) pairs ``future`` is still waiting for."""
     if isinstance(future, GroupFuture):
-        handles = future.handles
+        handles = future.waits
         if handles and future.ready_check is None:
             raise DispatchError(f"{where}: this GroupFuture carries no ready check (it was not made by a worker group)")
         return [(future.ready_check, h) for h in handles]

@@ -33,9 +33,14 @@ its own process is gone, and the ranks of a dead agent are never confused with a
 
 **Non-blocking calls** (:meth:`NodeAgent.submit`) travel down the same tree, but every called
 rank gets a Ray task from its agent, and each agent answers as soon as its subtree's tasks are
-sent, with their outputs' ObjectRefs (which it owns): the controller's future holds one ref per
-rank, as on Ray's own tasks (:class:`AgentSends`), and never the data.  Agents replaced while
-they own outputs somebody references are kept, idle, until nothing does
+sent (:class:`AgentSends`); the controller never holds the data.  A future that reads only the
+collect ranks (a ``DataProtoFuture``) gets their outputs' ObjectRefs, one per dp piece.  A future
+that reads every rank's output (a ``GroupFuture``) gets two references per top agent
+(:class:`Joined`): its subtree's answer, which the agent's :meth:`NodeAgent.join` makes once every
+rank finished, read whole as a blocking call's answers are (:class:`JoinedCall`), and where each
+rank's output is, read only when something failed or somebody asks for each rank's reference.
+The agents own all of these (Ray makes the submitter the owner): agents replaced while they own
+outputs somebody references are kept, idle, until nothing does
 (:meth:`AgentSession.let_go_unowned`), and an output lost with a dead owner on a live rank is
 told as such (:func:`owners_lost`).
 """
@@ -64,6 +69,9 @@ from .waiting import PROCESS_DIED, Gathered, gather, translate_error
 from .wire import COMMAND_BYTES, INLINE_BYTES, Command, encode_command
 
 CONTROL_GROUP = "control"
+#: The agent's own calls that join a non-blocking call's outputs (:meth:`NodeAgent.join`): they
+#: run once the ranks finished, beside whatever call the agent's default thread runs.
+JOIN_GROUP = "join"
 #: Children per agent, and agents the controller sends to: up to 8 nodes take one level, 72 two,
 #: 584 three (``AgentSession(fanout=...)``, ``RayWorkerGroup.set_control(agent_fanout=...)``).
 AGENT_FANOUT = 8
@@ -81,6 +89,12 @@ AGENT_START_S = 15.0
 #: The longest a non-blocking call waits for an agent to have sent its subtree's ranks their tasks,
 #: when the call has no deadline (seconds): the agent first finishes the call it runs.
 SUBMIT_WAIT_S = 300.0
+#: The longest an agent's join of a non-blocking call (:meth:`NodeAgent.join`) waits for its
+#: subtree (seconds); past it, it answers the ranks still running as such, and the controller
+#: reads the call rank by rank.  Each join waits on a thread of its own, :data:`JOINS` at a time.
+JOIN_WAIT_S = 300.0
+#: Joins an agent waits for at once; a further one starts when one of them answered.
+JOINS = 32
 #: How long the controller waits for the retired agents (all asked at once) to say whether they
 #: still own a referenced output, at a group change (seconds): one that does not answer is kept
 #: and asked again at the next change.
@@ -120,6 +134,30 @@ class NodeAnswer:
     def clean(self) -> bool:
         """Every rank finished without an error."""
         return not self.errors and not self.unfinished
+
+
+@dataclass(frozen=True)
+class SubtreeOutputs:
+    """Where a subtree's output references are, for a caller that asks rank by rank
+    (:meth:`JoinedCall.each`): this node's ranks' own, and per child the ranks it was sent and the
+    reference of its own :class:`SubtreeOutputs`."""
+
+    own: dict[int, Any]
+    children: tuple[tuple[tuple[int, ...], Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A subtree's answer to a non-blocking call whose future reads every rank's output
+    (:meth:`NodeAgent.submit` with ``joined``): two ObjectRefs this agent owns, whatever its ranks.
+
+    ``answer`` becomes the subtree's :class:`NodeAnswer` once every rank in it finished (an error
+    as soon as one failed: the caller then reads rank by rank); ``outputs`` is its
+    :class:`SubtreeOutputs`, read only by such a caller, or one that asks for each rank's reference.
+    """
+
+    answer: Any
+    outputs: Any
 
 
 def _lost(exc: BaseException) -> str:
@@ -270,6 +308,7 @@ class NodeAgent:
         self._open: dict[int, Any] = {}  # rank -> the flag of the last Ray task sent to it, not seen finished
         self._given_up: set[int] = set()
         self._lock = threading.Lock()  # guards _given_up and _session between the two threads
+        self._me: Any = None  # this actor's own handle, for the joins of non-blocking calls
 
     def open(self, ranks: Sequence[int], actors: Mapping[int, Any], pids: Mapping[int, int],
              nodes: Sequence[str | None], coords: Sequence[RankCoords | None], node: str = "",
@@ -369,13 +408,15 @@ class NodeAgent:
 
     def submit(self, call_id: int, method: str, headers: tuple[bytes, ...], refs: tuple[tuple[Any, ...], ...],
                key: int | None, plans: NodePlans | None, timeout_s: float | None, generation: int = 0,
-               answering: tuple[bool, ...] | None = None) -> dict[int, Any]:
+               answering: tuple[bool, ...] | None = None, joined: bool = False) -> dict[int, Any] | Joined:
         """Send non-blocking call ``call_id`` to the ranks of this subtree that selection ``key``
         names, and return at once each rank's output reference (``{rank: ObjectRef}``), owned by
         this agent (its child's, for a rank below): the controller's future holds them, and
         another group's ranks fetch them from the producers' stores.  Arguments as :meth:`call`'s;
         ``answering[s]``: whether share ``s``'s ranks send an output back (given when the caller
         keeps only theirs: the other ranks run the call, and their references are not returned).
+        ``joined`` (a future that reads every rank's output): return a :class:`Joined` instead, two
+        references for the whole subtree, so the controller receives none per rank.
 
         Every rank gets a Ray task (a non-blocking call's outputs are ObjectRefs), after the ring
         call it has not finished (the host waits for it), and stays open here, so this agent's
@@ -389,9 +430,10 @@ class NodeAgent:
                                  "the group starts new agents", [])
         sent = [(child, called, self._children[child][0].submit.remote(
                     call_id, method, headers, refs, key, self._plans_for(child, key, route), deadline.timeout(), generation,
-                    answering))
+                    answering, joined))
                 for child, called in route.children.items()]
         outputs: dict[int, Any] = {}
+        flags: list[Any] = []
         if route.mine is not None:
             session = self._session
             if session is None:
@@ -405,15 +447,42 @@ class NodeAgent:
                     self._open[rank] = flag
                     if answering is None or answering[share]:
                         outputs[rank] = output
+                        flags.append(flag)
+        below: list[tuple[tuple[int, ...], Any]] = []
         for child, called, ref in sent:
             try:
-                outputs.update(ray.get(ref, timeout=deadline.timeout()))
+                answer = ray.get(ref, timeout=deadline.timeout())
             except Exception as exc:  # noqa: BLE001 - the child (or one below it) did not send: the call fails, naming its ranks
                 if isinstance(exc, AgentLostError):
                     raise
                 raise AgentLostError(f"{method}: the node agent of node {child} did not send its ranks the call: "
                                      f"{_lost(exc)}", list(called)) from exc
-        return outputs
+            if joined:
+                below.append((called, answer))
+            else:
+                outputs.update(answer)
+        if not joined:
+            return outputs
+        if self._me is None:
+            self._me = ray.get_runtime_context().current_actor
+        # The join waits on its own thread: its pendings travel inside a list, so Ray starts it at
+        # once and a later call's join never waits for this one's ranks.
+        pending = [Pending(flag_output, rank, method, None, None, RankTasks.name, call_id, generation)
+                   for rank, flag_output in zip(outputs, zip(flags, outputs.values()))]
+        pending += [Pending(j.answer, called[0], method, child, None, ChildAnswers.name, call_id, generation)
+                    for (child, called, _), (_, j) in zip(sent, below)]
+        answer = self._me.join.remote(pending, {child: called for child, called, _ in sent}, JOIN_WAIT_S)
+        return Joined(answer, ray.put(SubtreeOutputs(outputs, tuple((called, j.outputs) for called, j in below))))
+
+    @ray.method(concurrency_group=JOIN_GROUP)
+    def join(self, pending: list[Pending], children: dict[str, tuple[int, ...]], timeout_s: float) -> NodeAnswer:
+        """A joined non-blocking call's subtree answer (:class:`Joined`): this node's ranks' tasks
+        and the children's answers, waited for in the one wait loop within ``timeout_s`` (a failure
+        answers after the loop's grace; past the bound the ranks still running are answered so, and
+        the controller reads them rank by rank).  Outputs Ray brought back with a task's reply go
+        inside the answer; larger ones stay in their node's store (:class:`Stored`)."""
+        got = gather(pending, Deadline.after(timeout_s), {ChildAnswers.name: ChildAnswers(), RankTasks.name: RankTasks()})
+        return self._merge(pending, got.outcomes, {}, Route({}, None, dict(children)), got.unfinished)
 
     def _plans_for(self, child: str, key: int | None, route: Route) -> NodePlans | None:
         """The plans to send ``child`` with a call of selection ``key``: its subtree's, the first
@@ -551,7 +620,7 @@ def start_agents(node_ids: Sequence[str]) -> dict[str, Any]:
     """One :class:`NodeAgent` per node id, pinned there (``num_cpus=0``); by node id."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    cls = ray.remote(num_cpus=0, concurrency_groups={CONTROL_GROUP: 1})(NodeAgent)
+    cls = ray.remote(num_cpus=0, concurrency_groups={CONTROL_GROUP: 1, JOIN_GROUP: JOINS})(NodeAgent)
     return {
         node: cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
         for node in node_ids
@@ -636,14 +705,17 @@ class NoOutput:
 
 class AgentSends:
     """A non-blocking call sent to the node agents, until each top agent said its subtree's ranks
-    have their tasks (:meth:`resolve`): then one Ray-task pending per rank, whose handle is the
-    ObjectRef of the rank's output (an agent owns it), as a future's parts are on Ray's tasks.
-    A call whose caller keeps only the outputs (:attr:`.calls.CallRecord.outputs_only`) gets
-    references for the ranks that send one back alone, and a :class:`NoOutput` placeholder for
-    every other rank: the controller receives one reference per collect rank, not one per rank."""
+    have their tasks (:meth:`resolve`).
 
-    def __init__(self, record: CallRecord, refs: Sequence[Any]) -> None:
-        self.record, self.refs = record, list(refs)
+    A call whose caller keeps only the outputs (:attr:`.calls.CallRecord.outputs_only`) then gets
+    one Ray-task pending per rank that sends an output back, whose handle is the ObjectRef of the
+    rank's output (an agent owns it), as a future's parts are on Ray's tasks, and a
+    :class:`NoOutput` placeholder for every other rank: the controller receives one reference per
+    collect rank.  Any other call (its future reads every rank's output) gets a
+    :class:`JoinedCall`: two references per top agent, none per rank."""
+
+    def __init__(self, record: CallRecord, refs: Sequence[Any], plan: Plan) -> None:
+        self.record, self.refs, self.plan = record, list(refs), plan
 
     def __len__(self) -> int:
         return len(self.record.selection.ranks)
@@ -661,12 +733,57 @@ class AgentSends:
             raise AgentLostError(
                 f"{record.method}: the node agents did not say within the call's bound that every rank was sent "
                 f"the call ({_lost(exc)}); the next call starts new agents", list(record.ranks)) from exc
+        if not record.outputs_only:
+            return JoinedCall(record, [a.answer for a in answers], [a.outputs for a in answers], self.plan)
         outputs: dict[int, Any] = {}
         for answer in answers:
             outputs.update(answer)
-        if not record.outputs_only:
-            return record.pending(RayTasks.name, [outputs[rank] for rank in record.selection.ranks])
         return OutputsOnly(record, outputs)
+
+
+class JoinedCall(AgentCall):
+    """A non-blocking call on the node agents whose future reads every rank's output: the top
+    agents' :class:`Joined` answers.
+
+    Read whole like a blocking call's answers (:meth:`AgentSession.outputs`: ``refs`` are the
+    subtrees' answers, ready once their ranks finished), so the controller holds and reads
+    nothing per rank.  :meth:`each` (a call that failed or ran late, or a caller that wants each
+    rank's reference: ``GroupFuture.handles``) reads where the outputs are, from every agent down
+    the tree, and gives one Ray-task pending per rank whose handle is the rank's output reference,
+    as Ray's own tasks would: an agent that died gives its subtree's ranks its lost reference,
+    which reads as the owner's death (:func:`owners_lost` tells the ranks' fate).
+    """
+
+    def __init__(self, record: CallRecord, refs: Sequence[Any], outputs: Sequence[Any], plan: Plan) -> None:
+        super().__init__(record, refs, plan)
+        self.outputs = list(outputs)
+
+    @property
+    def waits(self) -> tuple[Any, ...]:
+        """What says the call is done: one answer per top agent (:class:`rankmesh.backend.JoinedPendings`)."""
+        return tuple(self.refs)
+
+    def each(self) -> list[Pending]:
+        if self._each is None:
+            ranks, top_of = self.record.selection.ranks, self.plan.top_of
+            found: dict[int, Any] = {}
+            for top, ref in enumerate(self.outputs):
+                _find_outputs(ref, [rank for rank, t in zip(ranks, top_of) if t == top], found)
+            self._each = self.record.pending(RayTasks.name, [found[rank] for rank in ranks])
+        return self._each
+
+
+def _find_outputs(ref: Any, ranks: Sequence[int], found: dict[int, Any]) -> None:
+    """Each of ``ranks``' output reference, read from the :class:`SubtreeOutputs` at ``ref`` and
+    below it, into ``found``; where an agent on the way is gone, its reference stands for its ranks'."""
+    try:
+        where = ray.get(ref, timeout=TAKE_PARKED_S)
+    except Exception:  # noqa: BLE001 - the agent died: its ranks' outputs went with it
+        found.update(dict.fromkeys(ranks, ref))
+        return
+    found.update(where.own)
+    for below, child in where.children:
+        _find_outputs(child, below, found)
 
 
 class OutputsOnly(Sequence[Pending]):
@@ -930,7 +1047,8 @@ class AgentSession:
         else:
             answering = tuple(share.returns for share in call.shares) if call.outputs_only else None
             refs = [self.agents[top].submit.remote(call.call_id, call.method, headers, objects, key,
-                                                   None if told else plan.plans[top], timeout, call.generation, answering)
+                                                   None if told else plan.plans[top], timeout, call.generation, answering,
+                                                   not call.outputs_only)
                     for top in plan.tops]
         if key is not None and not told and len(self._told) < PLANS_MAX:
             self._told.add(key)
@@ -944,7 +1062,7 @@ class AgentSession:
                 while len(submitted) > SUBMITTED_SETS:  # one-off rank sets (per-rank calls): fold the oldest
                     call_id, ranks = submitted.pop(next(iter(submitted)))
                     self._submitted_before.update(dict.fromkeys(ranks, call_id))
-        return AgentCall(call, refs, plan) if call.blocking else AgentSends(call, refs)
+        return AgentCall(call, refs, plan) if call.blocking else AgentSends(call, refs, plan)
 
     def last_unanswered(self) -> dict[int, int]:
         """Rank -> the last call sent to it whose outcome was not read, or the last non-blocking call

@@ -101,9 +101,10 @@ def output_refs(pending: Sequence[Pending]) -> list[Any]:
 
     Only this carrier's handles are ObjectRefs of the ranks' outputs (a session's are call ids on
     a ring, an agent's blocking call the answer of a whole subtree).  A non-blocking call's
-    pendings are always this carrier's: sent here, or across nodes by the node agents, which hand
-    back their ranks' output refs (:class:`.agent.AgentSends`), so its
-    :attr:`rankmesh.GroupFuture.handles` give their refs; another carrier's pending is refused, naming it.
+    per-rank pendings are always this carrier's: sent here, or across nodes by the node agents,
+    whose ranks' output refs are read from the agents when asked for (:class:`.agent.JoinedCall`),
+    so its :attr:`rankmesh.GroupFuture.handles` give their refs; another carrier's pending is
+    refused, naming it.
     """
     other = sorted({p.carrier for p in pending if p.carrier != RayTasks.name})
     if other:
