@@ -86,6 +86,8 @@ def scenarios(cluster) -> dict:
         got["every_refs"] = len(set(core.get_all_reference_counts()) - held)
         got["every_values"] = unread_every.get()
         del unread_every
+        # Outputs over Ray's inline size stay in their ranks' stores; the joined answer names them.
+        got["every_big"] = [[len(b), b[0], b[-1]] for b in wg.call_ranks("big", [(200_000,)] * 6, blocking=False).get()]
         # rankmesh.wait asks about the joined answers (one per top agent), not about each rank.
         waited = wg.slow_append("waited", 1.0)
         got["waits"] = len(waited.waits)
@@ -280,6 +282,7 @@ def test_a_group_across_nodes_runs_every_call_on_both_paths(report, path):
     # answer, joined once every rank finished, and where each rank's output is), whatever the ranks.
     assert got["every_refs"] == (6 if path == "ray" else 2 * got["tops"])
     assert got["every_values"] == [None] * 6
+    assert got["every_big"] == [[200_000, r, r] for r in range(6)]  # rank r's bytes are all r, by hand
     assert got["waits"] == (6 if path == "ray" else got["tops"])
     assert (got["wait_running"], got["wait_finished"], got["waited_values"]) == (0, 1, [None] * 6)
     assert got["future_hang"] == list(range(6)) and got["after_future_hang"] == ["after late"] * 6
