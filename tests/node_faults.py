@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import sys
 import time
 from typing import Any, Mapping, Sequence
@@ -22,6 +23,9 @@ from typing import Any, Mapping, Sequence
 NODES_ENV = "RANKMESH_TEST_NODES"
 #: The prefix of a driver's request to its test.
 CUE = "NODES "
+#: How long a driver waits for its test to answer a cue (seconds): starting a node's raylet on a
+#: loaded 2-core machine takes up to a minute.
+ASK_S = 300.0
 
 
 class LoopbackNodes:
@@ -78,8 +82,11 @@ class CuedNodes:
                 raise TimeoutError(f"no live node at {address} within {timeout:g} s")
             time.sleep(0.2)
 
-    def _ask(self, what: str) -> str:
+    def _ask(self, what: str, timeout: float = ASK_S) -> str:
         print(CUE + what, flush=True)
+        ready, _, _ = select.select([sys.stdin], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"the test did not answer {what!r} within {timeout:g} s")
         line = sys.stdin.readline().strip()
         if not line.startswith("done "):
             raise SystemExit(f"expected 'done ADDRESS' from the test after {what!r}, got {line!r}")

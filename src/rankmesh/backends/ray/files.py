@@ -243,13 +243,19 @@ class Mapped:
         return open_mapped, (where, self.payload, self.spans, self.size)
 
 
+def is_ray_handle(obj: Any) -> bool:
+    """Whether ``obj`` is an ObjectRef or an actor handle: Ray must pickle it itself, since one
+    pickled outside Ray's own serialization is pinned for good (its count never drops)."""
+    import ray
+
+    return isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle))
+
+
 class _InlineProbe(cloudpickle.CloudPickler):
-    """The header's own pickler, stopped at a Ray handle: one pickled outside Ray's serialization is pinned for good."""
+    """The header's own pickler, stopped at a Ray handle (:func:`is_ray_handle`)."""
 
     def reducer_override(self, obj: Any) -> Any:
-        import ray
-
-        if isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
+        if is_ray_handle(obj):
             raise pickle.PicklingError(f"holds a {type(obj).__name__}")
         return super().reducer_override(obj)
 

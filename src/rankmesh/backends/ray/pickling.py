@@ -19,12 +19,12 @@ import sys
 import types
 from typing import Any, Iterator, Mapping
 
-import ray
 from ray import cloudpickle
 from ray.cloudpickle import cloudpickle as cloudpickle_parts  # what cloudpickle sends of a class or function
 
 from rankmesh.errors import WorkerPickleError
 
+from .files import is_ray_handle
 from .host import RoleInit
 
 
@@ -55,15 +55,15 @@ class _Discard:
 
 class _TrialPickler(ClassPickler):
     """:class:`ClassPickler` that leaves out ``skip`` (the walk's ancestors, so a method that
-    names its own class is tried alone) and Ray's handles (pickled outside Ray, an ObjectRef
-    would stay pinned for good); Ray pickles those itself."""
+    names its own class is tried alone) and Ray's handles (:func:`.files.is_ray_handle`); Ray
+    pickles those itself."""
 
     def __init__(self, skip: frozenset[int] = frozenset()) -> None:
         super().__init__(_Discard(), protocol=5)
         self._skip = skip
 
     def persistent_id(self, obj: Any) -> Any:
-        if id(obj) in self._skip or isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
+        if id(obj) in self._skip or is_ray_handle(obj):
             return id(obj)
         return None
 
