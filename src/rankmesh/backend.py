@@ -26,6 +26,13 @@ from rankmesh.errors import AgentLostError, WorkerDiedError, WorkerError
 #: (:func:`rankmesh.worker.invoke`) receives inside ``rankmesh.serialization.receiving``.
 CALL_RECEIVE: tuple[str, ...] = ("cow", "copy")
 
+#: An argument up to this many (pickled) bytes travels inside its call instead of being shared
+#: (the group keeps small ``bytes`` so; on Ray any object that pickles this small rides inside the
+#: call's header, and an output inside its answer).  Ray's own default
+#: ``max_direct_call_object_size``: the size up to which Ray itself sends an object inside a
+#: task's message rather than through the store.
+INLINE_BYTES = 100 * 1024
+
 
 def check_receive(value: Any, what: str = "receive") -> str | None:
     """``value`` if it is ``None`` or one of :data:`CALL_RECEIVE`, else a ``ValueError`` naming ``what``."""

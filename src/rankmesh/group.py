@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from rankmesh.backend import Backend, GroupCall, RankCall, Selection, Shared, check_receive
+from rankmesh.backend import INLINE_BYTES, Backend, GroupCall, RankCall, Selection, Shared, check_receive
 from rankmesh.binding import EXECUTE_ALL, Binding, BoundMethod, MethodTable, PerRank
 from rankmesh.deadline import Deadline
 from rankmesh.dispatch.modes import DispatchRegistry, Execute, UserMode
@@ -46,7 +46,6 @@ Kwargs = dict[str, Any]
 #: future is shared, not inline: the references it holds must travel inside the backend's own
 #: serialization (on Ray, a reference pickled any other way stays pinned in the object store).
 _INLINE_TYPES = (type(None), bool, int, float, complex, str, enum.Enum, Shared)
-_INLINE_BYTES = 1 << 16
 
 class GroupMethod:
     """One bound group method (``wg.compute``): calling it runs one group call.
@@ -545,7 +544,7 @@ class WorkerGroup:
         shared: dict[int, Shared] = {}
 
         def ship(value: Any) -> Any:
-            if isinstance(value, _INLINE_TYPES) or (isinstance(value, bytes) and len(value) <= _INLINE_BYTES):
+            if isinstance(value, _INLINE_TYPES) or (isinstance(value, bytes) and len(value) <= INLINE_BYTES):
                 return value
             handle = shared.get(id(value))
             if handle is None:

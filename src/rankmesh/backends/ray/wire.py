@@ -38,17 +38,11 @@ import numpy as np
 import torch
 from ray import cloudpickle
 
-from rankmesh.backend import RankCall, Selection, Shared
+from rankmesh.backend import INLINE_BYTES, RankCall, Selection, Shared
 from rankmesh.data import DataProto
 
 from .files import CappedSink, FilePool, mapped, pickle_probed
 
-
-#: An argument object up to this many pickled bytes rides inside its call's header instead of the
-#: object store (:func:`inline`); so does an output inside its answer (:mod:`.agent`).
-#: Ray's own default ``max_direct_call_object_size``: the size up to which Ray itself sends an
-#: object inside a task's message rather than through the store.
-INLINE_BYTES = 100 * 1024
 
 
 def _known_bytes(obj: Any) -> int | None:
