@@ -26,7 +26,7 @@ from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWork
 from rankmesh.backends.ray.pool import Slot  # noqa: E402
 from rankmesh.backends.ray.calls import Pending  # noqa: E402
 from rankmesh.backends.ray.recovery import ReplacementReport, exit_on_next_call  # noqa: E402
-from rankmesh.backends.ray.remesh import RemeshReport  # noqa: E402
+from rankmesh.backends.ray.remesh import RemeshReport, new_groups  # noqa: E402
 from rankmesh.backends.ray.spares import Spare, SpareStatus, spare_order  # noqa: E402
 from tests.recovery_workers import StateWorker  # noqa: E402
 
@@ -252,6 +252,15 @@ def test_a_rank_tries_spares_away_from_its_shards_copies_then_on_its_own_node_th
     # first (warm before cold), then "a".
     assert spare_order([far_warm, near_cold, near_warm, far_old], "a", warm, avoid={"a"}) == [
         far_warm, far_old, near_warm, near_cold]
+
+
+def test_a_grow_places_whole_replicas_then_what_spares_and_free_bundles_left_of_one():
+    """Hand-derived.  Before, a grow whose spares had begun a replica failed ("process(es) short,
+    not whole replicas"): one warm spare and grow(1) on tp2 left one process to place."""
+    assert new_groups(0, 4) == [] and new_groups(-1, 4) == []  # spares and free bundles covered it all
+    assert new_groups(8, 4) == [4, 4]  # two whole replicas, each packed on one node
+    assert new_groups(1, 2) == [1]  # one spare began the replica of 2: its other rank
+    assert new_groups(7, 4) == [4, 3]  # one whole replica, then the 3 ranks one spare left of the next
 
 
 def test_spares_and_replacements_print_short_node_ids_and_rounded_seconds():

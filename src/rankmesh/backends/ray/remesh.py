@@ -226,6 +226,18 @@ def shrink_dead_replicas(
     return report
 
 
+def new_groups(need: int, per_replica: int) -> list[int]:
+    """The sizes of the placement groups a grow makes for ``need`` processes that neither a warm
+    spare nor a free bundle of the group took: one per whole replica (``per_replica`` bundles on
+    one node, as the pool placed the others), then one of the rest, on one node too.  The rest
+    is what spares and free bundles left of a replica they began; its ranks then span that node
+    and theirs, as a replacement from a spare does.  Nothing for ``need <= 0``."""
+    if need <= 0:
+        return []
+    whole, rest = divmod(need, per_replica)
+    return [per_replica] * whole + ([rest] if rest else [])
+
+
 def _processes_for(hosts: HostSet, plan: Remesh, timeout: float) -> tuple[dict[int, Any], dict[int, dict], dict[int, Slot], list[int]]:
     """A process for every added rank: warm spares, then the group's free bundles, then new placement groups.
 
@@ -248,23 +260,19 @@ def _processes_for(hosts: HostSet, plan: Remesh, timeout: float) -> tuple[dict[i
         free += hosts.take_free_slots(len(left))
         new_slots: list[Slot] = []
         per_replica = plan.new.world_size // plan.new.size("dp")
-        need = len(left) - len(free)
-        if need > 0:
-            if need % per_replica:
-                raise RecoveryError(f"grow: {need} process(es) short, not whole replicas of {per_replica}")
-            pool = hosts.pool
-            deadline = time.monotonic() + timeout
-            for _ in range(need // per_replica):
-                pg = placement_group([dict(pool.bundle) for _ in range(per_replica)], strategy="STRICT_PACK",
-                                     name=f"{hosts.name_prefix}_grow{len(hosts.pg_ids)}")
-                hosts.add_placement_group(pg.id.hex())  # removed with the group, or below if the grow fails
-                made.append(pg)
-                if not pg.wait(timeout_seconds=max(0.1, deadline - time.monotonic())):
-                    raise RecoveryError(
-                        f"grow: no node has room for a replica of {per_replica} x {pool.bundle} within {timeout:g} s; "
-                        "free resources (or add a node), or keep spares (RayResourcePool(..., spares=N))")
-                node = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
-                new_slots += [Slot(pg=pg, entry=-1, bundle_index=b, node_id=node, node_ip="") for b in range(per_replica)]
+        pool = hosts.pool
+        deadline = time.monotonic() + timeout
+        for size in new_groups(len(left) - len(free), per_replica):
+            pg = placement_group([dict(pool.bundle) for _ in range(size)], strategy="STRICT_PACK",
+                                 name=f"{hosts.name_prefix}_grow{len(hosts.pg_ids)}")
+            hosts.add_placement_group(pg.id.hex())  # removed with the group, or below if the grow fails
+            made.append(pg)
+            if not pg.wait(timeout_seconds=max(0.1, deadline - time.monotonic())):
+                raise RecoveryError(
+                    f"grow: no node has room for {size} x {pool.bundle} (a replica has {per_replica}) within "
+                    f"{timeout:g} s; free resources (or add a node), or keep spares (RayResourcePool(..., spares=N))")
+            node = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
+            new_slots += [Slot(pg=pg, entry=-1, bundle_index=b, node_id=node, node_ip="") for b in range(size)]
         for rank, slot in zip(left, [*free, *new_slots]):
             actors[rank] = start_host(hosts.pool, slot, None, hosts.name_prefix, False, hosts.options)
             slots[rank] = slot
