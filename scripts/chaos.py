@@ -90,6 +90,8 @@ def system_config() -> dict[str, int]:
 
 #: How often the driver writes its state, and the soak reads it (seconds).
 STATE_PERIOD_S = 0.25
+#: What a driver writes into its run directory and the soak reads back (and so removes first).
+RUN_FILES = ("state.json", "state.json.tmp", "result.json")
 
 
 # ----- the driver: the demo, inside the head's namespace ----------------------------------------
@@ -325,6 +327,8 @@ class Soak:
 
     def start_driver(self, run_dir: Path, sync_iterations: int | None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
+        for old in RUN_FILES:  # an earlier soak's, in the same --out: read back, they would pass for this run's
+            (run_dir / old).unlink(missing_ok=True)
         argv = [sys.executable, str(Path(__file__).resolve()), "--drive", str(run_dir), "--minutes", str(self.args.minutes),
                 "--spares", str(self.args.spares), "--call-timeout", str(self.args.call_timeout)]
         if sync_iterations is not None:

@@ -765,10 +765,13 @@ class JoinedCall(AgentCall):
 
     def each(self) -> list[Pending]:
         if self._each is None:
-            ranks, top_of = self.record.selection.ranks, self.plan.top_of
+            ranks = self.record.selection.ranks
+            under: list[list[int]] = [[] for _ in self.outputs]  # each top's ranks
+            for rank, top in zip(ranks, self.plan.top_of):
+                under[top].append(rank)
             found: dict[int, Any] = {}
-            for top, ref in enumerate(self.outputs):
-                _find_outputs(ref, [rank for rank, t in zip(ranks, top_of) if t == top], found)
+            for ref, below in zip(self.outputs, under):
+                _find_outputs(ref, below, found)
             self._each = self.record.pending(RayTasks.name, [found[rank] for rank in ranks])
         return self._each
 
