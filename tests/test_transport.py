@@ -414,3 +414,34 @@ def test_a_view_taken_before_a_shrink_is_refused(ray_session):
         assert wg.replica(1).whoami() == [(1, pid_of[2])]  # a fresh view: replica 1 is the old replica 2
     finally:
         wg.shutdown()
+
+
+def test_where_a_joined_calls_outputs_are_is_read_within_its_bound(ray_session):
+    """T2 (every wait bounded), for a non-blocking call its node agents joined: reading where each
+    rank's output is (``JoinedCall.each``, what ``handles`` and a failed ``get()`` do) gives up on
+    an agent that does not answer within the bound, naming its ranks, and never waits on it for
+    longer.  Before, one unanswered agent held the reader for 120 s (a partitioned node in the
+    chaos soak).  Expected by hand: the top's own rank 0 and its live child's rank 2 are found;
+    the silent child's ranks 4 and 5 are unreached; a dead agent's ranks read its lost reference."""
+    from rankmesh.backends.ray.agent import SubtreeOutputs, _find_outputs
+
+    @ray.remote(num_cpus=0)
+    class Silent:
+        def where(self) -> None:
+            time.sleep(30)  # an agent that never says (a partitioned node): its answer is not in within the bound
+
+    silent, dead = Silent.remote(), Silent.remote()
+    try:
+        child = ray.put(SubtreeOutputs({2: "rank 2's output ref"}))
+        never = silent.where.remote()
+        lost = dead.where.remote()
+        ray.kill(dead)  # its answer reads as its death, at once
+        top = ray.put(SubtreeOutputs({0: "rank 0's output ref"}, (((2,), child), ((4, 5), never), ((6,), lost))))
+        start = time.monotonic()
+        found, unreached = _find_outputs([(top, [0, 2, 4, 5, 6])], 1.0)
+        took = time.monotonic() - start
+        assert found == {0: "rank 0's output ref", 2: "rank 2's output ref", 6: lost}
+        assert unreached == {4: "no answer", 5: "no answer"}
+        assert took < 5.0, took
+    finally:
+        ray.kill(silent)

@@ -95,6 +95,10 @@ SUBMIT_WAIT_S = 300.0
 JOIN_WAIT_S = 300.0
 #: Joins an agent waits for at once; a further one starts when one of them answered.
 JOINS = 32
+#: How long the controller waits for the agents of a joined non-blocking call to say where each
+#: rank's output is (seconds; :meth:`JoinedCall.each`).  They put that before answering the
+#: call, so a live agent says it in milliseconds; past the bound its ranks are unreached.
+OUTPUTS_WAIT_S = 5.0
 #: How long the controller waits for the retired agents (all asked at once) to say whether they
 #: still own a referenced output, at a group change (seconds): one that does not answer is kept
 #: and asked again at the next change.
@@ -769,24 +773,68 @@ class JoinedCall(AgentCall):
             under: list[list[int]] = [[] for _ in self.outputs]  # each top's ranks
             for rank, top in zip(ranks, self.plan.top_of):
                 under[top].append(rank)
-            found: dict[int, Any] = {}
-            for ref, below in zip(self.outputs, under):
-                _find_outputs(ref, below, found)
-            self._each = self.record.pending(RayTasks.name, [found[rank] for rank in ranks])
+            found, unreached = _find_outputs(list(zip(self.outputs, under)), OUTPUTS_WAIT_S)
+            lost = None
+            if unreached:
+                lost = AgentLostError(
+                    f"{self.method}: the node agents serving ranks {sorted(unreached)} did not say within "
+                    f"{OUTPUTS_WAIT_S:g} s where their outputs are ({next(iter(unreached.values()))}); the ranks may "
+                    "live (a partitioned or overloaded node), and what the call did there is unknown; the group's "
+                    "next call starts new agents", sorted(unreached))
+            self._each = [self.record.pending_at(i, RayTasks.name, found[rank]) if rank in found
+                          else self.record.pending_at(i, Unreached.name, lost) for i, rank in enumerate(ranks)]
         return self._each
 
+    def __iter__(self) -> Any:
+        """Each rank's pending, whose handle is its output reference (``GroupFuture.handles``);
+        raises :class:`~rankmesh.errors.AgentLostError` for ranks whose agents cannot say where
+        their outputs are, since no reference of theirs can be given."""
+        each = self.each()
+        lost = next((p.handle for p in each if p.carrier == Unreached.name), None)
+        if lost is not None:
+            raise lost
+        return iter(each)
 
-def _find_outputs(ref: Any, ranks: Sequence[int], found: dict[int, Any]) -> None:
-    """Each of ``ranks``' output reference, read from the :class:`SubtreeOutputs` at ``ref`` and
-    below it, into ``found``; where an agent on the way is gone, its reference stands for its ranks'."""
-    try:
-        where = ray.get(ref, timeout=TAKE_PARKED_S)
-    except Exception:  # noqa: BLE001 - the agent died: its ranks' outputs went with it
-        found.update(dict.fromkeys(ranks, ref))
-        return
-    found.update(where.own)
-    for below, child in where.children:
-        _find_outputs(child, below, found)
+
+def _find_outputs(tops: Sequence[tuple[Any, Sequence[int]]], within: float) -> tuple[dict[int, Any], dict[int, str]]:
+    """Each rank's output reference, read from the :class:`SubtreeOutputs` of ``tops`` (each
+    with its ranks) and below them, level by level, all within ``within`` seconds: ``(found,
+    unreached)``.  Where an agent on the way died, its reference stands for its ranks' (reading
+    it says the owner died, and :func:`owners_lost` asks the ranks); ranks whose agent did not
+    answer in time are ``unreached``, with why."""
+    found: dict[int, Any] = {}
+    unreached: dict[int, str] = {}
+    end = time.monotonic() + within
+    level = list(tops)
+    while level:
+        refs = [ref for ref, _ in level]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, end - time.monotonic()), fetch_local=True)
+        done = set(ready)
+        below: list[tuple[Any, Sequence[int]]] = []
+        for ref, ranks in level:
+            if ref not in done:
+                unreached.update(dict.fromkeys(ranks, "no answer"))
+                continue
+            try:
+                where = ray.get(ref)
+            except Exception:  # noqa: BLE001 - the agent died: its ranks' outputs went with it
+                found.update(dict.fromkeys(ranks, ref))
+                continue
+            found.update(where.own)
+            below += [(child, called) for called, child in where.children]
+        level = below
+    return found, unreached
+
+
+class Unreached:
+    """The carrier of ranks whose agents could not say where their outputs are (``name =
+    "unreached"``, :meth:`JoinedCall.each`): a pending's handle is the
+    :class:`~rankmesh.errors.AgentLostError` it is answered with, at once."""
+
+    name = "unreached"
+
+    def poll(self, pending: Sequence[Pending], within: float, first: bool = False) -> dict[int, Outcome]:
+        return {i: Outcome(error=p.handle) for i, p in enumerate(pending)}
 
 
 class OutputsOnly(Sequence[Pending]):

@@ -53,7 +53,7 @@ from rankmesh.tracing.marks import FETCH
 from rankmesh.sharedmem import register_store_processes
 from rankmesh.validate import optional_seconds, positive_int, positive_seconds
 
-from .agent import AGENT_FANOUT, AgentCall, AgentSends, AgentSession, NoOutput, owners_lost, ping_ranks
+from .agent import AGENT_FANOUT, AgentCall, AgentSends, AgentSession, NoOutput, Unreached, owners_lost, ping_ranks
 from .hangs import gather_hangs
 from .hosts import HostSet
 from .order import Abandoned, Ledger
@@ -424,7 +424,7 @@ class RayExecutor:
         return [session.name if r in ranks else "ray" for r in range(self.world_size)]
 
     def _carriers(self) -> dict[str, Carrier]:
-        carriers: dict[str, Carrier] = {"ray": self._tasks, NoOutput.name: NoOutput()}
+        carriers: dict[str, Carrier] = {"ray": self._tasks, NoOutput.name: NoOutput(), Unreached.name: Unreached()}
         if self.session is not None:
             carriers[self.session.name] = self.session
         return carriers
