@@ -336,3 +336,33 @@ def test_a_group_with_named_meshes_refuses_to_change_its_dp_size(groups) -> None
         RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(ShardHolder, LAYOUTS, seed=1),
                        mesh=TRAIN, meshes={"gen": GEN}, on_rank_death="shrink")
 
+
+
+def test_a_destination_waits_for_its_sources_no_longer_than_the_calls_timeout(groups) -> None:
+    """Every wait bounded: a receive whose source never sends (its node cut off) fails once its
+    call's timeout (``RecvJob.wait_s``) has passed, naming the source, and leaves the rank free.
+    Before, it waited as long as Ray did: a rollout rank stuck this way held every later refit of
+    its group in the chaos soak for over a minute."""
+    import time
+
+    import ray
+
+    from rankmesh.errors import WorkerError
+    from rankmesh.reshard.worker import ObjectRead, RecvJob
+
+    _, gen, _ = groups
+
+    @ray.remote(num_cpus=0)
+    def never_sends() -> None:
+        time.sleep(60)
+
+    pending = never_sends.remote()
+    try:
+        job = RecvJob("never", (ObjectRead(0, 0, ()),), wait_s=1.0)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"source ranks \[0\] had not sent within 1 s") as err:
+            gen.call_ranks("reshard_recv", [(job, [pending])], ranks=[0], timeout_s=30)
+        assert err.value.rank == 0 and time.monotonic() - start < 15
+        assert gen.call_ranks("shards", [()], ranks=[0]) is not None  # the rank is free for the next call
+    finally:
+        ray.cancel(pending, force=True)

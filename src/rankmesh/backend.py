@@ -323,11 +323,13 @@ class ObjectTransport(Protocol):
     def put(self, value: Any) -> Any:
         """Store ``value`` once; a handle for any rank of the backend."""
 
-    def get(self, handles: Sequence[Any]) -> list[Any]:
-        """The values of put objects or the outputs of pending calls, in order (raises a call's error)."""
+    def get(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        """The values of put objects or the outputs of pending calls, in order (raises a call's error;
+        past ``timeout`` seconds, ``TimeoutError``)."""
 
-    def wait_any(self, handles: Sequence[Any]) -> list[int]:
-        """Block until one of ``handles`` is ready; the indices of every handle ready by then."""
+    def wait_any(self, handles: Sequence[Any], timeout: float | None = None) -> list[int]:
+        """Block until one of ``handles`` is ready, at most ``timeout`` seconds (``None``: no limit);
+        the indices of every handle ready by then (none when the time ran out first)."""
 
     def peer_tracer(self) -> int | None:
         """The pid whose descendants are this process's peers on its node (they may read its memory

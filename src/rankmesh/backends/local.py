@@ -140,10 +140,10 @@ class LocalObjects:
     def put(self, value: Any) -> LocalObject:
         return LocalObject(value)
 
-    def get(self, handles: Sequence[Any]) -> list[Any]:
+    def get(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
         return [h.value if isinstance(h, LocalObject) else fetch_local([h])[0] for h in handles]
 
-    def wait_any(self, handles: Sequence[Any]) -> list[int]:
+    def wait_any(self, handles: Sequence[Any], timeout: float | None = None) -> list[int]:
         return list(range(len(handles)))  # every call ran before its submit returned
 
     def peer_tracer(self) -> int | None:

@@ -258,12 +258,13 @@ class Jobs:
 
 
 def build_jobs(plan: ReshardPlan, direct: frozenset[Pair], version: int | None = None, ipc: frozenset[Pair] = frozenset(),
-               ipc_required: bool = False) -> Jobs:
+               ipc_required: bool = False, wait_s: float | None = None) -> Jobs:
     """The send job of every source rank and the receive job of every destination rank (pure).
 
     ``direct`` / ``ipc``: the pairs read straight from the source process / through CUDA IPC
     handles (the rest use the store).  ``version``: the weight version each destination rank holds
-    once its job is done; ``ipc_required``: an IPC handle that will not open is an error."""
+    once its job is done; ``ipc_required``: an IPC handle that will not open is an error;
+    ``wait_s``: how long a destination rank waits for its sources (``RecvJob.wait_s``)."""
     token = uuid.uuid4().hex
     sends = []
     objects: list[list[ObjectRead]] = [[] for _ in range(plan.dst.world_size)]
@@ -288,7 +289,7 @@ def build_jobs(plan: ReshardPlan, direct: frozenset[Pair], version: int | None =
         sends.append(SendJob(token, tuple(regions for regions, _ in put), regions, local, shared))
     recvs = tuple(
         RecvJob(token, tuple(objects[d]), tuple(reads[d]), tuple((t.name, t.dst_slices) for t in plan.receives(d) if t.local),
-                version, tuple(ipc_reads[d]), ipc_required)
+                version, tuple(ipc_reads[d]), ipc_required, wait_s)
         for d in range(plan.dst.world_size)
     )
     return Jobs(tuple(sends), recvs, n_objects, bytes_put)
@@ -308,7 +309,7 @@ def _run(src_group: Any, dst_group: Any, plan: ReshardPlan, direct: frozenset[Pa
          ipc: frozenset[Pair] = frozenset(), ipc_required: bool = False) -> _Run:
     """Submit every send and receive of ``plan`` at once and wait for them (``direct`` pairs read by
     pid, ``ipc`` pairs through CUDA IPC handles)."""
-    jobs = build_jobs(plan, direct, version, ipc, ipc_required)
+    jobs = build_jobs(plan, direct, version, ipc, ipc_required, dst_group.call_timeout_s)
     start = time.time()
     sends = src_group.call_ranks("reshard_send", [(job,) for job in jobs.sends], blocking=False)
     try:

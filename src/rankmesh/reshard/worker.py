@@ -179,6 +179,19 @@ class RecvJob:
     #: Whether a CUDA IPC handle that will not open is an error (``transport="cuda_ipc"``) or a
     #: refusal the controller answers by sending that pair through the store (``"auto"``).
     ipc_required: bool = False
+    #: How long the rank waits for its sources to have sent (seconds; ``None``: as long as they
+    #: run): the receiving call's timeout, past which the controller has given the call up.
+    wait_s: float | None = None
+
+
+def _fetch_by(objects: Any, handles: Sequence[Any], end: float | None, rank: int, sources: Sequence[int]) -> list[Any]:
+    """``handles``' values (what sources ``sources`` sent destination ``rank``) by ``end``
+    (``time.monotonic()``; ``None``: no limit): a source cut off leaves the rank free, not stuck."""
+    try:
+        return objects.get(handles, None if end is None else max(0.0, end - time.monotonic()))
+    except TimeoutError as exc:
+        raise ReshardError(f"destination rank {rank}: what source ranks {list(sources)} sent did not arrive within "
+                           f"the call's timeout ({exc}); refit again once they are back or replaced") from exc
 
 
 @dataclass(frozen=True)
@@ -550,12 +563,16 @@ class ReshardWorker(Worker):
             ipc_by_source.setdefault(d.src_rank, []).append(d)
         ipc_bytes = 0
         waiting = sorted(set(by_source) | set(direct_by_source) | set(ipc_by_source))
+        end = None if job.wait_s is None else time.monotonic() + job.wait_s
         while waiting:
             # Whichever sources have put their objects: copy theirs while the others still put.
-            done = objects.wait_any([sends[r] for r in waiting])
+            done = objects.wait_any([sends[r] for r in waiting], None if end is None else max(0.0, end - time.monotonic()))
+            if not done:  # a source's node cut off, say: this rank is free for the next call, not stuck here
+                raise ReshardError(f"destination rank {self.rank}: source ranks {waiting} had not sent within "
+                                   f"{job.wait_s:g} s (the call's timeout); refit again once they are back or replaced")
             sources = [waiting[i] for i in done]
             waiting = [r for r in waiting if r not in sources]
-            outputs: list[SendResult] = objects.get([sends[r] for r in sources])
+            outputs: list[SendResult] = _fetch_by(objects, [sends[r] for r in sources], end, self.rank, sources)
             t, c = time.perf_counter(), time.thread_time()
             wanted: list[tuple[Any, tuple[Region, ...]]] = []
             for r, out in zip(sources, outputs):
@@ -587,7 +604,7 @@ class ReshardWorker(Worker):
             copy_cpu += time.thread_time() - c
             if not wanted:  # every region of these sources was read directly
                 continue
-            fetched = objects.get([handle for handle, _ in wanted])
+            fetched = _fetch_by(objects, [handle for handle, _ in wanted], end, self.rank, sources)
             t, c = time.perf_counter(), time.thread_time()
             for arrays, (_, regions) in zip(fetched, wanted):
                 received += copy_object(tensors, arrays, regions)

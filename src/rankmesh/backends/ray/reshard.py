@@ -51,11 +51,16 @@ class RayObjects:
     def put(self, value: Any) -> ray.ObjectRef:
         return ray.put(value)
 
-    def get(self, handles: Sequence[Any]) -> list[Any]:
-        return ray.get([_ref(h) for h in handles])
+    def get(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        try:
+            return ray.get([_ref(h) for h in handles], timeout=timeout)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(f"{len(handles)} objects not all in within {timeout:g} s") from exc
 
-    def wait_any(self, handles: Sequence[Any]) -> list[int]:
+    def wait_any(self, handles: Sequence[Any], timeout: float | None = None) -> list[int]:
         refs = [_ref(h) for h in handles]
-        first, _ = ray.wait(refs, num_returns=1)
+        first, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        if not first:
+            return []
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0] or first)
         return [i for i, ref in enumerate(refs) if ref in ready]
