@@ -36,6 +36,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from rankmesh.backend import ObjectTransport
+from rankmesh.deadline import Deadline
 from rankmesh.dispatch import Dispatch, register
 from rankmesh.errors import PeerReadError, ReshardError
 from rankmesh.mesh import RankMesh
@@ -184,11 +185,11 @@ class RecvJob:
     wait_s: float | None = None
 
 
-def _fetch_by(objects: Any, handles: Sequence[Any], end: float | None, rank: int, sources: Sequence[int]) -> list[Any]:
-    """``handles``' values (what sources ``sources`` sent destination ``rank``) by ``end``
-    (``time.monotonic()``; ``None``: no limit): a source cut off leaves the rank free, not stuck."""
+def _fetch_by(objects: Any, handles: Sequence[Any], deadline: Deadline, rank: int, sources: Sequence[int]) -> list[Any]:
+    """``handles``' values (what sources ``sources`` sent destination ``rank``) by ``deadline``: a
+    source cut off leaves the rank free, not stuck."""
     try:
-        return objects.get(handles, None if end is None else max(0.0, end - time.monotonic()))
+        return objects.get(handles, deadline.timeout())
     except TimeoutError as exc:
         raise ReshardError(f"destination rank {rank}: what source ranks {list(sources)} sent did not arrive within "
                            f"the call's timeout ({exc}); refit again once they are back or replaced") from exc
@@ -563,16 +564,16 @@ class ReshardWorker(Worker):
             ipc_by_source.setdefault(d.src_rank, []).append(d)
         ipc_bytes = 0
         waiting = sorted(set(by_source) | set(direct_by_source) | set(ipc_by_source))
-        end = None if job.wait_s is None else time.monotonic() + job.wait_s
+        deadline = Deadline.after(job.wait_s)
         while waiting:
             # Whichever sources have put their objects: copy theirs while the others still put.
-            done = objects.wait_any([sends[r] for r in waiting], None if end is None else max(0.0, end - time.monotonic()))
+            done = objects.wait_any([sends[r] for r in waiting], deadline.timeout())
             if not done:  # a source's node cut off, say: this rank is free for the next call, not stuck here
                 raise ReshardError(f"destination rank {self.rank}: source ranks {waiting} had not sent within "
                                    f"{job.wait_s:g} s (the call's timeout); refit again once they are back or replaced")
             sources = [waiting[i] for i in done]
             waiting = [r for r in waiting if r not in sources]
-            outputs: list[SendResult] = _fetch_by(objects, [sends[r] for r in sources], end, self.rank, sources)
+            outputs: list[SendResult] = _fetch_by(objects, [sends[r] for r in sources], deadline, self.rank, sources)
             t, c = time.perf_counter(), time.thread_time()
             wanted: list[tuple[Any, tuple[Region, ...]]] = []
             for r, out in zip(sources, outputs):
@@ -604,7 +605,7 @@ class ReshardWorker(Worker):
             copy_cpu += time.thread_time() - c
             if not wanted:  # every region of these sources was read directly
                 continue
-            fetched = _fetch_by(objects, [handle for handle, _ in wanted], end, self.rank, sources)
+            fetched = _fetch_by(objects, [handle for handle, _ in wanted], deadline, self.rank, sources)
             t, c = time.perf_counter(), time.thread_time()
             for arrays, (_, regions) in zip(fetched, wanted):
                 received += copy_object(tensors, arrays, regions)

@@ -804,11 +804,11 @@ def _find_outputs(tops: Sequence[tuple[Any, Sequence[int]]], within: float) -> t
     answer in time are ``unreached``, with why."""
     found: dict[int, Any] = {}
     unreached: dict[int, str] = {}
-    end = time.monotonic() + within
+    deadline = Deadline.after(within)
     level = list(tops)
     while level:
         refs = [ref for ref, _ in level]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, end - time.monotonic()), fetch_local=True)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=deadline.left(), fetch_local=True)
         done = set(ready)
         below: list[tuple[Any, Sequence[int]]] = []
         for ref, ranks in level:
