@@ -294,7 +294,7 @@ RECOVERY_LINES: list[str] = []
 def wait_spares_warm(wg, timeout: float = 120.0) -> float:
     """Seconds until every spare of ``wg`` is warm (a death between two refills would take a cold one)."""
     start = time.monotonic()
-    while not all(s["warm"] for s in wg.spares):
+    while not all(s.warm for s in wg.spares):
         if time.monotonic() - start > timeout:
             raise TimeoutError(f"spares not warm within {timeout:g} s: {wg.spares}")
         time.sleep(0.1)

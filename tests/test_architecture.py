@@ -117,6 +117,9 @@ PROCESS_BOUNDARY: dict[str, tuple[str, ...]] = {
     ),
 }
 
+# The warm process and the ranks it forks run the host's side, and never the holder's.
+PROCESS_BOUNDARY["rankmesh.backends.ray.warm"] = (*PROCESS_BOUNDARY["rankmesh.backends.ray.host"], "rankmesh.backends.ray.forked")
+
 #: The module every exception class lives in.
 ERRORS_MODULE = "rankmesh.errors"
 
@@ -374,6 +377,48 @@ def test_the_worker_process_side_of_ray_reaches_no_controller_side_module() -> N
             if any(module == f or module.startswith(f + ".") for f in forbidden):
                 bad.append(f"{start} reaches {module}:\n    " + "\n    ".join(import_chain(seen, module) or ["(a parent package)"]))
     assert not bad, "the worker-process side imports the controller side:\n" + "\n".join(bad)
+
+
+#: What a forked rank's holder (:mod:`rankmesh.backends.ray.forked`) must not load when its
+#: process starts: it holds a bundle and forwards calls, and loading these would cost what forking saves.
+HOLDER_MUST_NOT_LOAD = ("torch", "tensordict", "megatron", "rankmesh.backends.ray.host", "rankmesh.backends.ray.wire",
+                        "rankmesh.data", "rankmesh.worker")
+
+
+def loaded_at_start(start: str, imports: list[Import]) -> dict[str, Import | None]:
+    """Every module importing ``start`` loads at once (imports inside functions wait for their call), third-party ones too."""
+    graph: dict[str, list[Import]] = {}
+    for imp in imports:
+        if not imp.in_function:
+            graph.setdefault(imp.source, []).append(imp)
+    seen: dict[str, Import | None] = {start: None}
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        parents = [".".join(parts[:k]) for k in range(1, len(parts))]
+        for target, via in [*((p, None) for p in parents), *((i.target, i) for i in graph.get(module, ()))]:
+            if target not in seen:
+                seen[target] = via
+                todo.append(target)
+    return seen
+
+
+def test_a_forked_ranks_holder_loads_neither_torch_nor_the_rank_side_at_start() -> None:
+    seen = loaded_at_start("rankmesh.backends.ray.forked", all_imports())
+    bad = [m for m in sorted(seen) if any(m == f or m.startswith(f + ".") for f in HOLDER_MUST_NOT_LOAD)]
+    assert not bad, "the holder's start loads:\n" + "\n".join(
+        f"{m}:\n    " + "\n    ".join(import_chain(seen, m)) for m in bad)
+
+
+def test_the_holder_check_sees_a_heavy_import_two_modules_away() -> None:
+    imports = [
+        Import("rankmesh.backends.ray.forked", "rankmesh.backends.ray.warm", SRC / "a.py", 1, False),
+        Import("rankmesh.backends.ray.warm", "torch", SRC / "b.py", 2, False),
+        Import("rankmesh.backends.ray.warm", "rankmesh.backends.ray.host", SRC / "b.py", 3, True),
+    ]
+    seen = loaded_at_start("rankmesh.backends.ray.forked", imports)
+    assert "torch" in seen and "rankmesh.backends.ray.host" not in seen
 
 
 def test_the_boundary_check_follows_chains_of_imports() -> None:

@@ -416,3 +416,14 @@ class ClusterError(RankMeshError, RuntimeError):
 
     The message names the command or node at fault and what to install or call instead.
     """
+
+
+class RayHandleInChannel(BackendError):
+    """A value sent to a forked rank over its holder's channel holds a Ray ObjectRef or actor handle (``kind``).
+
+    The forked rank has no Ray worker of its own to use one; its holder turns this into an error
+    naming the call (:mod:`rankmesh.backends.ray.forked`)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(f"a Ray {kind} cannot reach a forked rank")
+        self.kind = kind

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 from rankmesh.errors import BackendError
 from rankmesh.binding import ROLES_ATTR, ROUTES_ATTR
 
-from .host import RoleInit
+from .hostapi import RoleInit
 from .pickling import sent_role
 
 

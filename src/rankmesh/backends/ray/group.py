@@ -31,6 +31,7 @@ from rankmesh.validate import optional_seconds, positive_seconds
 
 from .classes import RayClassWithInitArgs, fused_worker_class, unwrap_actor_class
 from .executor import ABANDONED_WAIT_S, RETRYING, SHRINKING, RayExecutor, check_policies, control_mode
+from .forked import process_model_of
 from .hosts import HostSet, attach_hosts, build_workers, check_worker_env, start_hosts
 from .pool import RayResourcePool
 from .recovery import PROBE_TIMEOUT, Recovery, ReplacementReport, check_recoverable, probe_dead, replace_dead_ranks
@@ -102,6 +103,10 @@ class RayWorkerGroup(WorkerGroup):
     On a pool with ``spares=N`` such a group keeps N warm standby processes that take a dead
     rank's place without starting one (:mod:`.spares`; ``wg.spares`` lists them).
     ``bin_pack`` is verl's; only ``True`` is supported (:func:`check_bin_pack`).
+    ``process_model="fork"`` forks each rank from its node's warm process (imports paid once per
+    node) behind a light holder actor, instead of a Ray actor per rank (:mod:`.forked`; ``None``:
+    the ``RANKMESH_PROCESS_MODEL`` setting, ``"ray"`` when unset;
+    docs/ray_backend.md, "Process models", says when to choose which).
     """
 
     def __init__(
@@ -123,7 +128,13 @@ class RayWorkerGroup(WorkerGroup):
         on_rank_death: str = "fail",
         abandoned_wait_s: float = ABANDONED_WAIT_S,
         on_hang: str = "raise",
+        process_model: str | None = None,
     ) -> None:
+        if detached and process_model == "fork":
+            raise BackendError("a detached group outlives its driver, and forked ranks live no longer than the driver's "
+                               "warm processes: use process_model='ray' with detached=True")
+        # A detached group keeps Ray actors whatever RANKMESH_PROCESS_MODEL says (it outlives the warm processes).
+        process_model = "ray" if detached else process_model_of(process_model)
         call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
         abandoned_wait_s = positive_seconds(abandoned_wait_s, "abandoned_wait_s", BackendError)
         stall_warn_s = optional_seconds(stall_warn_s, "stall_warn_s", BackendError)
@@ -168,6 +179,7 @@ class RayWorkerGroup(WorkerGroup):
                 start_timeout,
                 startup,
                 table.preload,
+                process_model,
             )
         finally:
             startup.close()

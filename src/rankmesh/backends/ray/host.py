@@ -33,14 +33,13 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import ray
 
+from rankmesh.backend import ObjectTransport
 from rankmesh.errors import BackendError
 from rankmesh.hangs import ProcessStacks, capture_process
-from rankmesh.mesh import RankMesh
 from rankmesh.sharedmem import register_store_processes
 from rankmesh.devices import unify_visible_devices
 from rankmesh.tracing.marks import FETCH_MARK, KEEP_MAX, timed_call
@@ -49,19 +48,13 @@ from rankmesh.worker import FUSED_ROLES_ATTR, WorkerContext, construct, invoke, 
 from .rejoin import exit_on_call, leave, load_recovery_states, recovery_states, rejoin, restore, sever
 from rankmesh.rendezvous import GLOO_IFNAME, interface_of, reserve_port
 from .reshard import RayObjects
-from .runtime import node_ip_address, worker_raylet_pid
 from .files import FilePool, refused
 from .files import forget as forget_files
 from .serve import SessionState, connect, start_serving, writer_may_open
-from .wire import BARE_SLOT_METHODS, SLOT_METHODS, CallHeader, decode_call, fill_call
+from .hostapi import BARE_SLOT_METHODS, CONTROL_GROUP, SLOT_METHODS, HostPlace, HostSetup, RoleInit, role_class
+from .wire import CallHeader, decode_call, fill_call
 
 logger = logging.getLogger(__name__)
-
-#: The concurrency group of control calls (:meth:`WorkerHost.stacks`): its own thread, so it
-#: answers while a call blocks the default one.  Calls keep the default group, one at a time and
-#: in order (Ray runs an actor's tasks in order unless told otherwise, whatever its groups).
-CONTROL_GROUP = "control"
-
 
 #: The host's own steps a call may name (``CallHeader.step``): lifecycle and recovery, run under
 #: the host's lock like worker calls.  ``describe`` and ``ping`` are not steps: they must answer
@@ -80,38 +73,17 @@ def host_actor_options() -> dict[str, Any]:
     return {"concurrency_groups": {CONTROL_GROUP: 1}}
 
 
-@dataclass(frozen=True)
-class RoleInit:
-    """One worker class to build in each process, with its constructor arguments."""
-
-    cls: type
-    args: tuple[Any, ...] = ()
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class HostSetup:
-    """Everything one rank's host needs to build its workers (sent once, at setup)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_index: int
-    mesh: RankMesh
-    meshes: Mapping[str, RankMesh]
-    roles: Mapping[str | None, RoleInit]
-    env: Mapping[str, str]
-    group_name: str
-    preload: tuple[str, ...] = ()  # modules imported before the workers are built (MethodTable.preload)
-
-
 class WorkerHost:
     """Ray actor body; wrapped with ``ray.remote`` by :func:`.hosts.launch_hosts` (options differ per group)."""
 
-    def __init__(self, rank: int | None, group_name: str) -> None:
-        """``rank`` is ``None`` for a warm spare (:mod:`.spares`): it gets one when :meth:`setup` makes it a rank."""
+    def __init__(self, rank: int | None, group_name: str, place: HostPlace | None = None,
+                 objects: ObjectTransport | None = None) -> None:
+        """``rank`` is ``None`` for a warm spare (:mod:`.spares`): it gets one when :meth:`setup` makes it a rank.
+
+        ``place`` and ``objects`` are a forked rank's (:mod:`.warm`): by default the host asks Ray
+        where it runs and moves reshard's objects through Ray's store (:class:`.reshard.RayObjects`)."""
         self._started_ns = time.time_ns()  # start-up report: the process is up, rankmesh imported
+        self._place = place if place is not None else HostPlace.of_ray_worker()
         self._rank = rank
         self._group_name = group_name
         self._setup: HostSetup | None = None
@@ -125,9 +97,11 @@ class WorkerHost:
         self._slots: dict[int, bytes] = {}  # call slot -> installed header (see wire.HeaderCache)
         self._decoded: dict[int, CallHeader] = {}  # call slot -> its header, decoded once
         # Inputs received here map copy-on-write through the node raylet's fd of the object store.
-        raylet = worker_raylet_pid()
+        raylet = self._place.raylet_pid
         register_store_processes([] if raylet is None else [raylet])
-        self._objects = RayObjects()  # the process's object transport, shared by its roles (reshard)
+        # The process's object transport, shared by its roles (reshard).
+        self._objects = objects if objects is not None else RayObjects()
+        self._classes: dict[str | None, type] = {}  # each role's class, loaded at setup
         self._lock = threading.Lock()  # one call or step at a time, from Ray's thread or the session's
         self._session: tuple[Any, Any] | None = None  # the open call session's (ring, reply ring)
         self._session_state = SessionState()  # its parked outputs and the last call it read
@@ -138,19 +112,15 @@ class WorkerHost:
 
     def node_info(self) -> dict[str, Any]:
         """Where this process runs, as Ray sees it (checked against the pool by the group)."""
-        ctx = ray.get_runtime_context()
-        pg = ctx.get_placement_group_id()
-        try:
-            gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-        except Exception:  # pragma: no cover - no GPU support in this Ray
-            gpu_ids = []
+        place = self._place
         return {
             "rank": self._rank,
-            "node_id": ctx.get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": place.node_id,
+            "node_ip": place.node_ip,
             "pid": os.getpid(),
-            "placement_group_id": pg,
-            "gpu_ids": gpu_ids,
+            "ray_pid": place.ray_pid,
+            "placement_group_id": place.placement_group_id,
+            "gpu_ids": list(place.gpu_ids),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "started_ns": self._started_ns,
         }
@@ -160,7 +130,7 @@ class WorkerHost:
 
         ``fresh=True`` reserves a new port (re-forming the group after a replacement)."""
         if self._master is None or fresh:
-            addr = node_ip_address()
+            addr = self._place.node_ip
             self._master = (addr, reserve_port(addr))
         return self._master
 
@@ -174,14 +144,16 @@ class WorkerHost:
             raise BackendError(f"rank {self._rank} of {self._group_name} is already set up")
         for name in setup.preload:  # counted with the worker classes' imports in the start-up report
             importlib.import_module(name)
+        classes = {role: role_class(spec) for role, spec in setup.roles.items()}
         imported_ns = time.time_ns()
         self._rank = setup.rank  # a spare becomes the rank it replaces
         self._env_before = {k: os.environ.get(k) for k in setup.env}
         os.environ.update({k: str(v) for k, v in setup.env.items()})
         self._unify_devices()
-        self._bind_gloo(ray.util.get_node_ip_address())
+        self._bind_gloo(self._place.node_ip)
         for role, spec in setup.roles.items():
-            self._workers[role] = construct(spec.cls, self._context(setup, role), tuple(spec.args), dict(spec.kwargs))
+            self._workers[role] = construct(classes[role], self._context(setup, role), tuple(spec.args), dict(spec.kwargs))
+        self._classes = classes
         self._record_device()
         self._setup = setup
         return imported_ns, time.time_ns()
@@ -195,14 +167,14 @@ class WorkerHost:
             meshes=dict(setup.meshes),
             local_rank=setup.local_rank,
             local_world_size=setup.local_world_size,
-            node=ray.util.get_node_ip_address(),
+            node=self._place.node_ip,
             role=role,
             objects=self._objects,
         )
 
     def _unify_devices(self) -> None:
         """CUDA_VISIBLE_DEVICES as the one visibility variable (see :mod:`rankmesh.devices`)."""
-        ids = ray.get_runtime_context().get_accelerator_ids()
+        ids = self._place.accelerator_ids
         change = unify_visible_devices(os.environ, ids)
         for key in (*change.set, *change.unset):
             self._env_before.setdefault(key, os.environ.get(key))
@@ -248,6 +220,8 @@ class WorkerHost:
         from rankmesh.data.tensordicts import module as tensordict_module  # deferred: only spares pay it here
 
         tensordict_module()
+        for spec in roles.values():
+            role_class(spec)
         return {**self.node_info(), "roles": sorted(map(str, roles)), "warm_ns": time.time_ns()}
 
     def teardown(self) -> None:
@@ -257,6 +231,7 @@ class WorkerHost:
         globals) stays: this exists to reuse processes in tests, not to isolate workloads.
         """
         self._workers.clear()
+        self._classes = {}
         for key, value in self._env_before.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -483,8 +458,8 @@ class WorkerHost:
                 node_index=s.node_index,
                 mesh=s.mesh,
                 meshes=dict(s.meshes),
-                roles={role: f"{spec.cls.__module__}.{spec.cls.__qualname__}" for role, spec in s.roles.items()},
-                role_classes={role: spec.cls for role, spec in s.roles.items()},
+                roles={role: f"{cls.__module__}.{cls.__qualname__}" for role, cls in self._classes.items()},
+                role_classes=dict(self._classes),
                 group_name=s.group_name,
             )
         return info

@@ -37,7 +37,9 @@ from rankmesh.placement import RankPlace
 
 from .hangs import hang_inspector
 from .notices import NOTICES
-from .host import HostSetup, RoleInit, WorkerHost, host_actor_options
+from .forked import Forking, process_model_of
+from .host import WorkerHost, host_actor_options
+from .hostapi import HostSetup, RoleInit
 from rankmesh.rendezvous import RESERVED_ENV
 from .runtime import DETACHED_NAMESPACE
 from .startup import StartupProgress
@@ -82,6 +84,8 @@ class HostSet:
     free_slots: list[Any] = field(default_factory=list)
     #: Processes that were ranks of the group before a replacement or a renumbering dropped them.
     former_pids: set[int] = field(default_factory=set)
+    #: How ranks are forked from warm processes (``process_model="fork"``); ``None``: a Ray actor per rank.
+    forking: Forking | None = None
 
     def __post_init__(self) -> None:
         NOTICES.watch(self)  # Ray's notices of these processes' deaths: the group reports them itself
@@ -112,7 +116,7 @@ class HostSet:
 
     def _forget(self, info: list[dict[str, Any]]) -> None:
         """The processes of ``info`` may stop being ranks: remembered in :attr:`former_pids`."""
-        self.former_pids.update(i["pid"] for i in info if "pid" in i)
+        self.former_pids.update(i[key] for i in info for key in ("pid", "ray_pid") if key in i)
 
     def set_rendezvous(self, master: tuple[str, int]) -> None:
         """A fresh MASTER_ADDR/MASTER_PORT: every rank's setup carries it from now on."""
@@ -218,8 +222,10 @@ def check_worker_env(worker_env: Mapping[str, Any] | None) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
-def start_host(pool: Any, slot: Any, rank: int, name_prefix: str, detached: bool, options: Mapping[str, Any]) -> Any:
-    """Start the (empty) host process of ``rank`` in its bundle ``slot`` of ``pool`` (also a replacement's)."""
+def start_host(pool: Any, slot: Any, rank: int, name_prefix: str, detached: bool, options: Mapping[str, Any],
+               forking: Forking | None = None) -> Any:
+    """Start the (empty) host process of ``rank`` in its bundle ``slot`` of ``pool`` (also a replacement's):
+    a Ray actor of its own, or with ``forking`` a holder whose rank is forked from the node's warm process."""
     opts: dict[str, Any] = {
         **pool.actor_resources,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -229,6 +235,8 @@ def start_host(pool: Any, slot: Any, rank: int, name_prefix: str, detached: bool
     }
     if detached:
         opts.update(name=actor_name(name_prefix, rank), namespace=DETACHED_NAMESPACE, lifetime="detached")
+    if forking is not None:
+        return forking.start(rank, name_prefix, opts)
     return remote_host_class().options(**opts).remote(rank, name_prefix)
 
 
@@ -247,13 +255,15 @@ def remote_host_class() -> Any:
 
 
 def launch_hosts(
-    pool: Any, name_prefix: str, detached: bool, options: Mapping[str, Any], timeout: float, progress: StartupProgress | None = None
+    pool: Any, name_prefix: str, detached: bool, options: Mapping[str, Any], timeout: float, progress: StartupProgress | None = None,
+    forking: Forking | None = None,
 ) -> HostSet:
-    """Start one (empty) host per bundle of ``pool`` and reserve MASTER_PORT on rank 0."""
+    """Start one (empty) host per bundle of ``pool`` (forked from warm processes with ``forking``) and
+    reserve MASTER_PORT on rank 0."""
     slots = pool.slots()  # waits until every placement group is placed
     if progress is not None:
         progress.controller_stage("placed")
-    actors = [start_host(pool, slot, rank, name_prefix, detached, options) for rank, slot in enumerate(slots)]
+    actors = [start_host(pool, slot, rank, name_prefix, detached, options, forking) for rank, slot in enumerate(slots)]
     names = [actor_name(name_prefix, rank) for rank in range(len(slots))]
     hosts = HostSet(
         actors=actors,
@@ -263,6 +273,7 @@ def launch_hosts(
         detached=detached,
         options=dict(options),
         headers=HeaderCache(slots=CALL_SLOTS if ordered_calls(options) else 0),
+        forking=forking,
     )
     hosts.places = pool.places()
     hosts.slots = list(slots)
@@ -346,15 +357,20 @@ def start_hosts(
     timeout: float,
     progress: StartupProgress | None = None,
     preload: tuple[str, ...] = (),
+    process_model: str = "ray",
 ) -> HostSet:
     """:func:`launch_hosts` then :func:`build_workers`; on failure every host is killed.
+
+    ``process_model``: ``"ray"`` starts a Ray actor per rank, ``"fork"`` forks each rank from its
+    node's warm process behind a holder actor (:mod:`.forked`).
 
     The pool is acquired here and released by :meth:`HostSet.shutdown` (or at once on failure).
     """
     pool.admit()
     pool.acquire()
     try:
-        hosts = launch_hosts(pool, name_prefix, detached, options, timeout, progress)
+        forking = Forking.of_roles(roles, preload) if process_model_of(process_model) == "fork" else None
+        hosts = launch_hosts(pool, name_prefix, detached, options, timeout, progress, forking)
     except BaseException:
         pool.release()
         raise

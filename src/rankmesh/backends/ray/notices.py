@@ -57,7 +57,7 @@ class RankNotices:
         """``"rank R of GROUP"`` (or ``"a former rank of GROUP"``) when ``pid`` is a watched process, else ``None``."""
         for hosts in list(self._hosts.values()):
             for info in hosts.info:
-                if info.get("pid") == pid:
+                if pid in (info.get("pid"), info.get("ray_pid")):  # a forked rank's Ray worker is its holder
                     return f"rank {info.get('rank')} of {hosts.name_prefix}"
             if pid in hosts.former_pids:
                 return f"a former rank of {hosts.name_prefix}"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import io
-import pickle
 import sys
 import types
 from typing import Any, Iterator, Mapping
@@ -25,7 +24,7 @@ from ray.cloudpickle import cloudpickle as cloudpickle_parts  # what cloudpickle
 from rankmesh.errors import WorkerPickleError
 
 from .files import is_ray_handle
-from .host import RoleInit
+from .hostapi import PickledClass, RoleInit
 
 
 class ClassPickler(cloudpickle.CloudPickler):
@@ -197,27 +196,18 @@ def _argument_error(cls: type, path: list[tuple[str, Any]], error: Exception) ->
     )
 
 
-class _PickledClass:
-    """Unpickles as the class pickled in ``payload``: a worker needs nothing but ``pickle.loads``."""
-
-    def __init__(self, payload: bytes) -> None:
-        self.payload = payload
-
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        return pickle.loads, (self.payload,)
-
-
 @dataclasses.dataclass(frozen=True)
 class _SentRole(RoleInit):
     """A :class:`RoleInit` whose class travels as ``payload`` (pickled once, by :class:`ClassPickler`).
 
-    Arguments stay with Ray's pickling, which knows its handles; a worker receives a plain RoleInit.
+    Arguments stay with Ray's pickling, which knows its handles; a worker receives a plain RoleInit whose
+    class the host loads when it builds the role (:func:`.hostapi.role_class`).
     """
 
     payload: bytes = dataclasses.field(default=b"", repr=False)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return RoleInit, (_PickledClass(self.payload), self.args, dict(self.kwargs))
+        return RoleInit, (PickledClass(self.payload), self.args, dict(self.kwargs))
 
 
 def sent_role(cls: type, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> RoleInit:

@@ -317,7 +317,7 @@ def start_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float,
     if placed is not None:
         tables = {id(slots[r].pg): placement_group_table(slots[r].pg)["bundles_to_node_id"] for r in ranks}
         placed([tables[id(slots[r].pg)].get(slots[r].bundle_index, "") for r in ranks])
-    actors = {r: start_host(hosts.pool, slots[r], r, hosts.name_prefix, hosts.detached, hosts.options) for r in ranks}
+    actors = {r: start_host(hosts.pool, slots[r], r, hosts.name_prefix, hosts.detached, hosts.options, hosts.forking) for r in ranks}
     pend = [start_step(a, r, "node_info", what="start") for r, a in actors.items()]
     info = fetch_outputs(pend, deadline=deadline.bounded(max(0.1, deadline.left())), inspect=hang_inspector(actors))
     for (rank, actor), got in zip(actors.items(), info):

@@ -274,7 +274,7 @@ def _processes_for(hosts: HostSet, plan: Remesh, timeout: float) -> tuple[dict[i
             node = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
             new_slots += [Slot(pg=pg, entry=-1, bundle_index=b, node_id=node, node_ip="") for b in range(size)]
         for rank, slot in zip(left, [*free, *new_slots]):
-            actors[rank] = start_host(hosts.pool, slot, None, hosts.name_prefix, False, hosts.options)
+            actors[rank] = start_host(hosts.pool, slot, None, hosts.name_prefix, False, hosts.options, hosts.forking)
             slots[rank] = slot
         pend = [dataclasses.replace(taken[r].warm, rank=r) if r in taken else start_step(actors[r], r, "node_info", what="start")
                 for r in added]

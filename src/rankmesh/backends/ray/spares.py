@@ -90,7 +90,7 @@ class Spare:
 
 def start_spare(hosts: HostSet, slot: Slot) -> Spare:
     """Start a standby process in ``slot`` and ask it to import the group's worker classes (not waited for)."""
-    actor = start_host(hosts.pool, slot, None, hosts.name_prefix, False, hosts.options)
+    actor = start_host(hosts.pool, slot, None, hosts.name_prefix, False, hosts.options, hosts.forking)
     warm = start_step(actor, -1, "warm", (hosts.setups[0].roles,), "warm (a spare)", slot.node_ip)
     return Spare(slot, actor, warm, time.monotonic(), time.time_ns())
 

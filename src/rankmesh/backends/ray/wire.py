@@ -42,6 +42,7 @@ from rankmesh.backend import INLINE_BYTES, RankCall, Selection, Shared
 from rankmesh.data import DataProto
 
 from .files import CappedSink, FilePool, mapped, pickle_probed
+from .hostapi import BARE_SLOT_METHODS, CALL_SLOTS, SLOT_METHODS
 
 
 
@@ -118,17 +119,6 @@ class CallHeader:
     fetch_mark: bool = False
     #: ``method`` names a step of the host (:data:`rankmesh.backends.ray.host.STEPS`), not of a worker.
     step: bool = False
-
-
-#: Host methods ``call_0`` ... ``call_{CALL_SLOTS - 1}``: a slot-only header installed on a host
-#: as slot ``k`` is run by ``call_k(*shared)``, a task with no header argument at all.
-CALL_SLOTS = 128
-SLOT_METHODS: tuple[str, ...] = tuple(f"call_{k}" for k in range(CALL_SLOTS))
-#: The same slots for calls with no shared value (``bare_<k>()``, no parameters): Ray binds the
-#: arguments of a method that declares parameters against its signature on every submit
-#: (``inspect.Signature.bind``, ~15 us per rank here) even when none are passed, and skips that
-#: only for a method without parameters.
-BARE_SLOT_METHODS: tuple[str, ...] = tuple(f"bare_{k}" for k in range(CALL_SLOTS))
 
 
 def slot_method(slot: int, shared: int) -> str:

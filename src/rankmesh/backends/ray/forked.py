@@ -1,0 +1,287 @@
+"""Forked ranks on Ray: the light actor that holds a rank's bundle, and the keeper of each node's warm processes.
+
+Why: a group started with ``process_model="fork"`` forks each rank from its node's warm process
+(:mod:`.warm`) instead of importing torch, rankmesh and megatron-core again in a Ray worker per
+rank.  Ray still places and accounts: each rank's bundle is held by a :class:`ForkedHost`, a Ray
+actor that imports neither torch nor the user's modules, so its process starts in well under a
+second (or is one of Ray's prestarted workers).  The rank's process is a child of the warm
+process, which Ray does not know of; so:
+
+* **The holder forwards** every host method (:data:`.hostapi.HOST_METHODS`, the call slots) to its
+  rank over two Unix socket channels, the default one and the control one, each on the holder's
+  thread of the same concurrency group, so calls keep their order and ``stacks``/``ping`` answer
+  while a call blocks, as with a rank in its own actor.  A call session's ring needs no holder:
+  the rank attaches to the writer's socket itself (:meth:`.host.WorkerHost.open_session`).
+* **Death is one death.**  The holder watches its rank's pidfd and exits the moment the rank does,
+  so Ray reports the actor dead and every path that handles a dead rank (sessions, recovery,
+  spares) sees what it always saw; the rank exits when its holder's channels close.
+* **Data through the holder** is pickled once more on its way to the rank.  Arguments and outputs
+  that hold tensors make the holder import torch when the first of them arrives; the call session
+  (blocking calls with small arguments) never goes through it.
+
+A :class:`WarmKeeper` per node (a detached named actor in rankmesh's namespace, ``num_cpus=0``)
+starts the node's warm processes, one per import set and ``sys.path``, and restarts one that
+died or whose source files changed on disk since it imported them.  A warm process unused for
+:data:`.warm.IDLE_S` exits by itself, so a long-lived cluster does not keep megatron-core
+imported for a driver long gone.  What a forked rank cannot do is
+listed in ``docs/ray_backend.md`` ("Process models").
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import ray
+
+from rankmesh.errors import BackendError, RayHandleInChannel
+
+from .hostapi import BARE_SLOT_METHODS, CONTROL_GROUP, HOST_METHODS, SLOT_METHODS, HostPlace
+from .runtime import DETACHED_NAMESPACE
+from .warm import ForkRequest, NoHandles, fork_rank, receive_message, send_message
+
+logger = logging.getLogger(__name__)
+
+#: The process models a group may choose: one Ray actor per rank, or ranks forked from a warm process.
+PROCESS_MODELS: tuple[str, ...] = ("ray", "fork")
+#: How long a warm process may take to import its modules (seconds).
+WARM_START_S = 300.0
+#: How long a forked rank may take to build its host and say so (seconds).
+FORK_START_S = 120.0
+#: The keeper actor's name, per node.
+KEEPER_NAME = "rankmesh_warm_keeper_{node_id}"
+
+
+#: The environment variable that sets the process model of groups that do not choose one.
+PROCESS_MODEL_ENV = "RANKMESH_PROCESS_MODEL"
+
+
+def process_model_of(process_model: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """``process_model`` checked, or when ``None`` the ``RANKMESH_PROCESS_MODEL`` setting (``"ray"`` if unset)."""
+    if process_model is None:
+        given = (os.environ if environ is None else environ).get(PROCESS_MODEL_ENV, "").strip().lower() or "ray"
+        if given not in PROCESS_MODELS:
+            raise BackendError(f"{PROCESS_MODEL_ENV}={given!r} is not a process model: set it to one of "
+                               f"{list(PROCESS_MODELS)}, or unset it")
+        return given
+    if process_model not in PROCESS_MODELS:
+        raise BackendError(f"process_model must be one of {list(PROCESS_MODELS)}, got {process_model!r}")
+    return process_model
+
+
+class WarmKeeper:
+    """One node's warm processes, by import set: started on first need, replaced when dead or stale."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="rankmesh-warm-")
+        self._started = 0
+        #: (modules, sys.path) -> the warm process, its socket, the source files it read.
+        self._warm: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[subprocess.Popen, str, list[tuple[str, int, int]]]] = {}
+
+    def address(self, modules: Sequence[str], sys_path: Sequence[str]) -> str:
+        """The socket of the warm process that imported ``modules`` on ``sys_path`` (the ranks'),
+        started (and waited for) if need be."""
+        key = (tuple(sorted(set(modules))), tuple(sys_path))
+        found = self._warm.get(key)
+        if found is not None:
+            process, address, files = found
+            if process.poll() is None and not _changed(files):
+                return address
+            process.kill()
+            process.wait()
+            logger.info("warm process %d for %s retired (%s)", process.pid, key[0],
+                        "exited" if process.returncode not in (None, -9) else "a source file changed")
+        self._warm[key] = self._start(key)
+        return self._warm[key][1]
+
+    def processes(self) -> list[tuple[tuple[str, ...], int]]:
+        """(modules, pid) of each live warm process (for tests and tools)."""
+        return [(key[0], p.pid) for key, (p, _, _) in self._warm.items() if p.poll() is None]
+
+    def _start(self, key: tuple[tuple[str, ...], tuple[str, ...]]) -> tuple[subprocess.Popen, str, list[tuple[str, int, int]]]:
+        modules, sys_path = key
+        self._started += 1
+        address = os.path.join(self._dir, f"warm-{self._started}.sock")
+        log = os.path.join(self._dir, f"warm-{self._started}.log")
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each rank sets its own
+        with open(log, "wb") as err:
+            process = subprocess.Popen([sys.executable, "-m", "rankmesh.backends.ray.warm", address, json.dumps(sys_path),
+                                        *modules],
+                                       stdout=subprocess.PIPE, stderr=err, env=env)
+        ready, _, _ = select.select([process.stdout], [], [], WARM_START_S)
+        line = process.stdout.readline() if ready else b""
+        if not line:
+            process.kill()
+            process.wait()
+            with open(log, "rb") as f:
+                tail = f.read()[-2000:].decode(errors="replace")
+            raise BackendError(f"the warm process for {list(modules)} did not start within {WARM_START_S:g} s "
+                               f"(exit code {process.returncode}); its log ends:\n{tail}")
+        said = json.loads(line)
+        for name, error in said["failed"].items():
+            logger.warning("the warm process for %s could not import %s: %s (each rank will import it)", modules, name, error)
+        return process, address, [tuple(f) for f in said["files"]]
+
+
+def _changed(files: Sequence[tuple[str, int, int]]) -> bool:
+    for path, mtime_ns, size in files:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return True
+        if (st.st_mtime_ns, st.st_size) != (mtime_ns, size):
+            return True
+    return False
+
+
+def keeper_of(node_id: str) -> Any:
+    """The :class:`WarmKeeper` of node ``node_id``, started there if none is up yet.
+
+    Detached, in rankmesh's namespace: one keeper per node serves every group and driver (a
+    group's ranks outlive the handle that started them), and it ends with its node's raylet."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(num_cpus=0)(WarmKeeper).options(
+        name=KEEPER_NAME.format(node_id=node_id), namespace=DETACHED_NAMESPACE, lifetime="detached",
+        get_if_exists=True, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    ).remote()
+
+
+@dataclass(frozen=True)
+class Forking:
+    """How a group's ranks are forked: the modules its warm processes import."""
+
+    modules: tuple[str, ...]
+
+    @classmethod
+    def of_roles(cls, roles: Mapping[str | None, Any], preload: Sequence[str]) -> "Forking":
+        """The worker classes' modules (a class defined in ``__main__`` travels by value) and ``preload``."""
+        modules = {getattr(role.cls, "__module__", None) for role in roles.values()} | set(preload)
+        return cls(tuple(sorted(m for m in modules if m and m != "__main__")))
+
+    def start(self, rank: int | None, group_name: str, options: Mapping[str, Any]) -> Any:
+        """A holder of ``rank`` with Ray ``options`` (its bundle and resources), forking its rank where Ray places it."""
+        return holder_actor_class().options(**options).remote(rank, group_name, self.modules)
+
+
+#: The module of the futures a holder reads for its rank (present once a future reached the holder).
+FUTURE_MODULE = "rankmesh.data.future"
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+class _ToRank(NoHandles):
+    """What a holder sends its rank: a ``DataProtoFuture`` arrives read (the holder reads it, as a rank
+    in its own actor would before its method runs); any other Ray handle is refused."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        futures = sys.modules.get(FUTURE_MODULE)
+        if futures is not None and isinstance(obj, futures.DataProtoFuture):
+            return _same, (obj.get(),)
+        return super().reducer_override(obj)
+
+
+class _Channel:
+    """One end of a holder's channel to its rank: a request, then its answer."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+
+    def call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            send_message(self.conn, (name, args, kwargs), _ToRank)
+        except RayHandleInChannel as exc:
+            raise BackendError(
+                f"{name}: an argument holds a Ray {exc.kind} inside it, and a forked rank has no Ray worker to use it: "
+                f"pass the value itself (a top-level ObjectRef argument is read before the call), or start the group "
+                f"with process_model='ray'") from None
+        try:
+            status, value = receive_message(self.conn)
+        except EOFError:
+            os._exit(1)  # the rank died under this call: the holder goes too, and Ray reports the actor dead
+        if status == "error":
+            raise value
+        return value
+
+
+class ForkedHost:
+    """The holder of a forked rank's bundle: a Ray actor that forwards host calls to the rank (see the module docstring)."""
+
+    def __init__(self, rank: int | None, group_name: str, modules: tuple[str, ...]) -> None:
+        # The keeper of the node Ray placed this holder on (a bundle re-placed after its node died
+        # lands elsewhere than its slot first said).
+        keeper = keeper_of(ray.get_runtime_context().get_node_id())
+        address = ray.get(keeper.address.remote(modules, sys.path))
+        default, default_end = socket.socketpair()
+        control, control_end = socket.socketpair()
+        request = ForkRequest(rank=rank, group_name=group_name, env=dict(os.environ), cwd=os.getcwd(),
+                              sys_path=tuple(sys.path), place=HostPlace.of_ray_worker())
+        self._pid = fork_rank(address, request, default_end, control_end, FORK_START_S)
+        default_end.close()
+        control_end.close()
+        default.settimeout(FORK_START_S)
+        try:
+            status, said = receive_message(default)
+        except (EOFError, OSError) as exc:
+            raise BackendError(f"rank {rank} of {group_name}: its forked process {self._pid} ended before its host "
+                               f"was built ({exc}); the warm process's log is in the node's rankmesh-warm-* folder") from None
+        if status != "ok":
+            raise said
+        default.settimeout(None)
+        self._default = _Channel(default)
+        self._control = _Channel(control)
+        self._pidfd = os.pidfd_open(self._pid)
+        threading.Thread(target=self._watch, name="rankmesh-rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Exit the moment the rank does, so Ray reports this actor (the rank, to everyone else) dead."""
+        select.select([self._pidfd], [], [])
+        logger.debug("forked rank process %d exited; its holder exits too", self._pid)  # the group tells it
+        time.sleep(0.05)  # let a call the rank answered just before leave first
+        os._exit(1)
+
+
+def _forward(name: str, group: str | None) -> Any:
+    if group is None:
+        def method(self: ForkedHost, *args: Any, **kwargs: Any) -> Any:
+            return self._default.call(name, args, kwargs)
+    else:
+        @ray.method(concurrency_group=group)
+        def method(self: ForkedHost, *args: Any, **kwargs: Any) -> Any:
+            return self._control.call(name, args, kwargs)
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _forward_bare(name: str) -> Any:
+    def bare(self: ForkedHost) -> Any:  # no parameters: Ray skips binding arguments (see .hostapi)
+        return self._default.call(name, (), {})
+    bare.__name__ = bare.__qualname__ = name
+    return bare
+
+
+for _name, _group in HOST_METHODS.items():
+    setattr(ForkedHost, _name, _forward(_name, _group))
+for _name in SLOT_METHODS:
+    setattr(ForkedHost, _name, _forward(_name, None))
+for _name in BARE_SLOT_METHODS:
+    setattr(ForkedHost, _name, _forward_bare(_name))
+
+
+@functools.lru_cache(maxsize=None)
+def holder_actor_class() -> Any:
+    """``ray.remote(ForkedHost)`` with the control thread a rank's host has, made once per process."""
+    return ray.remote(concurrency_groups={CONTROL_GROUP: 1})(ForkedHost)

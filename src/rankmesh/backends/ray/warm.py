@@ -1,0 +1,314 @@
+"""The warm process of one node and import set, and the rank processes it forks.
+
+Why: every rank in its own Ray worker is a fresh interpreter that imports torch (2.7 CPU-s here),
+rankmesh and megatron-core (6.7 CPU-s for a megatron rank) before it does anything.  A warm
+process imports a group's worker modules once per node; a rank is then a ``fork`` of it, ready
+in milliseconds, its imports already done (``docs/ray_backend.md``, "Process models").
+
+**The warm process** (``python -m rankmesh.backends.ray.warm SOCKET SYS_PATH MODULE...``) is started by
+its node's keeper (:class:`.forked.WarmKeeper`) and dies with it (``PR_SET_PDEATHSIG``).  It
+imports the rank's host (torch, rankmesh) and the named modules on the ranks' ``sys.path``, tells the keeper it is ready
+and which source files it read (a file changed on disk retires it), then serves fork requests on
+a Unix socket, one at a time, on its only Python thread.  It starts no threads of its own, no
+torch thread pool, no CUDA context and no process group.
+
+**A fork request** (:class:`ForkRequest`) comes from a rank's holder (:class:`.forked.ForkedHost`),
+the light Ray actor that holds the rank's bundle: the holder's environment, working directory and
+``sys.path`` (so the rank sees exactly what a rank spawned by Ray in that bundle would: its
+``CUDA_VISIBLE_DEVICES`` included), where the holder runs (:class:`.hostapi.HostPlace`), and two
+socket ends passed as file descriptors: the holder's default and control channels.  The child
+takes them (:func:`become_rank`), re-seeds its random generators (a fork would share the warm
+process's), sets torch's thread count as a spawned rank's would be, builds its
+:class:`.host.WorkerHost` and serves each channel on its own thread, as a Ray actor serves its
+default and control concurrency groups.  The rank exits when its holder goes (either channel
+closes), and its holder exits when it does (:mod:`.forked`): Ray sees a rank die as it always has.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ray import cloudpickle
+
+from rankmesh.errors import BackendError, RayHandleInChannel
+
+from .files import is_ray_handle
+from .hostapi import HostPlace
+
+logger = logging.getLogger(__name__)
+
+#: How long the warm process waits in ``accept`` before it reaps its exited children (seconds).
+REAP_EVERY_S = 1.0
+#: A warm process that forked nothing for this long exits (its keeper starts another on need).
+IDLE_S = 900.0
+#: ``prctl`` option numbers (linux/prctl.h).
+PR_SET_PDEATHSIG = 1
+#: A channel message's length prefix.
+LENGTH = struct.Struct("!Q")
+#: The modules every warm process imports: what a rank's host needs before any worker class.
+HOST_MODULES: tuple[str, ...] = ("rankmesh.backends.ray.host",)
+
+
+@dataclass(frozen=True)
+class ForkRequest:
+    """What a holder sends the warm process to fork its rank (the channels travel as fds beside it)."""
+
+    rank: int | None
+    group_name: str
+    env: Mapping[str, str]  # the holder's
+    cwd: str
+    sys_path: tuple[str, ...]
+    place: HostPlace
+
+
+# ----- channels: one request, one answer, length-prefixed pickles ---------------------------------
+
+
+class NoHandles(cloudpickle.CloudPickler):
+    """cloudpickle that refuses Ray's handles: the process on the other end has no Ray worker to use them."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if is_ray_handle(obj):
+            raise RayHandleInChannel(type(obj).__name__)
+        return super().reducer_override(obj)
+
+
+def send_message(conn: socket.socket, value: Any, pickler: type[cloudpickle.CloudPickler] = NoHandles) -> None:
+    """Send ``value`` on ``conn`` with ``pickler`` (cloudpickle: a worker may return what only cloudpickle
+    carries); :class:`RayHandleInChannel` if it holds an ObjectRef or an actor handle."""
+    buffer = io.BytesIO()
+    pickler(buffer, protocol=5).dump(value)
+    payload = buffer.getbuffer()
+    conn.sendall(LENGTH.pack(len(payload)))
+    conn.sendall(payload)
+
+
+def receive_message(conn: socket.socket) -> Any:
+    """The next message on ``conn``; :class:`EOFError` when its other end closed."""
+    (size,) = LENGTH.unpack(_receive_exactly(conn, LENGTH.size))
+    return pickle.loads(_receive_exactly(conn, size))
+
+
+def _receive_exactly(conn: socket.socket, size: int) -> bytearray:
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    got = 0
+    while got < size:
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise EOFError("the channel's other end closed")
+        got += n
+    return buffer
+
+
+# ----- the forked rank ----------------------------------------------------------------------------
+
+
+class NoObjects:
+    """A forked rank's object transport: none yet (it has no Ray worker to put objects with).
+
+    Reshard moves weights through Ray's object store from inside the ranks; until forked ranks
+    reach it through their node's agent, a refit between forked ranks fails here, naming the fix."""
+
+    def _refuse(self) -> BackendError:
+        return BackendError("reshard needs ranks in Ray actors: start the groups that refit with process_model='ray'")
+
+    def put(self, value: Any) -> Any:
+        raise self._refuse()
+
+    def get(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        raise self._refuse()
+
+    def wait_any(self, handles: Sequence[Any], timeout: float | None = None) -> list[int]:
+        raise self._refuse()
+
+    def peer_tracer(self) -> int | None:
+        return None
+
+
+def become_rank(request: ForkRequest, default: socket.socket, control: socket.socket, imported_env: Mapping[str, str]) -> None:
+    """The forked child's life: take the holder's environment, build the host, serve both channels; never returns.
+
+    ``imported_env``: what the warm process's imports set in its environment (torch sets a cache
+    directory), kept where the holder's environment does not say otherwise, as a spawned rank's
+    own imports would have set them."""
+    code = 0
+    try:
+        os.environ.clear()
+        os.environ.update(imported_env)
+        os.environ.update(request.env)
+        os.chdir(request.cwd)
+        sys.path[:] = list(request.sys_path)
+        _reseed()
+        _set_threads(request.env)
+        from .host import WorkerHost  # imported by the warm process already
+
+        host = WorkerHost(request.rank, request.group_name, request.place, objects=NoObjects())
+        send_message(default, ("ok", os.getpid()))
+        threading.Thread(target=_serve, args=(host, control), name="rankmesh-control", daemon=True).start()
+        _serve(host, default)
+    except BaseException:  # noqa: BLE001 - the child must end here, whatever happened
+        code = 1
+        logger.exception("forked rank %s of %s failed", request.rank, request.group_name)
+    finally:
+        os._exit(code)
+
+
+def _reseed() -> None:
+    """Fresh random state, as a spawned process starts with: after a fork every rank would draw the same numbers."""
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # CPU now; CUDA's generators are seeded when CUDA starts (no context here)
+
+
+def _set_threads(env: Mapping[str, str]) -> None:
+    """torch's intra-op threads as a spawned rank's: ``OMP_NUM_THREADS`` when set (torch read the
+    warm process's at import), else torch's default (the warm process was started without it)."""
+    torch = sys.modules.get("torch")
+    value = env.get("OMP_NUM_THREADS", "")
+    if torch is not None and value.isdigit() and int(value) > 0:
+        torch.set_num_threads(int(value))
+
+
+def _serve(host: Any, conn: socket.socket) -> None:
+    """Run the host methods the holder forwards on ``conn``, one at a time; exit the process when it closes."""
+    while True:
+        try:
+            name, args, kwargs = receive_message(conn)
+        except (EOFError, OSError):
+            os._exit(0)  # the holder is gone: so is its rank
+        try:
+            answer = ("ok", getattr(host, name)(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - it travels back to the caller, as Ray would carry it
+            answer = ("error", _sendable(exc))
+        try:
+            send_message(conn, answer)
+        except (BrokenPipeError, ConnectionResetError):
+            os._exit(0)
+        except Exception as exc:  # noqa: BLE001 - an output that does not pickle
+            send_message(conn, ("error", BackendError(f"rank {host._rank}: its answer to {name} does not pickle: {exc!r}")))
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    """``exc`` if it pickles, else a BackendError with its text and traceback."""
+    try:
+        cloudpickle.dumps(exc)
+        return exc
+    except Exception:  # noqa: BLE001
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return BackendError(f"{type(exc).__name__}: {exc} (it does not pickle; the rank's traceback follows)\n{text}")
+
+
+# ----- the warm process ---------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _source_files(before: set[str]) -> list[tuple[str, int, int]]:
+    """(path, mtime_ns, size) of every module imported since ``before`` that has a source file outside the interpreter's own."""
+    prefixes = tuple({sys.base_prefix, sys.prefix})
+    files = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name in before or not path or path.startswith(prefixes):
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        files.append((path, st.st_mtime_ns, st.st_size))
+    return sorted(files)
+
+
+def serve_forks(address: str, sys_path: Sequence[str], modules: Sequence[str]) -> None:
+    """The warm process: import, say ready on stdout, then fork a rank per request until the keeper goes."""
+    _die_with_parent()
+    sys.path[:] = list(sys_path)
+    parent = os.getppid()
+    before = set(sys.modules)
+    env_before = dict(os.environ)
+    failed = {}
+    for name in (*HOST_MODULES, *modules):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - the rank reports it where it builds the worker
+            failed[name] = repr(exc)
+    imported_env = {k: v for k, v in os.environ.items() if env_before.get(k) != v}
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(64)
+    listener.settimeout(REAP_EVERY_S)
+    sys.stdout.write(json.dumps({"pid": os.getpid(), "files": _source_files(before), "failed": failed}) + "\n")
+    sys.stdout.flush()
+    last = time.monotonic()
+    while os.getppid() == parent and time.monotonic() - last < IDLE_S:
+        _reap()
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            continue
+        last = time.monotonic()
+        with conn:
+            conn.settimeout(None)
+            try:
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+                request = pickle.loads(message)
+            except Exception:  # noqa: BLE001 - a broken request fails its holder, not the warm process
+                logger.exception("a fork request did not arrive whole")
+                continue
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                become_rank(request, socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1]), imported_env)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(LENGTH.pack(pid))
+
+
+def _reap() -> None:
+    """Collect the exit of every forked rank that ended (its holder saw it through a pidfd already)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def fork_rank(address: str, request: ForkRequest, default: socket.socket, control: socket.socket, timeout: float) -> int:
+    """Ask the warm process at ``address`` to fork ``request``'s rank with these channel ends; its pid."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(timeout)
+        conn.connect(address)
+        socket.send_fds(conn, [cloudpickle.dumps(request, protocol=5)], [default.fileno(), control.fileno()])
+        (pid,) = LENGTH.unpack(_receive_exactly(conn, LENGTH.size))
+    return pid
+
+
+if __name__ == "__main__":
+    serve_forks(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:])

@@ -1,0 +1,54 @@
+"""Workers for the forked-rank tests (tests/test_forked_ranks.py): what a rank's process sees, and its children."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import numpy as np
+import torch
+
+from rankmesh.data import DataProto
+from rankmesh.dispatch import Dispatch, register
+from rankmesh.worker import Worker
+
+
+def _child_square(x: int) -> int:
+    return x * x
+
+
+class ForkProbe(Worker):
+    """Reports the process it runs in; forks children as a DataLoader or a multiprocessing pool would."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def facts(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "env": dict(os.environ),
+            "cwd": os.getcwd(),
+            "sys_path": list(sys.path),
+            "threads": torch.get_num_threads(),
+            "draws": (random.random(), float(np.random.rand()), float(torch.rand(1))),
+            "cuda_initialized": torch.cuda.is_initialized(),
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fork_children(self) -> dict:
+        """A DataLoader with two worker processes, and a multiprocessing pool of the fork context."""
+        import multiprocessing
+
+        loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=2)
+        loaded = sorted(int(x) for batch in loader for x in batch)
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            squares = pool.map(_child_square, range(4))
+        return {"loaded": loaded, "squares": squares}
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def double(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"y": data.batch["x"] * 2 + self.rank * 0})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()

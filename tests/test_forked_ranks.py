@@ -1,0 +1,217 @@
+"""Ranks forked from a node's warm process (``process_model="fork"``): what they see, their children, their deaths.
+
+Expected values come from a rank spawned by Ray in the same pool (``process_model="ray"``), from
+``/proc`` and from the operating system, never from rankmesh's own account of its processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import time
+import importlib.util
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import torch  # noqa: E402
+
+from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
+from rankmesh.backends.ray.forked import KEEPER_NAME  # noqa: E402
+from rankmesh.backends.ray.runtime import DETACHED_NAMESPACE  # noqa: E402
+from rankmesh.data import DataProto  # noqa: E402
+from rankmesh.errors import BackendError, WorkerDiedError  # noqa: E402
+from tests.fork_workers import ForkProbe  # noqa: E402
+
+#: Variables Ray gives each worker process of its own (ids, the log files): a forked rank has its holder's.
+PER_PROCESS = ("RAY_WORKER_", "RAY_LOG", "RAY_RAYLET_PID", "RAY_JOB_", "RAY_ACTOR", "RAY_RUNTIME_ENV",
+               "RAY_NODE", "RAY_CLIENT", "RAY_ADDRESS", "RAY_SESSION")
+
+
+def _shared_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if not k.startswith(PER_PROCESS)}
+
+
+def _keeper_processes() -> list:
+    node_id = ray.get_runtime_context().get_node_id()
+    keeper = ray.get_actor(KEEPER_NAME.format(node_id=node_id), namespace=DETACHED_NAMESPACE)
+    return ray.get(keeper.processes.remote())
+
+
+def _maps(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def groups(ray_session):
+    """A 4-rank forked group and a 1-rank spawned one of the same worker."""
+    forked = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(ForkProbe), process_model="fork")
+    spawned = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ForkProbe), process_model="ray")
+    yield forked, spawned
+    forked.shutdown()
+    spawned.shutdown()
+
+
+def test_a_forked_rank_is_a_child_of_its_nodes_warm_process_and_its_holder_imports_no_torch(groups):
+    forked, _ = groups
+    facts = forked.facts()
+    warm = {pid for _, pid in _keeper_processes()}
+    assert {f["ppid"] for f in facts} <= warm and len(warm) >= 1
+    holders = [info["ray_pid"] for info in forked.executor.hosts.info]
+    assert len(set(holders)) == 4 and not set(holders) & {f["pid"] for f in facts}
+    for holder in holders:  # a call's small arguments go through the session ring, not the holder
+        with open(f"/proc/{holder}/cmdline", "rb") as f:
+            assert b"ForkedHost" in f.read()  # the process title Ray gives the actor
+        assert "libtorch" not in _maps(holder), f"holder {holder} loaded torch"
+    for f in facts:
+        assert "libtorch" in _maps(f["pid"]) and not f["cuda_initialized"]
+
+
+def test_a_forked_rank_sees_what_a_rank_spawned_in_the_same_pool_does(groups):
+    forked, spawned = groups
+    mine = forked.facts()
+    theirs = spawned.facts()[0]
+    for f in mine:
+        assert f["cwd"] == theirs["cwd"]
+        assert f["sys_path"] == theirs["sys_path"]
+        assert f["threads"] == theirs["threads"]
+        env, expected = _shared_env(f["env"]), _shared_env(theirs["env"])
+        rank_vars = {"RANK", "LOCAL_RANK", "RAY_LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                     "RAY_LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME", "MASTER_ADDR"}
+        differ = {k for k in env.keys() | expected.keys() if env.get(k) != expected.get(k)} - rank_vars
+        assert not differ, {k: (env.get(k), expected.get(k)) for k in sorted(differ)}
+        assert env["RANK"] == str(mine.index(f)) and env["WORLD_SIZE"] == "4"
+
+
+def test_forked_ranks_draw_random_numbers_of_their_own(groups):
+    forked, _ = groups
+    draws = [f["draws"] for f in forked.facts()]
+    for k in range(3):  # python's random, numpy's, torch's
+        values = [d[k] for d in draws]
+        assert len(set(values)) == len(values), f"generator {k} gave ranks the same numbers: {values}"
+
+
+def test_a_forked_rank_forks_its_own_children(groups):
+    forked, _ = groups
+    for got in forked.fork_children():
+        assert got == {"loaded": list(range(8)), "squares": [0, 1, 4, 9]}
+
+
+def test_data_through_a_forked_ranks_holder_comes_back_whole(groups):
+    forked, _ = groups
+    x = torch.arange(4 * 70_000, dtype=torch.float32).reshape(4 * 1000, 70)  # over the inline limit per rank
+    batch = DataProto.from_dict({"x": x})
+    out = forked.double(batch)
+    assert torch.equal(out.batch["y"], x * 2)
+    assert torch.equal(batch.batch["x"], x)  # the caller's batch is untouched
+
+
+def test_groups_of_different_worker_modules_get_different_warm_processes(groups):
+    from tests.hosts import ProcessReset
+
+    before = _keeper_processes()
+    other = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ProcessReset), process_model="fork")
+    try:
+        assert other.reset() == [True]
+        after = _keeper_processes()
+        assert any("tests.fork_workers" in m for m, _ in after) and any(m == ("tests.hosts",) for m, _ in after)
+        assert len({pid for _, pid in after}) == len(after) > len(before)
+    finally:
+        other.shutdown()
+
+
+def test_a_dead_rank_is_told_at_once_and_replaced_by_a_fork(groups):
+    group = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(ForkProbe), process_model="fork",
+                           on_rank_death="keep")
+    try:
+        pids = group.pid()
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError) as err:
+            group.pid()
+        assert err.value.rank == 1 and time.monotonic() - start < 10
+        start = time.monotonic()
+        group.replace_dead_ranks()
+        replaced = time.monotonic() - start
+        now = group.pid()
+        assert now[0] == pids[0] and now[1] != pids[1]
+        assert os.getpgid(now[1]) >= 0 and replaced < 30
+    finally:
+        group.shutdown()
+
+
+def test_a_warm_process_that_died_is_started_again(groups):
+    forked, _ = groups
+    warm = [pid for modules, pid in _keeper_processes() if "tests.fork_workers" in modules]
+    os.kill(warm[0], signal.SIGKILL)
+    assert forked.pid()  # ranks forked before live on without it
+    group = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ForkProbe), process_model="fork")
+    try:
+        again = [pid for modules, pid in _keeper_processes() if "tests.fork_workers" in modules]
+        assert again and again != warm
+        assert group.facts()[0]["ppid"] == again[0]
+    finally:
+        group.shutdown()
+
+
+CHANGING = '''
+from rankmesh.dispatch import Dispatch, register
+from rankmesh.worker import Worker
+
+class Changing(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def version(self):
+        return {version!r}
+'''
+
+
+def _load_changing(path: str):
+    spec = importlib.util.spec_from_file_location("rankmesh_fork_changing", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.Changing
+
+
+def test_a_worker_module_changed_on_disk_reaches_the_next_group(groups, tmp_path):
+    path = tmp_path / "rankmesh_fork_changing.py"
+    seen = []
+    try:
+        for version in ("one", "a second one"):
+            path.write_text(textwrap.dedent(CHANGING.format(version=version)))
+            cls = RayClassWithInitArgs(_load_changing(str(path)))
+            cls.update_options({"runtime_env": {"env_vars": {"PYTHONPATH": str(tmp_path)}}})
+            group = RayWorkerGroup(RayResourcePool([1], use_gpu=False), cls, process_model="fork")
+            try:
+                seen.append((group.version()[0], [p for m, p in _keeper_processes() if "rankmesh_fork_changing" in m]))
+            finally:
+                group.shutdown()
+    finally:
+        sys.modules.pop("rankmesh_fork_changing", None)
+    assert [v for v, _ in seen] == ["one", "a second one"]
+    assert len(seen[1][1]) == 1 and seen[0][1] != seen[1][1]
+
+
+def test_a_process_model_that_does_not_exist_is_refused_before_anything_starts(ray_session):
+    with pytest.raises(BackendError, match="process_model must be one of"):
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ForkProbe), process_model="spawn")
+
+
+def test_the_holder_forwards_every_method_of_the_host_on_the_same_thread():
+    """The names the holder forwards (hostapi) are the host's remote methods, each in the host's concurrency group."""
+    from rankmesh.backends.ray.forked import ForkedHost
+    from rankmesh.backends.ray.host import WorkerHost
+    from rankmesh.backends.ray.hostapi import BARE_SLOT_METHODS, HOST_METHODS, SLOT_METHODS
+
+    slots = set(SLOT_METHODS) | set(BARE_SLOT_METHODS)
+    host = {name: getattr(getattr(WorkerHost, name), "__ray_concurrency_group__", None)
+            for name in dir(WorkerHost) if not name.startswith("_") and callable(getattr(WorkerHost, name))
+            and name not in slots}
+    assert host == dict(HOST_METHODS)
+    for name in [*host, *slots]:
+        forwarded = getattr(ForkedHost, name)
+        assert getattr(forwarded, "__ray_concurrency_group__", None) == host.get(name), name
