@@ -21,6 +21,10 @@ def _child_square(x: int) -> int:
 class ForkProbe(Worker):
     """Reports the process it runs in; forks children as a DataLoader or a multiprocessing pool would."""
 
+    def __init__(self) -> None:
+        # Drawn first thing, as a rank's own code would: python's, numpy's and torch's generators.
+        self.first_draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+
     @register(Dispatch.ONE_TO_ALL)
     def facts(self) -> dict:
         return {
@@ -30,7 +34,7 @@ class ForkProbe(Worker):
             "cwd": os.getcwd(),
             "sys_path": list(sys.path),
             "threads": torch.get_num_threads(),
-            "draws": (random.random(), float(np.random.rand()), float(torch.rand(1))),
+            "draws": self.first_draws,
             "cuda_initialized": torch.cuda.is_initialized(),
         }
 

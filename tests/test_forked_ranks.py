@@ -88,10 +88,13 @@ def test_a_forked_rank_sees_what_a_rank_spawned_in_the_same_pool_does(groups):
 
 
 def test_forked_ranks_draw_random_numbers_of_their_own(groups):
-    forked, _ = groups
+    """Python's, numpy's and torch's CPU generators seed from the OS in a spawned process (a
+    spawned rank draws its own numbers): each forked rank too, none the spawned rank's."""
+    forked, spawned = groups
     draws = [f["draws"] for f in forked.facts()]
+    theirs = spawned.facts()[0]["draws"]
     for k in range(3):  # python's random, numpy's, torch's
-        values = [d[k] for d in draws]
+        values = [d[k] for d in draws] + [theirs[k]]
         assert len(set(values)) == len(values), f"generator {k} gave ranks the same numbers: {values}"
 
 
@@ -215,3 +218,26 @@ def test_the_holder_forwards_every_method_of_the_host_on_the_same_thread():
     for name in [*host, *slots]:
         forwarded = getattr(ForkedHost, name)
         assert getattr(forwarded, "__ray_concurrency_group__", None) == host.get(name), name
+
+
+def test_a_stopped_forked_rank_dies_with_its_holder(groups):
+    """A rank that cannot run (SIGSTOP) never reads its closed channels: its warm process kills it."""
+    group = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ForkProbe), process_model="fork")
+    try:
+        pid = group.pid()[0]
+        os.kill(pid, signal.SIGSTOP)
+        ray.kill(group.executor.hosts.actors[0], no_restart=True)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                break
+            if state == "Z":  # dead, not yet reaped
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"rank process {pid} still lives 15 s after its holder was killed")
+    finally:
+        group.shutdown()

@@ -7,6 +7,9 @@ in milliseconds, its imports already done (``docs/ray_backend.md``, "Process mod
 
 **The warm process** (``python -m rankmesh.backends.ray.warm SOCKET SYS_PATH MODULE...``) is started by
 its node's keeper (:class:`.forked.WarmKeeper`) and dies with it (``PR_SET_PDEATHSIG``).  It
+watches each rank's holder through a pidfd and kills the rank when its holder goes: a rank
+cannot be made to die with a process that is not its parent, and a stopped rank would never read
+its closed channels.  It
 imports the rank's host (torch, rankmesh) and the named modules on the ranks' ``sys.path``, tells the keeper it is ready
 and which source files it read (a file changed on disk retires it), then serves fork requests on
 a Unix socket, one at a time, on its only Python thread.  It starts no threads of its own, no
@@ -17,8 +20,8 @@ the light Ray actor that holds the rank's bundle: the holder's environment, work
 ``sys.path`` (so the rank sees exactly what a rank spawned by Ray in that bundle would: its
 ``CUDA_VISIBLE_DEVICES`` included), where the holder runs (:class:`.hostapi.HostPlace`), and two
 socket ends passed as file descriptors: the holder's default and control channels.  The child
-takes them (:func:`become_rank`), re-seeds its random generators (a fork would share the warm
-process's), sets torch's thread count as a spawned rank's would be, builds its
+takes them (:func:`become_rank`), re-seeds the random generators a spawned process seeds from the
+operating system (a fork would share the warm process's), sets torch's thread count as a spawned rank's would be, builds its
 :class:`.host.WorkerHost` and serves each channel on its own thread, as a Ray actor serves its
 default and control concurrency groups.  The rank exits when its holder goes (either channel
 closes), and its holder exits when it does (:mod:`.forked`): Ray sees a rank die as it always has.
@@ -34,6 +37,7 @@ import logging
 import os
 import pickle
 import random
+import select
 import signal
 import socket
 import struct
@@ -55,7 +59,8 @@ logger = logging.getLogger(__name__)
 
 #: How long the warm process waits in ``accept`` before it reaps its exited children (seconds).
 REAP_EVERY_S = 1.0
-#: A warm process that forked nothing for this long exits (its keeper starts another on need).
+#: A warm process that forked nothing for this long, and whose ranks are all gone, exits (its keeper
+#: starts another on need).
 IDLE_S = 900.0
 #: ``prctl`` option numbers (linux/prctl.h).
 PR_SET_PDEATHSIG = 1
@@ -171,14 +176,20 @@ def become_rank(request: ForkRequest, default: socket.socket, control: socket.so
 
 
 def _reseed() -> None:
-    """Fresh random state, as a spawned process starts with: after a fork every rank would draw the same numbers."""
+    """Random state as a spawned process starts with it.
+
+    Python's and numpy's global generators and torch's CPU generator seed themselves from the
+    operating system when a process starts, so each spawned rank draws numbers of its own; after a
+    fork every rank would draw the warm process's, so they are seeded afresh here.  torch's CUDA
+    generators are seeded when CUDA starts, in the rank (the warm process has no CUDA), as in a
+    spawned rank: they are left alone."""
     random.seed()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.seed()  # CPU now; CUDA's generators are seeded when CUDA starts (no context here)
+        torch.default_generator.seed()  # the CPU generator only: torch.seed() would seed CUDA's too
 
 
 def _set_threads(env: Mapping[str, str]) -> None:
@@ -260,19 +271,22 @@ def serve_forks(address: str, sys_path: Sequence[str], modules: Sequence[str]) -
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
-    listener.settimeout(REAP_EVERY_S)
     sys.stdout.write(json.dumps({"pid": os.getpid(), "files": _source_files(before), "failed": failed}) + "\n")
     sys.stdout.flush()
+    holders: dict[int, int] = {}  # a holder's pidfd -> its rank's pidfd
     last = time.monotonic()
-    while os.getppid() == parent and time.monotonic() - last < IDLE_S:
+    while os.getppid() == parent and (holders or time.monotonic() - last < IDLE_S):
         _reap()
-        try:
-            conn, _ = listener.accept()
-        except socket.timeout:
+        readable, _, _ = select.select([listener, *holders], [], [], REAP_EVERY_S)
+        for fd in readable:
+            if fd is not listener:  # a holder is gone: so is its rank, even one stopped (a channel's end it cannot read)
+                _kill_rank(holders.pop(fd))
+                os.close(fd)
+        if listener not in readable:
             continue
         last = time.monotonic()
+        conn, _ = listener.accept()
         with conn:
-            conn.settimeout(None)
             try:
                 message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
                 request = pickle.loads(message)
@@ -283,10 +297,26 @@ def serve_forks(address: str, sys_path: Sequence[str], modules: Sequence[str]) -
             if pid == 0:
                 listener.close()
                 conn.close()
+                for fd in (*holders, *holders.values()):
+                    os.close(fd)
                 become_rank(request, socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1]), imported_env)
             for fd in fds:
                 os.close(fd)
+            rank = os.pidfd_open(pid)
+            try:
+                holders[os.pidfd_open(request.place.ray_pid)] = rank
+            except ProcessLookupError:  # the holder went while its rank was forked
+                _kill_rank(rank)
             conn.sendall(LENGTH.pack(pid))
+
+
+def _kill_rank(pidfd: int) -> None:
+    """SIGKILL the rank behind ``pidfd`` (a pidfd: a pid reused since cannot be hit) and close it."""
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    os.close(pidfd)
 
 
 def _reap() -> None:
