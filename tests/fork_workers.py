@@ -56,3 +56,10 @@ class ForkProbe(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def ray_put(self) -> object:
+        """Ray used from inside the rank (what a forked rank cannot do)."""
+        import ray
+
+        return ray.put(1)

@@ -138,8 +138,11 @@ class BankProcesses:
         pool_name: str | None = None,
         spares: int = 0,
         name_prefix: str | None = None,
+        process_model: str | None = None,
         **group_kwargs: Any,
     ) -> RayWorkerGroup:
+        # The bank's processes are Ray actors already running, whatever process model the run would
+        # start its own with: lending them is what it exists for (a forked rank saves the same start).
         if len(process_on_nodes) != 1 or spares or group_kwargs:
             raise ValueError(f"the host bank builds groups of one node without spares or options, not "
                              f"{process_on_nodes} with spares={spares} and {sorted(group_kwargs)}")

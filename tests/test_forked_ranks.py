@@ -23,7 +23,7 @@ from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWork
 from rankmesh.backends.ray.forked import KEEPER_NAME  # noqa: E402
 from rankmesh.backends.ray.runtime import DETACHED_NAMESPACE  # noqa: E402
 from rankmesh.data import DataProto  # noqa: E402
-from rankmesh.errors import BackendError, WorkerDiedError  # noqa: E402
+from rankmesh.errors import BackendError, WorkerDiedError, WorkerError  # noqa: E402
 from tests.fork_workers import ForkProbe  # noqa: E402
 
 #: Variables Ray gives each worker process of its own (ids, the log files): a forked rank has its holder's.
@@ -96,6 +96,19 @@ def test_forked_ranks_draw_random_numbers_of_their_own(groups):
     for k in range(3):  # python's random, numpy's, torch's
         values = [d[k] for d in draws] + [theirs[k]]
         assert len(set(values)) == len(values), f"generator {k} gave ranks the same numbers: {values}"
+
+
+def test_ray_used_inside_a_forked_rank_fails_and_connects_nothing(groups):
+    """A forked rank has no Ray worker: Ray's automatic ray.init() would make it a driver of its own."""
+    import psutil
+
+    forked, _ = groups
+    with pytest.raises(WorkerError, match="Ray has not been started|not initialized|ray.init"):
+        forked.ray_put()
+    gcs_port = int(ray.get_runtime_context().gcs_address.rsplit(":", 1)[1])
+    for f in forked.facts():  # the ranks live on, with no connection to the cluster's GCS
+        remote = {c.raddr.port for c in psutil.Process(f["pid"]).net_connections(kind="inet") if c.raddr}
+        assert gcs_port not in remote
 
 
 def test_a_forked_rank_forks_its_own_children(groups):

@@ -49,7 +49,7 @@ from rankmesh.errors import BackendError, RayHandleInChannel
 
 from .hostapi import BARE_SLOT_METHODS, CONTROL_GROUP, HOST_METHODS, SLOT_METHODS, HostPlace
 from .runtime import DETACHED_NAMESPACE
-from .warm import ForkRequest, NoHandles, fork_rank, receive_message, send_message
+from .warm import ForkRequest, NoHandles, encode_message, fork_rank, receive_message, send_encoded
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ PROCESS_MODELS: tuple[str, ...] = ("ray", "fork")
 WARM_START_S = 300.0
 #: How long a forked rank may take to build its host and say so (seconds).
 FORK_START_S = 120.0
+#: Ray's switch for its automatic ``ray.init()`` on first use, set off for warm processes.
+NO_AUTO_CONNECT = ("RAY_ENABLE_AUTO_CONNECT", "0")
 #: The keeper actor's name, per node.
 KEEPER_NAME = "rankmesh_warm_keeper_{node_id}"
 
@@ -115,6 +117,9 @@ class WarmKeeper:
         address = os.path.join(self._dir, f"warm-{self._started}.sock")
         log = os.path.join(self._dir, f"warm-{self._started}.log")
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each rank sets its own
+        # Ray read in a forked rank must not connect it as a hidden driver of its own (it has no
+        # Ray worker): Ray's automatic ray.init() is off for the warm process and its forks.
+        env[NO_AUTO_CONNECT[0]] = NO_AUTO_CONNECT[1]
         with open(log, "wb") as err:
             process = subprocess.Popen([sys.executable, "-m", "rankmesh.backends.ray.warm", address, json.dumps(sys_path),
                                         *modules],
@@ -202,16 +207,17 @@ class _Channel:
 
     def call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
-            send_message(self.conn, (name, args, kwargs), _ToRank)
+            payload = encode_message((name, args, kwargs), _ToRank)
         except RayHandleInChannel as exc:
             raise BackendError(
                 f"{name}: an argument holds a Ray {exc.kind} inside it, and a forked rank has no Ray worker to use it: "
                 f"pass the value itself (a top-level ObjectRef argument is read before the call), or start the group "
                 f"with process_model='ray'") from None
         try:
+            send_encoded(self.conn, payload)
             status, value = receive_message(self.conn)
-        except EOFError:
-            os._exit(1)  # the rank died under this call: the holder goes too, and Ray reports the actor dead
+        except (EOFError, OSError):
+            os._exit(1)  # the rank is gone under this call: the holder goes too, and Ray reports the actor dead
         if status == "error":
             raise value
         return value

@@ -94,14 +94,22 @@ class NoHandles(cloudpickle.CloudPickler):
         return super().reducer_override(obj)
 
 
-def send_message(conn: socket.socket, value: Any, pickler: type[cloudpickle.CloudPickler] = NoHandles) -> None:
-    """Send ``value`` on ``conn`` with ``pickler`` (cloudpickle: a worker may return what only cloudpickle
-    carries); :class:`RayHandleInChannel` if it holds an ObjectRef or an actor handle."""
+def encode_message(value: Any, pickler: type[cloudpickle.CloudPickler] = NoHandles) -> memoryview:
+    """``value`` pickled by ``pickler`` (cloudpickle: a worker may return what only cloudpickle carries);
+    :class:`RayHandleInChannel` if it holds an ObjectRef or an actor handle."""
     buffer = io.BytesIO()
     pickler(buffer, protocol=5).dump(value)
-    payload = buffer.getbuffer()
+    return buffer.getbuffer()
+
+
+def send_encoded(conn: socket.socket, payload: memoryview) -> None:
     conn.sendall(LENGTH.pack(len(payload)))
     conn.sendall(payload)
+
+
+def send_message(conn: socket.socket, value: Any) -> None:
+    """Send ``value`` on ``conn`` (:func:`encode_message`, then :func:`send_encoded`)."""
+    send_encoded(conn, encode_message(value))
 
 
 def receive_message(conn: socket.socket) -> Any:
