@@ -58,6 +58,10 @@ class ForkProbe(Worker):
         return os.getpid()
 
     @register(Dispatch.ONE_TO_ALL)
+    def say(self, text: str) -> None:
+        print(f"{text} from rank {self.rank}", flush=True)
+
+    @register(Dispatch.ONE_TO_ALL)
     def ray_put(self) -> object:
         """Ray used from inside the rank (what a forked rank cannot do)."""
         import ray

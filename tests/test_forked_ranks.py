@@ -111,6 +111,19 @@ def test_ray_used_inside_a_forked_rank_fails_and_connects_nothing(groups):
         assert gcs_port not in remote
 
 
+def test_what_a_forked_rank_prints_reaches_the_driver_as_its_holders_output(groups, capsys):
+    forked, _ = groups
+    token = f"forked-rank-says-{os.getpid()}-{time.monotonic_ns()}"
+    forked.say(token)
+    out, deadline = "", time.monotonic() + 20
+    while not all(f"{token} from rank {r}" in out for r in range(4)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        out += capsys.readouterr().out
+    for r in range(4):
+        assert f"{token} from rank {r}" in out
+    assert "ForkedHost" in next(line for line in out.splitlines() if token in line)  # Ray's prefix: the holder
+
+
 def test_a_forked_rank_forks_its_own_children(groups):
     forked, _ = groups
     for got in forked.fork_children():

@@ -19,7 +19,8 @@ torch thread pool, no CUDA context and no process group.
 the light Ray actor that holds the rank's bundle: the holder's environment, working directory and
 ``sys.path`` (so the rank sees exactly what a rank spawned by Ray in that bundle would: its
 ``CUDA_VISIBLE_DEVICES`` included), where the holder runs (:class:`.hostapi.HostPlace`), and two
-socket ends passed as file descriptors: the holder's default and control channels.  The child
+socket ends passed as file descriptors: the holder's default and control channels, with the
+holder's stdout and stderr (what the rank prints is logged and shown as the holder's).  The child
 takes them (:func:`become_rank`), re-seeds the random generators a spawned process seeds from the
 operating system (a fork would share the warm process's), sets torch's thread count as a spawned rank's would be, builds its
 :class:`.host.WorkerHost` and serves each channel on its own thread, as a Ray actor serves its
@@ -64,6 +65,8 @@ REAP_EVERY_S = 1.0
 IDLE_S = 900.0
 #: ``prctl`` option numbers (linux/prctl.h).
 PR_SET_PDEATHSIG = 1
+#: The fds a fork request carries: the default and control channels' ends, the holder's stdout and stderr.
+CHANNEL_FDS = 4
 #: A channel message's length prefix.
 LENGTH = struct.Struct("!Q")
 #: The modules every warm process imports: what a rank's host needs before any worker class.
@@ -174,8 +177,9 @@ def become_rank(request: ForkRequest, default: socket.socket, control: socket.so
 
         host = WorkerHost(request.rank, request.group_name, request.place, objects=NoObjects())
         send_message(default, ("ok", os.getpid()))
-        threading.Thread(target=_serve, args=(host, control), name="rankmesh-control", daemon=True).start()
-        _serve(host, default)
+        who = f"rank {request.rank} of {request.group_name}"
+        threading.Thread(target=_serve, args=(host, control, who), name="rankmesh-control", daemon=True).start()
+        _serve(host, default, who)
     except BaseException:  # noqa: BLE001 - the child must end here, whatever happened
         code = 1
         logger.exception("forked rank %s of %s failed", request.rank, request.group_name)
@@ -209,7 +213,7 @@ def _set_threads(env: Mapping[str, str]) -> None:
         torch.set_num_threads(int(value))
 
 
-def _serve(host: Any, conn: socket.socket) -> None:
+def _serve(host: Any, conn: socket.socket, who: str) -> None:
     """Run the host methods the holder forwards on ``conn``, one at a time; exit the process when it closes."""
     while True:
         try:
@@ -225,7 +229,7 @@ def _serve(host: Any, conn: socket.socket) -> None:
         except (BrokenPipeError, ConnectionResetError):
             os._exit(0)
         except Exception as exc:  # noqa: BLE001 - an output that does not pickle
-            send_message(conn, ("error", BackendError(f"rank {host._rank}: its answer to {name} does not pickle: {exc!r}")))
+            send_message(conn, ("error", BackendError(f"{who}: its answer to {name} does not pickle: {exc!r}")))
 
 
 def _sendable(exc: BaseException) -> BaseException:
@@ -296,7 +300,7 @@ def serve_forks(address: str, sys_path: Sequence[str], modules: Sequence[str]) -
         conn, _ = listener.accept()
         with conn:
             try:
-                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, CHANNEL_FDS)
                 request = pickle.loads(message)
             except Exception:  # noqa: BLE001 - a broken request fails its holder, not the warm process
                 logger.exception("a fork request did not arrive whole")
@@ -307,6 +311,10 @@ def serve_forks(address: str, sys_path: Sequence[str], modules: Sequence[str]) -
                 conn.close()
                 for fd in (*holders, *holders.values()):
                     os.close(fd)
+                os.dup2(fds[2], 1)  # the holder's stdout and stderr: Ray logs them and shows them to the driver
+                os.dup2(fds[3], 2)
+                os.close(fds[2])
+                os.close(fds[3])
                 become_rank(request, socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1]), imported_env)
             for fd in fds:
                 os.close(fd)
@@ -339,11 +347,14 @@ def _reap() -> None:
 
 
 def fork_rank(address: str, request: ForkRequest, default: socket.socket, control: socket.socket, timeout: float) -> int:
-    """Ask the warm process at ``address`` to fork ``request``'s rank with these channel ends; its pid."""
+    """Ask the warm process at ``address`` to fork ``request``'s rank with these channel ends and the
+    caller's stdout and stderr; its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout)
         conn.connect(address)
-        socket.send_fds(conn, [cloudpickle.dumps(request, protocol=5)], [default.fileno(), control.fileno()])
+        socket.send_fds(conn, [cloudpickle.dumps(request, protocol=5)], [default.fileno(), control.fileno(), 1, 2])
         (pid,) = LENGTH.unpack(_receive_exactly(conn, LENGTH.size))
     return pid
 
