@@ -16,8 +16,9 @@ process, which Ray does not know of; so:
   so Ray reports the actor dead and every path that handles a dead rank (sessions, recovery,
   spares) sees what it always saw; the rank exits when its holder's channels close.
 * **Data through the holder** is pickled once more on its way to the rank.  Arguments and outputs
-  that hold tensors make the holder import torch when the first of them arrives; the call session
-  (blocking calls with small arguments) never goes through it.
+  that hold tensors make the holder import torch when the first of them arrives.  The call
+  session (blocking calls on the node, large arguments in memory files included) never goes
+  through it; Ray's tasks (non-blocking calls, futures passed along, node agents' data calls) do.
 
 A :class:`WarmKeeper` per node (a detached named actor in rankmesh's namespace, ``num_cpus=0``)
 starts the node's warm processes, one per import set and ``sys.path``, and restarts one that
