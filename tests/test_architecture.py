@@ -340,11 +340,12 @@ def test_no_private_name_is_imported_across_modules() -> None:
     assert not bad, "a _private name belongs to its module; make it public or move the code:\n" + "\n".join(bad)
 
 
-def reached_from(start: str, imports: list[Import]) -> dict[str, Import | None]:
-    """Every rankmesh module importing ``start`` runs, with the import that first reached it
-    (``None`` for ``start`` and for parent packages, which Python runs before their modules)."""
+def reached_from(start: str, imports: list[Import], internal_only: bool = True) -> dict[str, Import | None]:
+    """Every rankmesh module (every module, with ``internal_only=False``) importing ``start`` runs,
+    with the import that first reached it (``None`` for ``start`` and for parent packages, which
+    Python runs before their modules)."""
     graph: dict[str, list[Import]] = {}
-    for imp in _internal(imports):
+    for imp in _internal(imports) if internal_only else imports:
         graph.setdefault(imp.source, []).append(imp)
     seen: dict[str, Import | None] = {start: None}
     todo = [start]
@@ -387,21 +388,7 @@ HOLDER_MUST_NOT_LOAD = ("torch", "tensordict", "megatron", "rankmesh.backends.ra
 
 def loaded_at_start(start: str, imports: list[Import]) -> dict[str, Import | None]:
     """Every module importing ``start`` loads at once (imports inside functions wait for their call), third-party ones too."""
-    graph: dict[str, list[Import]] = {}
-    for imp in imports:
-        if not imp.in_function:
-            graph.setdefault(imp.source, []).append(imp)
-    seen: dict[str, Import | None] = {start: None}
-    todo = [start]
-    while todo:
-        module = todo.pop()
-        parts = module.split(".")
-        parents = [".".join(parts[:k]) for k in range(1, len(parts))]
-        for target, via in [*((p, None) for p in parents), *((i.target, i) for i in graph.get(module, ()))]:
-            if target not in seen:
-                seen[target] = via
-                todo.append(target)
-    return seen
+    return reached_from(start, [imp for imp in imports if not imp.in_function], internal_only=False)
 
 
 def test_a_forked_ranks_holder_loads_neither_torch_nor_the_rank_side_at_start() -> None:

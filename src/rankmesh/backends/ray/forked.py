@@ -231,7 +231,7 @@ class ForkedHost:
         # The keeper of the node Ray placed this holder on (a bundle re-placed after its node died
         # lands elsewhere than its slot first said).
         keeper = keeper_of(ray.get_runtime_context().get_node_id())
-        address = ray.get(keeper.address.remote(modules, sys.path))
+        address = ray.get(keeper.address.remote(modules, sys.path), timeout=WARM_START_S + FORK_START_S)
         default, default_end = socket.socketpair()
         control, control_end = socket.socketpair()
         request = ForkRequest(rank=rank, group_name=group_name, env=dict(os.environ), cwd=os.getcwd(),
