@@ -31,6 +31,12 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # stream at ten a second): 25 CPU-seconds.  The variable reaches every Ray the session starts,
 # drivers' and scripts' too.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+# The suite's groups fork their ranks from a warm process per node unless a test names "ray" (a
+# rank in its own Ray worker imports torch and rankmesh again: 3.6 CPU-seconds, a megatron rank
+# 6.7).  Tests about what only a Ray actor does (Ray called inside a rank, copy-on-write receive
+# from Ray's store, tight timeouts through Ray's tasks) start theirs with process_model="ray".
+# The variable reaches every driver and script the session starts.
+os.environ.setdefault("RANKMESH_PROCESS_MODEL", "fork")
 
 import pytest  # noqa: E402
 

@@ -225,7 +225,9 @@ def writer_group(request, ray_session):
     pool = RayResourcePool([4], use_gpu=False)
     init = RayClassWithInitArgs(Writer)
     init.update_options({"runtime_env": {"env_vars": {sharedmem.RECEIVE_ENV: request.param}}})
-    wg = RayWorkerGroup(pool, init, mesh=RankMesh(tp=2, dp=2))
+    # Copy-on-write from Ray's object store is a Ray actor's receive (a forked rank's inputs come
+    # through its holder as private copies).
+    wg = RayWorkerGroup(pool, init, mesh=RankMesh(tp=2, dp=2), process_model="ray")
     yield request.param, wg
     wg.shutdown()
 

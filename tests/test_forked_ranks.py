@@ -267,3 +267,94 @@ def test_a_stopped_forked_rank_dies_with_its_holder(groups):
             pytest.fail(f"rank process {pid} still lives 15 s after its holder was killed")
     finally:
         group.shutdown()
+
+
+def _refit_layouts():
+    """Weights for the refit tests: tp-split along each dim, with a stride, and replicated; the big
+    one (1.3 MiB) travels in several pieces."""
+    from rankmesh.reshard import ParamLayout
+
+    return [ParamLayout("qkv", (96, 32), tp_dim=0, tp_stride=3), ParamLayout("proj", (32, 32), tp_dim=1),
+            ParamLayout("ln", (32,)), ParamLayout("big", (520, 640))]
+
+
+def _expected_shards(layouts, mesh, seed):
+    from tests.reshard_workers import full_tensor, holds, megatron_cut
+
+    return [{p.name: megatron_cut(full_tensor(p, seed), p, mesh, r) for p in layouts if holds(p, mesh, r)}
+            for r in range(mesh.world_size)]
+
+
+def _assert_shards(got, want):
+    import numpy as np
+
+    assert len(got) == len(want)
+    for rank, (g, w) in enumerate(zip(got, want)):
+        assert sorted(g) == sorted(w), rank
+        for name in w:
+            np.testing.assert_array_equal(g[name], w[name], err_msg=f"rank {rank} {name}")
+
+
+@pytest.fixture(scope="module")
+def refit_groups(ray_session, host_bank):
+    """A forked tp2 group, a forked dp4 group, and a tp2·dp2 group of Ray actors (from the bank)."""
+    from rankmesh.mesh import RankMesh
+    from tests.reshard_workers import ShardHolder
+
+    layouts = _refit_layouts()
+    trainer = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(ShardHolder, layouts, seed=1),
+                             mesh=RankMesh(tp=2, dp=2), process_model="fork")
+    generator = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(ShardHolder, layouts, seed=None),
+                               mesh=RankMesh(dp=4), process_model="fork")
+    spawned = host_bank.build(RayClassWithInitArgs(ShardHolder, layouts, seed=None), RankMesh(tp=2, dp=2))
+    yield trainer, generator, spawned
+    trainer.shutdown()
+    generator.shutdown()
+    host_bank.give_back(spawned)
+
+
+@pytest.mark.parametrize("transport", ("store", "auto"))
+def test_forked_ranks_refit_each_other_through_their_holders_or_directly(refit_groups, transport):
+    from rankmesh.mesh import RankMesh
+    from rankmesh.reshard.run import plan_between, reshard
+
+    trainer, generator, _ = refit_groups
+    layouts = _refit_layouts()
+    trainer.refill(7)
+    generator.refill(None)
+    plan = plan_between(trainer, generator, dst_mesh=RankMesh(dp=4))
+    stats = reshard(trainer, generator, plan, transport=transport)
+    _assert_shards(generator.shards(), _expected_shards(layouts, RankMesh(dp=4), seed=7))
+    if transport == "store":  # through Ray's store, put and fetched by the holders: each weight put once for
+        assert stats.bytes_put == sum(p.nbytes for p in layouts) and stats.bytes_direct == 0  # all 4 replicas
+    else:  # one node: every region read straight from the source rank's memory
+        assert stats.bytes_direct == plan.bytes_moved and stats.bytes_put == 0 and stats.refused == 0
+
+
+def test_forked_ranks_and_ranks_in_ray_actors_refit_each_other(refit_groups):
+    from rankmesh.mesh import RankMesh
+    from rankmesh.reshard.run import plan_between, reshard
+
+    trainer, generator, spawned = refit_groups
+    layouts = _refit_layouts()
+    trainer.refill(3)
+    spawned.refill(None)
+    reshard(trainer, spawned, plan_between(trainer, spawned, dst_mesh=RankMesh(tp=2, dp=2)), transport="store")
+    _assert_shards(spawned.shards(), _expected_shards(layouts, RankMesh(tp=2, dp=2), seed=3))
+    spawned.refill(4)
+    generator.refill(None)
+    reshard(spawned, generator, plan_between(spawned, generator, dst_mesh=RankMesh(dp=4)), transport="store")
+    _assert_shards(generator.shards(), _expected_shards(layouts, RankMesh(dp=4), seed=4))
+
+
+def test_verls_groups_keep_a_ray_actor_per_rank_whatever_the_environment_says(ray_session, monkeypatch):
+    from rankmesh.compat import verl
+
+    monkeypatch.setenv("RANKMESH_PROCESS_MODEL", "fork")
+    group = verl.RayWorkerGroup(verl.RayResourcePool([1], use_gpu=False), verl.RayClassWithInitArgs(cls=ForkProbe))
+    try:
+        (fact,) = group.facts()
+        with open(f"/proc/{fact['ppid']}/comm") as f:
+            assert f.read().strip() == "raylet"  # Ray spawned it: no warm process in between
+    finally:
+        group.shutdown()

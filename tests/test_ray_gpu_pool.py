@@ -36,11 +36,13 @@ class Role(Worker):
 
 ensure_ray(num_cpus=24, num_gpus=2)  # logical CPUs: verl's pools below reserve 10 per bundle
 pool = RayResourcePool([2], use_gpu=True, max_colocate_count=3)
-groups = [RayWorkerGroup(pool, RayClassWithInitArgs(Role), name_prefix=name) for name in ("actor", "critic", "ref")]
+# Role asks Ray's runtime context for its GPU share: Ray actors (a forked rank has no Ray worker).
+groups = [RayWorkerGroup(pool, RayClassWithInitArgs(Role), name_prefix=name, process_model="ray")
+          for name in ("actor", "critic", "ref")]
 report = {"where": [g.where() for g in groups]}
 started = time.monotonic()
 try:
-    RayWorkerGroup(pool, RayClassWithInitArgs(Role), name_prefix="reward")
+    RayWorkerGroup(pool, RayClassWithInitArgs(Role), name_prefix="reward", process_model="ray")
 except ResourcePoolError as exc:
     report["fourth"] = str(exc)
 report["fourth_s"] = time.monotonic() - started

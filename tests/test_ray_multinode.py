@@ -42,7 +42,7 @@ def scenarios(cluster) -> dict:
     # 1. tp2 over two nodes of 4: ranks where the pool says, tp groups inside a node.
     pool = RayResourcePool([4, 4], use_gpu=False)
     mesh = RankMesh(tp=2, dp=4)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(NodeWorker), mesh=mesh)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(NodeWorker), mesh=mesh, process_model="ray")  # asks Ray its node
     report["tp2"] = {
         "pool_nodes": [s.node_id for s in pool.slots()],
         "worker_nodes": [w["node_id"] for w in wg.where()],
@@ -55,7 +55,7 @@ def scenarios(cluster) -> dict:
 
     # 2. heterogeneous nodes [4, 2] and a gloo all-reduce across them.
     pool = RayResourcePool([4, 2], use_gpu=False)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(NodeWorker), mesh=RankMesh(dp=6))
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(NodeWorker), mesh=RankMesh(dp=6), process_model="ray")
     where = wg.where()
     report["hetero"] = {
         "counts": list(pool.placement.process_on_nodes),

@@ -34,7 +34,10 @@ def batch(rows: int, **meta) -> DataProto:
 
 @pytest.fixture(scope="module")
 def group(ray_session):
-    wg = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(FaultWorker), mesh=RankMesh(tp=2, dp=2))
+    # Ray actors: these calls run under 0.3-0.5 s timeouts through Ray's tasks, and a forked rank's
+    # holder imports torch when the first tensor reaches it (seconds on a loaded machine).
+    wg = RayWorkerGroup(RayResourcePool([4], use_gpu=False), RayClassWithInitArgs(FaultWorker), mesh=RankMesh(tp=2, dp=2),
+                        process_model="ray")
     yield wg
     wg.shutdown()
 

@@ -19,6 +19,13 @@ process, which Ray does not know of; so:
   that hold tensors make the holder import torch when the first of them arrives.  The call
   session (blocking calls on the node, large arguments in memory files included) never goes
   through it; Ray's tasks (non-blocking calls, futures passed along, node agents' data calls) do.
+* **Ray's objects stay in the holder.**  An ObjectRef on its way to the rank (in a call's
+  arguments, or in a value the rank fetched) is kept in the holder's :class:`RefTable`, and the
+  rank gets a :class:`.warm.RefToken` for it; a token in the rank's answer turns back into the
+  reference.  The rank's object transport (reshard's ``put``/``get``/``wait_any``,
+  :class:`.warm.HolderObjects`) asks the holder on a third channel, served by a thread of the
+  holder's own (:meth:`ForkedHost._serve_objects`).  The references a call brought or put are let
+  go when that call answers (those in its answer live on in Ray's, as a Ray actor's would).
 
 A :class:`WarmKeeper` per node (a detached named actor in rankmesh's namespace, ``num_cpus=0``)
 starts the node's warm processes, one per import set and ``sys.path``, and restarts one that
@@ -49,8 +56,9 @@ import ray
 from rankmesh.errors import BackendError, RayHandleInChannel
 
 from .hostapi import BARE_SLOT_METHODS, CONTROL_GROUP, HOST_METHODS, SLOT_METHODS, HostPlace
+from .reshard import RayObjects
 from .runtime import DETACHED_NAMESPACE
-from .warm import ForkRequest, NoHandles, encode_message, fork_rank, receive_message, send_encoded
+from .warm import ForkRequest, NoHandles, encode_message, fork_rank, receive_message, send_encoded, sendable
 
 logger = logging.getLogger(__name__)
 
@@ -189,9 +197,52 @@ def _same(value: Any) -> Any:
     return value
 
 
+class RefTable:
+    """The ObjectRefs a holder keeps for its forked rank, by number (the rank's :class:`.warm.RefToken`)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, ray.ObjectRef] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def hold(self, ref: ray.ObjectRef) -> int:
+        with self._lock:
+            self._next += 1
+            self._refs[self._next] = ref
+            return self._next
+
+    def ref(self, number: int) -> ray.ObjectRef:
+        with self._lock:
+            found = self._refs.get(number)
+        if found is None:
+            raise BackendError(f"object reference {number} is no longer held by this forked rank's holder: a forked rank "
+                               "may use a reference only during the call that brought or put it; keep the value "
+                               "instead, or start the group with process_model='ray'")
+        return found
+
+    def mark(self) -> int:
+        """The number after which references come from now on (for :meth:`release_after`)."""
+        with self._lock:
+            return self._next
+
+    def release_after(self, mark: int) -> None:
+        """Let go of every reference held since ``mark``."""
+        with self._lock:
+            for number in [n for n in self._refs if n > mark]:
+                del self._refs[number]
+
+
 class _ToRank(NoHandles):
-    """What a holder sends its rank: a ``DataProtoFuture`` arrives read (the holder reads it, as a rank
-    in its own actor would before its method runs); any other Ray handle is refused."""
+    """What a holder sends its rank: an ObjectRef travels as a number its holder keeps it under
+    (:class:`RefTable`), a ``DataProtoFuture`` arrives read (the holder reads it, as a rank in its
+    own actor would before its method runs); an actor handle is refused."""
+
+    def __init__(self, file: Any, refs: RefTable) -> None:
+        super().__init__(file)
+        self.refs = refs
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self.refs.hold(obj) if isinstance(obj, ray.ObjectRef) else None
 
     def reducer_override(self, obj: Any) -> Any:
         futures = sys.modules.get(FUTURE_MODULE)
@@ -201,22 +252,34 @@ class _ToRank(NoHandles):
 
 
 class _Channel:
-    """One end of a holder's channel to its rank: a request, then its answer."""
+    """One end of a holder's channel to its rank: a request, then its answer.
 
-    def __init__(self, conn: socket.socket) -> None:
+    ``scoped``: the references held for the rank since a call began are let go when it answers
+    (the default channel's calls; control calls carry none)."""
+
+    def __init__(self, conn: socket.socket, refs: RefTable, scoped: bool) -> None:
         self.conn = conn
+        self.refs = refs
+        self.scoped = scoped
 
     def call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        mark = self.refs.mark()
         try:
-            payload = encode_message((name, args, kwargs), _ToRank)
+            return self._call(name, args, kwargs)
+        finally:
+            if self.scoped:
+                self.refs.release_after(mark)
+
+    def _call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            payload = encode_message((name, args, kwargs), functools.partial(_ToRank, refs=self.refs))
         except RayHandleInChannel as exc:
             raise BackendError(
-                f"{name}: an argument holds a Ray {exc.kind} inside it, and a forked rank has no Ray worker to use it: "
-                f"pass the value itself (a top-level ObjectRef argument is read before the call), or start the group "
-                f"with process_model='ray'") from None
+                f"{name}: an argument holds a Ray {exc.kind} inside it, and a forked rank has no Ray worker to call it: "
+                f"start the group with process_model='ray'") from None
         try:
             send_encoded(self.conn, payload)
-            status, value = receive_message(self.conn)
+            status, value = receive_message(self.conn, self.refs.ref)
         except (EOFError, OSError):
             os._exit(1)  # the rank is gone under this call: the holder goes too, and Ray reports the actor dead
         if status == "error":
@@ -232,13 +295,13 @@ class ForkedHost:
         # lands elsewhere than its slot first said).
         keeper = keeper_of(ray.get_runtime_context().get_node_id())
         address = ray.get(keeper.address.remote(modules, sys.path), timeout=WARM_START_S + FORK_START_S)
-        default, default_end = socket.socketpair()
-        control, control_end = socket.socketpair()
+        pairs = [socket.socketpair() for _ in range(3)]  # default, control, objects: holder's end, rank's end
         request = ForkRequest(rank=rank, group_name=group_name, env=dict(os.environ), cwd=os.getcwd(),
                               sys_path=tuple(sys.path), place=HostPlace.of_ray_worker())
-        self._pid = fork_rank(address, request, default_end, control_end, FORK_START_S)
-        default_end.close()
-        control_end.close()
+        self._pid = fork_rank(address, request, [end for _, end in pairs], FORK_START_S)
+        for _, end in pairs:
+            end.close()
+        (default, _), (control, _), (objects, _) = pairs
         default.settimeout(FORK_START_S)
         try:
             status, said = receive_message(default)
@@ -248,10 +311,36 @@ class ForkedHost:
         if status != "ok":
             raise said
         default.settimeout(None)
-        self._default = _Channel(default)
-        self._control = _Channel(control)
+        self._refs = RefTable()
+        self._default = _Channel(default, self._refs, scoped=True)
+        self._control = _Channel(control, self._refs, scoped=False)
         self._pidfd = os.pidfd_open(self._pid)
         threading.Thread(target=self._watch, name="rankmesh-rank-watch", daemon=True).start()
+        threading.Thread(target=self._serve_objects, args=(objects,), name="rankmesh-rank-objects", daemon=True).start()
+
+    def _serve_objects(self, conn: socket.socket) -> None:
+        """Do the rank's ``put``/``get``/``wait_any`` with Ray (:class:`.reshard.RayObjects`), one at a time."""
+        objects = RayObjects()
+        steps = {"put": objects.put, "get": objects.get, "wait_any": objects.wait_any}
+        to_rank = functools.partial(_ToRank, refs=self._refs)
+        while True:
+            step = "a request"
+            try:
+                step, *args = receive_message(conn, self._refs.ref)
+                answer = ("ok", steps[step](*args))
+            except (EOFError, OSError):
+                return  # the rank is gone (the watch ends this process)
+            except Exception as exc:  # noqa: BLE001 - the rank raises it, as Ray would in a rank of its own
+                answer = ("error", sendable(exc))
+            try:
+                payload = encode_message(answer, to_rank)
+            except Exception as exc:  # noqa: BLE001 - a fetched value that does not travel to the rank
+                payload = encode_message(("error", BackendError(f"{step}: the value does not travel to a forked rank: "
+                                                               f"{exc!r}")), to_rank)
+            try:
+                send_encoded(conn, payload)
+            except OSError:
+                return
 
     def _watch(self) -> None:
         """Exit the moment the rank does, so Ray reports this actor (the rank, to everyone else) dead."""

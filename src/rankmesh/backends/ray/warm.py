@@ -19,13 +19,18 @@ torch thread pool, no CUDA context and no process group.
 the light Ray actor that holds the rank's bundle: the holder's environment, working directory and
 ``sys.path`` (so the rank sees exactly what a rank spawned by Ray in that bundle would: its
 ``CUDA_VISIBLE_DEVICES`` included), where the holder runs (:class:`.hostapi.HostPlace`), and two
-socket ends passed as file descriptors: the holder's default and control channels, with the
-holder's stdout and stderr (what the rank prints is logged and shown as the holder's).  The child
+socket ends passed as file descriptors: the holder's default and control channels and the rank's
+objects channel, with the holder's stdout and stderr (what the rank prints is logged and shown as
+the holder's).  The child
 takes them (:func:`become_rank`), re-seeds the random generators a spawned process seeds from the
 operating system (a fork would share the warm process's), sets torch's thread count as a spawned rank's would be, builds its
 :class:`.host.WorkerHost` and serves each channel on its own thread, as a Ray actor serves its
 default and control concurrency groups.  The rank exits when its holder goes (either channel
 closes), and its holder exits when it does (:mod:`.forked`): Ray sees a rank die as it always has.
+
+**Ray's objects** reach a forked rank through its holder, which keeps each ObjectRef and hands the
+rank a :class:`RefToken` for it; the rank's object transport (:class:`HolderObjects`, reshard's
+``put``/``get``/``wait_any``) asks the holder on the objects channel.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ray import cloudpickle
 
@@ -55,6 +60,7 @@ from rankmesh.errors import BackendError, RayHandleInChannel
 
 from .files import is_ray_handle
 from .hostapi import HostPlace
+from .runtime import worker_raylet_pid
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +71,8 @@ REAP_EVERY_S = 1.0
 IDLE_S = 900.0
 #: ``prctl`` option numbers (linux/prctl.h).
 PR_SET_PDEATHSIG = 1
-#: The fds a fork request carries: the default and control channels' ends, the holder's stdout and stderr.
-CHANNEL_FDS = 4
+#: The fds a fork request carries: the default, control and objects channels' ends, the holder's stdout and stderr.
+CHANNEL_FDS = 5
 #: A channel message's length prefix.
 LENGTH = struct.Struct("!Q")
 #: The modules every warm process imports: what a rank's host needs before any worker class.
@@ -88,8 +94,29 @@ class ForkRequest:
 # ----- channels: one request, one answer, length-prefixed pickles ---------------------------------
 
 
+@dataclass(frozen=True)
+class RefToken:
+    """A Ray ObjectRef as a forked rank holds it: the number its holder keeps the reference under.
+
+    Why: a forked rank has no Ray worker, and an ObjectRef pickled outside Ray's serialization
+    is pinned for good, so the reference stays in the holder (:class:`.forked.RefTable`) and the
+    rank names it by number.  A token is good while the call that brought it (or put its object)
+    runs: the holder lets its references go when that call answers."""
+
+    number: int
+
+
 class NoHandles(cloudpickle.CloudPickler):
-    """cloudpickle that refuses Ray's handles: the process on the other end has no Ray worker to use them."""
+    """cloudpickle that refuses Ray's handles: the process on the other end has no Ray worker to use them.
+
+    A :class:`RefToken` travels as its number (a persistent id), which the holder reads back as
+    the ObjectRef it stands for."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=5)
+
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.number if type(obj) is RefToken else None
 
     def reducer_override(self, obj: Any) -> Any:
         if is_ray_handle(obj):
@@ -97,11 +124,11 @@ class NoHandles(cloudpickle.CloudPickler):
         return super().reducer_override(obj)
 
 
-def encode_message(value: Any, pickler: type[cloudpickle.CloudPickler] = NoHandles) -> memoryview:
-    """``value`` pickled by ``pickler`` (cloudpickle: a worker may return what only cloudpickle carries);
-    :class:`RayHandleInChannel` if it holds an ObjectRef or an actor handle."""
+def encode_message(value: Any, make_pickler: Callable[[io.BytesIO], cloudpickle.CloudPickler] = NoHandles) -> memoryview:
+    """``value`` pickled by ``make_pickler(file)`` (cloudpickle: a worker may return what only cloudpickle
+    carries); :class:`RayHandleInChannel` if it holds a Ray handle the pickler does not carry."""
     buffer = io.BytesIO()
-    pickler(buffer, protocol=5).dump(value)
+    make_pickler(buffer).dump(value)
     return buffer.getbuffer()
 
 
@@ -115,50 +142,94 @@ def send_message(conn: socket.socket, value: Any) -> None:
     send_encoded(conn, encode_message(value))
 
 
-def receive_message(conn: socket.socket) -> Any:
-    """The next message on ``conn``; :class:`EOFError` when its other end closed."""
+def _no_refs(number: Any) -> Any:
+    raise pickle.UnpicklingError(f"a Ray object reference ({number}) arrived on a channel that carries none")
+
+
+class _Reader(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, load_ref: Callable[[int], Any]) -> None:
+        super().__init__(file)
+        self.persistent_load = load_ref
+
+
+def receive_message(conn: socket.socket, load_ref: Callable[[int], Any] = _no_refs) -> Any:
+    """The next message on ``conn``; :class:`EOFError` when its other end closed.  ``load_ref``
+    turns each object reference's number back into what it stands for on this side (the
+    ObjectRef in the holder, a :class:`RefToken` in the rank)."""
     (size,) = LENGTH.unpack(_receive_exactly(conn, LENGTH.size))
-    return pickle.loads(_receive_exactly(conn, size))
+    file = io.BytesIO()
+    if size:
+        file.seek(size - 1)
+        file.write(b"\0")
+        with file.getbuffer() as view:
+            _receive_into(conn, view)
+        file.seek(0)
+    return _Reader(file, load_ref).load()
 
 
 def _receive_exactly(conn: socket.socket, size: int) -> bytearray:
     buffer = bytearray(size)
-    view = memoryview(buffer)
+    _receive_into(conn, memoryview(buffer))
+    return buffer
+
+
+def _receive_into(conn: socket.socket, view: memoryview) -> None:
     got = 0
-    while got < size:
+    while got < len(view):
         n = conn.recv_into(view[got:])
         if n == 0:
             raise EOFError("the channel's other end closed")
         got += n
-    return buffer
 
 
 # ----- the forked rank ----------------------------------------------------------------------------
 
 
-class NoObjects:
-    """A forked rank's object transport: none yet (it has no Ray worker to put objects with).
+class HolderObjects:
+    """A forked rank's object transport (:class:`~rankmesh.backend.ObjectTransport`): its holder's
+    ``ray.put`` / ``ray.get`` / ``ray.wait``, asked on the objects channel.
 
-    Reshard moves weights through Ray's object store from inside the ranks; until forked ranks
-    reach it through their node's agent, a refit between forked ranks fails here, naming the fix."""
+    Reshard moves weights through Ray's object store from inside the ranks; a forked rank has no
+    Ray worker, so its holder does each step for it and hands back :class:`RefToken` s for the
+    references.  Every value crosses the channel once more than with a rank in its own actor.
+    Pairs of ranks on one node read each other's memory directly, as Ray actors do: forked ranks
+    descend from the node's raylet too (raylet, keeper, warm process, rank)."""
 
-    def _refuse(self) -> BackendError:
-        return BackendError("reshard needs ranks in Ray actors: start the groups that refit with process_model='ray'")
+    def __init__(self, conn: socket.socket) -> None:
+        #: What a colocated role of this process left for another role of it (see the protocol).
+        self.outbox: dict[Any, Any] = {}
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._raylet: int | None = None
 
-    def put(self, value: Any) -> Any:
-        raise self._refuse()
+    def _ask(self, *request: Any) -> Any:
+        with self._lock:
+            try:
+                send_message(self._conn, request)
+                status, value = receive_message(self._conn, RefToken)
+            except (EOFError, OSError):
+                os._exit(0)  # the holder is gone: so is its rank
+        if status == "error":
+            raise value
+        return value
+
+    def put(self, value: Any) -> RefToken:
+        return self._ask("put", value)
 
     def get(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
-        raise self._refuse()
+        return self._ask("get", list(handles), timeout)
 
     def wait_any(self, handles: Sequence[Any], timeout: float | None = None) -> list[int]:
-        raise self._refuse()
+        return self._ask("wait_any", list(handles), timeout)
 
     def peer_tracer(self) -> int | None:
-        return None
+        if self._raylet is None:
+            self._raylet = worker_raylet_pid()
+        return self._raylet
 
 
-def become_rank(request: ForkRequest, default: socket.socket, control: socket.socket, imported_env: Mapping[str, str]) -> None:
+def become_rank(request: ForkRequest, default: socket.socket, control: socket.socket, objects: socket.socket,
+                imported_env: Mapping[str, str]) -> None:
     """The forked child's life: take the holder's environment, build the host, serve both channels; never returns.
 
     ``imported_env``: what the warm process's imports set in its environment (torch sets a cache
@@ -175,7 +246,7 @@ def become_rank(request: ForkRequest, default: socket.socket, control: socket.so
         _set_threads(request.env)
         from .host import WorkerHost  # imported by the warm process already
 
-        host = WorkerHost(request.rank, request.group_name, request.place, objects=NoObjects())
+        host = WorkerHost(request.rank, request.group_name, request.place, objects=HolderObjects(objects))
         send_message(default, ("ok", os.getpid()))
         who = f"rank {request.rank} of {request.group_name}"
         threading.Thread(target=_serve, args=(host, control, who), name="rankmesh-control", daemon=True).start()
@@ -217,13 +288,13 @@ def _serve(host: Any, conn: socket.socket, who: str) -> None:
     """Run the host methods the holder forwards on ``conn``, one at a time; exit the process when it closes."""
     while True:
         try:
-            name, args, kwargs = receive_message(conn)
+            name, args, kwargs = receive_message(conn, RefToken)
         except (EOFError, OSError):
             os._exit(0)  # the holder is gone: so is its rank
         try:
             answer = ("ok", getattr(host, name)(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - it travels back to the caller, as Ray would carry it
-            answer = ("error", _sendable(exc))
+            answer = ("error", sendable(exc))
         try:
             send_message(conn, answer)
         except (BrokenPipeError, ConnectionResetError):
@@ -232,7 +303,7 @@ def _serve(host: Any, conn: socket.socket, who: str) -> None:
             send_message(conn, ("error", BackendError(f"{who}: its answer to {name} does not pickle: {exc!r}")))
 
 
-def _sendable(exc: BaseException) -> BaseException:
+def sendable(exc: BaseException) -> BaseException:
     """``exc`` if it pickles, else a BackendError with its text and traceback."""
     try:
         cloudpickle.dumps(exc)
@@ -311,11 +382,11 @@ def serve_forks(address: str, sys_path: Sequence[str], modules: Sequence[str]) -
                 conn.close()
                 for fd in (*holders, *holders.values()):
                     os.close(fd)
-                os.dup2(fds[2], 1)  # the holder's stdout and stderr: Ray logs them and shows them to the driver
-                os.dup2(fds[3], 2)
-                os.close(fds[2])
+                os.dup2(fds[3], 1)  # the holder's stdout and stderr: Ray logs them and shows them to the driver
+                os.dup2(fds[4], 2)
                 os.close(fds[3])
-                become_rank(request, socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1]), imported_env)
+                os.close(fds[4])
+                become_rank(request, *(socket.socket(fileno=fd) for fd in fds[:3]), imported_env)
             for fd in fds:
                 os.close(fd)
             rank = os.pidfd_open(pid)
@@ -346,15 +417,15 @@ def _reap() -> None:
             return
 
 
-def fork_rank(address: str, request: ForkRequest, default: socket.socket, control: socket.socket, timeout: float) -> int:
-    """Ask the warm process at ``address`` to fork ``request``'s rank with these channel ends and the
-    caller's stdout and stderr; its pid."""
+def fork_rank(address: str, request: ForkRequest, channels: Sequence[socket.socket], timeout: float) -> int:
+    """Ask the warm process at ``address`` to fork ``request``'s rank with these channel ends (default,
+    control, objects) and the caller's stdout and stderr; its pid."""
     sys.stdout.flush()
     sys.stderr.flush()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout)
         conn.connect(address)
-        socket.send_fds(conn, [cloudpickle.dumps(request, protocol=5)], [default.fileno(), control.fileno(), 1, 2])
+        socket.send_fds(conn, [cloudpickle.dumps(request, protocol=5)], [*(c.fileno() for c in channels), 1, 2])
         (pid,) = LENGTH.unpack(_receive_exactly(conn, LENGTH.size))
     return pid
 

@@ -260,7 +260,10 @@ def verl_group_options(
 
 
 class RayWorkerGroup(CoreRayWorkerGroup):
-    """rankmesh's RayWorkerGroup with verl 0.9.1's extra names (``master_address``, ``spawn_fused`` ...)."""
+    """rankmesh's RayWorkerGroup with verl 0.9.1's extra names (``master_address``, ``spawn_fused`` ...).
+
+    Its ranks are Ray actors (``process_model="ray"``) unless ``process_model`` is passed: verl's
+    workers call Ray from inside a rank."""
 
     fused_worker_execute_fn_name = "_fuw_execute"
     fused_worker_used = False  # class defaults: role groups from spawn() skip __init__
@@ -285,6 +288,10 @@ class RayWorkerGroup(CoreRayWorkerGroup):
         self.fused_worker_used = bool(getattr(ray_cls_with_init, "fused_worker_used", False))
         self.sub_cls_name = ""
         kwargs = verl_group_options(resource_pool, worker_names, worker_handles, ray_wait_register_center_timeout, kwargs)
+        # verl's workers may call Ray from inside a rank (ray.get, ray.put, its runtime context),
+        # which a forked rank cannot: a Ray actor per rank unless the caller names a process model
+        # (RANKMESH_PROCESS_MODEL does not reach verl's groups).
+        kwargs.setdefault("process_model", "ray")
         super().__init__(resource_pool, ray_cls_with_init, name_prefix=name_prefix, detached=detached, bin_pack=bin_pack, **kwargs)
         self.ray_cls_with_init = ray_cls_with_init
 
