@@ -53,6 +53,11 @@ class ForkProbe(Worker):
     def double(self, data: DataProto) -> DataProto:
         return DataProto.from_dict({"y": data.batch["x"] * 2 + self.rank * 0})
 
+    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def double_later(self, data: DataProto) -> DataProto:
+        """:meth:`double` as a non-blocking call: Ray's tasks, so through a forked rank's holder."""
+        return DataProto.from_dict({"y": data.batch["x"] * 2})
+
     @register(Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()

@@ -75,7 +75,8 @@ def group(slow: bool) -> None:
     from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from tests.multinode_worker import NodeWorker
 
-    wg = RayWorkerGroup(RayResourcePool([1, 1, 1], use_gpu=False), RayClassWithInitArgs(NodeWorker))
+    # NodeWorker.where asks Ray's runtime context for its node: Ray actors (a forked rank has no Ray worker).
+    wg = RayWorkerGroup(RayResourcePool([1, 1, 1], use_gpu=False), RayClassWithInitArgs(NodeWorker), process_model="ray")
     try:
         where = wg.where()
         print_report({"node_ips": [info["node_ip"] for info in wg.node_info], "master": where[0]["MASTER_ADDR"],

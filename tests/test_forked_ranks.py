@@ -71,6 +71,15 @@ def test_a_forked_rank_is_a_child_of_its_nodes_warm_process_and_its_holder_impor
         assert "libtorch" in _maps(f["pid"]) and not f["cuda_initialized"]
 
 
+def test_an_answer_passes_through_the_holder_unread(groups):
+    forked, _ = groups
+    x = torch.arange(32, dtype=torch.float32)
+    out = forked.double_later(DataProto.from_dict({"x": x})).get()  # small: its input rides inside the call
+    assert torch.equal(out.batch["y"], x * 2)
+    for info in forked.executor.hosts.info:  # the tensors came back sealed: no holder unpickled them
+        assert "libtorch" not in _maps(info["ray_pid"]), f"holder {info['ray_pid']} loaded torch"
+
+
 def test_a_forked_rank_sees_what_a_rank_spawned_in_the_same_pool_does(groups):
     forked, spawned = groups
     mine = forked.facts()
@@ -329,6 +338,9 @@ def test_forked_ranks_refit_each_other_through_their_holders_or_directly(refit_g
         assert stats.bytes_put == sum(p.nbytes for p in layouts) and stats.bytes_direct == 0  # all 4 replicas
     else:  # one node: every region read straight from the source rank's memory
         assert stats.bytes_direct == plan.bytes_moved and stats.bytes_put == 0 and stats.refused == 0
+    for group in (trainer, generator):  # the holders passed puts, fetches and answers on unopened
+        for info in group.executor.hosts.info:
+            assert "libtorch" not in _maps(info["ray_pid"]), f"holder {info['ray_pid']} loaded torch"
 
 
 def test_forked_ranks_and_ranks_in_ray_actors_refit_each_other(refit_groups):
@@ -351,7 +363,8 @@ def test_verls_groups_keep_a_ray_actor_per_rank_whatever_the_environment_says(ra
     from rankmesh.compat import verl
 
     monkeypatch.setenv("RANKMESH_PROCESS_MODEL", "fork")
-    group = verl.RayWorkerGroup(verl.RayResourcePool([1], use_gpu=False), verl.RayClassWithInitArgs(cls=ForkProbe))
+    pool = verl.RayResourcePool([1], use_gpu=False, max_colocate_count=1)  # verl's default holds 10 CPUs a bundle
+    group = verl.RayWorkerGroup(pool, verl.RayClassWithInitArgs(cls=ForkProbe))
     try:
         (fact,) = group.facts()
         with open(f"/proc/{fact['ppid']}/comm") as f:

@@ -15,8 +15,11 @@ process, which Ray does not know of; so:
 * **Death is one death.**  The holder watches its rank's pidfd and exits the moment the rank does,
   so Ray reports the actor dead and every path that handles a dead rank (sessions, recovery,
   spares) sees what it always saw; the rank exits when its holder's channels close.
-* **Data through the holder** is pickled once more on its way to the rank.  Arguments and outputs
-  that hold tensors make the holder import torch when the first of them arrives.  The call
+* **Data through the holder.**  A call's header and the arguments inside it reach the rank as the
+  bytes they are; the rank's answer goes back sealed (:class:`.warm.Sealed`: its pickle, opened
+  where Ray unpickles it, not in the holder).  Arguments in Ray's store (over 100 KiB, off the
+  caller's node) are unpickled by Ray in the holder and pickled once more to the rank; the first
+  that holds a tensor makes the holder import torch.  The call
   session (blocking calls on the node, large arguments in memory files included) never goes
   through it; Ray's tasks (non-blocking calls, futures passed along, node agents' data calls) do.
 * **Ray's objects stay in the holder.**  An ObjectRef on its way to the rank (in a call's
@@ -55,10 +58,11 @@ import ray
 
 from rankmesh.errors import BackendError, RayHandleInChannel
 
-from .hostapi import BARE_SLOT_METHODS, CONTROL_GROUP, HOST_METHODS, SLOT_METHODS, HostPlace
+from .hostapi import ANSWER_PARTS, BARE_SLOT_METHODS, CONTROL_GROUP, HOST_METHODS, SLOT_METHODS, HostPlace
 from .reshard import RayObjects
 from .runtime import DETACHED_NAMESPACE
-from .warm import ForkRequest, NoHandles, encode_message, fork_rank, receive_message, send_encoded, sendable
+from .warm import (ForkRequest, NoHandles, Sealed, encode_message, fork_rank, pass_sealed_in_this_thread, receive_message,
+                   receive_payload, send_encoded, sendable)
 
 logger = logging.getLogger(__name__)
 
@@ -279,12 +283,15 @@ class _Channel:
                 f"start the group with process_model='ray'") from None
         try:
             send_encoded(self.conn, payload)
-            status, value = receive_message(self.conn, self.refs.ref)
+            status, said = receive_message(self.conn, self.refs.ref)
+            payloads = [receive_payload(self.conn) for _ in said] if status == "ok" else []
         except (EOFError, OSError):
             os._exit(1)  # the rank is gone under this call: the holder goes too, and Ray reports the actor dead
         if status == "error":
-            raise value
-        return value
+            raise said
+        # Passed on unopened: whoever reads them from Ray rebuilds the values, and this holder imports nothing for them.
+        parts = tuple(Sealed(payload, tuple((n, self.refs.ref(n)) for n in numbers)) for payload, numbers in zip(payloads, said))
+        return parts if name in ANSWER_PARTS else parts[0]
 
 
 class ForkedHost:
@@ -319,15 +326,25 @@ class ForkedHost:
         threading.Thread(target=self._serve_objects, args=(objects,), name="rankmesh-rank-objects", daemon=True).start()
 
     def _serve_objects(self, conn: socket.socket) -> None:
-        """Do the rank's ``put``/``get``/``wait_any`` with Ray (:class:`.reshard.RayObjects`), one at a time."""
+        """Do the rank's ``put``/``get``/``wait_any`` with Ray (:class:`.reshard.RayObjects`), one at a time.
+
+        Neither what the rank puts nor what it fetches is opened here: a put arrives as the rank's
+        pickle and is stored sealed, and a sealed value fetched goes on to the rank as it is
+        (:func:`.warm.pass_sealed_in_this_thread`), so the holder imports nothing for them."""
+        pass_sealed_in_this_thread()
         objects = RayObjects()
-        steps = {"put": objects.put, "get": objects.get, "wait_any": objects.wait_any}
+        steps = {"get": objects.get, "wait_any": objects.wait_any}
         to_rank = functools.partial(_ToRank, refs=self._refs)
         while True:
             step = "a request"
             try:
                 step, *args = receive_message(conn, self._refs.ref)
-                answer = ("ok", steps[step](*args))
+                if step == "put":
+                    (numbers,) = args
+                    payload = receive_payload(conn)
+                    answer = ("ok", objects.put(Sealed(payload, tuple((n, self._refs.ref(n)) for n in numbers))))
+                else:
+                    answer = ("ok", steps[step](*args))
             except (EOFError, OSError):
                 return  # the rank is gone (the watch ends this process)
             except Exception as exc:  # noqa: BLE001 - the rank raises it, as Ray would in a rank of its own

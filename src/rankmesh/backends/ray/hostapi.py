@@ -50,6 +50,10 @@ HOST_METHODS: Mapping[str, str | None] = MappingProxyType({
     "sever": CONTROL_GROUP, "ping": CONTROL_GROUP,
 })
 
+#: Host methods whose answer Ray splits into several objects (called with ``num_returns``), by
+#: name -> how many: a forked rank's holder passes each part on as an object of its own.
+ANSWER_PARTS: Mapping[str, int] = MappingProxyType({"execute_for": 2})
+
 
 class PickledClass:
     """A worker class as it travels: pickled once by the controller, loaded by the rank that builds it.

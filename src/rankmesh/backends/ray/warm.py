@@ -36,6 +36,7 @@ rank a :class:`RefToken` for it; the rank's object transport (:class:`HolderObje
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import io
 import json
@@ -59,7 +60,7 @@ from ray import cloudpickle
 from rankmesh.errors import BackendError, RayHandleInChannel
 
 from .files import is_ray_handle
-from .hostapi import HostPlace
+from .hostapi import ANSWER_PARTS, HostPlace
 from .runtime import worker_raylet_pid
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,67 @@ def receive_message(conn: socket.socket, load_ref: Callable[[int], Any] = _no_re
     return _Reader(file, load_ref).load()
 
 
+def receive_payload(conn: socket.socket) -> bytearray:
+    """The next message on ``conn`` as its bytes, not unpickled (:class:`Sealed`)."""
+    (size,) = LENGTH.unpack(_receive_exactly(conn, LENGTH.size))
+    return _receive_exactly(conn, size)
+
+
+class _Recording(NoHandles):
+    """:class:`NoHandles` that notes the number of each :class:`RefToken` it pickles into ``numbers``."""
+
+    def __init__(self, file: Any, numbers: list[int]) -> None:
+        super().__init__(file)
+        self.numbers = numbers
+
+    def persistent_id(self, obj: Any) -> Any:
+        number = super().persistent_id(obj)
+        if number is not None:
+            self.numbers.append(number)
+        return number
+
+
+class Sealed:
+    """A forked rank's answer on its way through the holder: the rank's pickle, opened by whoever
+    reads it, not by the holder.
+
+    Why: a holder that unpickled its rank's answer to hand it to Ray would import what the answer
+    needs (torch, for a tensor: 2.7 CPU-seconds) and copy it twice more.  Sealed, the bytes ride
+    out of band in Ray's object and :func:`unseal` rebuilds the value where Ray unpickles it (the
+    controller, a node agent, another rank).  ``refs``: (number, ObjectRef) of each reference
+    token in the pickle, carried under Ray's own serialization beside it."""
+
+    __slots__ = ("payload", "refs")
+
+    def __init__(self, payload: bytearray, refs: tuple[tuple[int, Any], ...]) -> None:
+        self.payload = payload
+        self.refs = refs
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return unseal, (pickle.PickleBuffer(self.payload), self.refs)
+
+
+#: Threads that pass sealed values on unopened: a holder's objects thread, which fetches what its
+#: rank asked for and sends it on (:func:`pass_sealed_in_this_thread`).
+_PASSING = threading.local()
+
+
+def pass_sealed_in_this_thread() -> None:
+    """From now on :func:`unseal` in the calling thread gives the :class:`Sealed` back unopened, for
+    the thread to send on to the rank that opens it (a holder would import what the value needs)."""
+    _PASSING.on = True
+
+
+def unseal(payload: Any, refs: tuple[tuple[int, Any], ...]) -> Any:
+    """The value a :class:`Sealed` answer holds, its reference tokens turned back into the ObjectRefs
+    (in a thread that passes sealed values on, the :class:`Sealed` itself)."""
+    if getattr(_PASSING, "on", False):
+        return Sealed(payload, refs)
+    if not refs:
+        return pickle.loads(payload)
+    return _Reader(io.BytesIO(payload), dict(refs).__getitem__).load()
+
+
 def _receive_exactly(conn: socket.socket, size: int) -> bytearray:
     buffer = bytearray(size)
     _receive_into(conn, memoryview(buffer))
@@ -202,10 +264,12 @@ class HolderObjects:
         self._lock = threading.Lock()
         self._raylet: int | None = None
 
-    def _ask(self, *request: Any) -> Any:
+    def _ask(self, request: tuple[Any, ...], payload: memoryview | None = None) -> Any:
         with self._lock:
             try:
                 send_message(self._conn, request)
+                if payload is not None:
+                    send_encoded(self._conn, payload)
                 status, value = receive_message(self._conn, RefToken)
             except (EOFError, OSError):
                 os._exit(0)  # the holder is gone: so is its rank
@@ -214,13 +278,16 @@ class HolderObjects:
         return value
 
     def put(self, value: Any) -> RefToken:
-        return self._ask("put", value)
+        """``value`` stored by the holder as this rank pickled it (:class:`Sealed`: the holder reads none of it)."""
+        numbers: list[int] = []
+        payload = encode_message(value, functools.partial(_Recording, numbers=numbers))
+        return self._ask(("put", numbers), payload)
 
     def get(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
-        return self._ask("get", list(handles), timeout)
+        return self._ask(("get", list(handles), timeout))
 
     def wait_any(self, handles: Sequence[Any], timeout: float | None = None) -> list[int]:
-        return self._ask("wait_any", list(handles), timeout)
+        return self._ask(("wait_any", list(handles), timeout))
 
     def peer_tracer(self) -> int | None:
         if self._raylet is None:
@@ -285,22 +352,37 @@ def _set_threads(env: Mapping[str, str]) -> None:
 
 
 def _serve(host: Any, conn: socket.socket, who: str) -> None:
-    """Run the host methods the holder forwards on ``conn``, one at a time; exit the process when it closes."""
+    """Run the host methods the holder forwards on ``conn``, one at a time; exit the process when it closes.
+
+    An answer is ``("ok", reference numbers of each part)`` then each part's pickle as a payload of
+    its own (one part, or :data:`.hostapi.ANSWER_PARTS`), which the holder passes on sealed
+    (:class:`Sealed`); or ``("error", exception)``."""
     while True:
         try:
             name, args, kwargs = receive_message(conn, RefToken)
         except (EOFError, OSError):
             os._exit(0)  # the holder is gone: so is its rank
+        payloads: list[memoryview] = []
         try:
-            answer = ("ok", getattr(host, name)(*args, **kwargs))
+            value = getattr(host, name)(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - it travels back to the caller, as Ray would carry it
             answer = ("error", sendable(exc))
+        else:
+            try:
+                parts = value if name in ANSWER_PARTS else (value,)
+                numbers: list[list[int]] = [[] for _ in parts]
+                payloads = [encode_message(part, functools.partial(_Recording, numbers=n)) for part, n in zip(parts, numbers)]
+                answer = ("ok", numbers)
+            except Exception as exc:  # noqa: BLE001 - an output that does not pickle, or holds a Ray handle
+                answer = ("error", BackendError(f"{who}: its answer to {name} does not travel to its holder: {exc!r}"))
+                payloads = []
+            del value
         try:
             send_message(conn, answer)
+            for payload in payloads:
+                send_encoded(conn, payload)
         except (BrokenPipeError, ConnectionResetError):
             os._exit(0)
-        except Exception as exc:  # noqa: BLE001 - an output that does not pickle
-            send_message(conn, ("error", BackendError(f"{who}: its answer to {name} does not pickle: {exc!r}")))
 
 
 def sendable(exc: BaseException) -> BaseException:
