@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 
 import numpy as np
 import torch
@@ -61,6 +62,12 @@ class ForkProbe(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def nap_later(self, seconds: float) -> float:
+        """Sleep ``seconds`` (the rank is busy: a replacement's drain waits for it); when it woke."""
+        time.sleep(seconds)
+        return time.time()
 
     @register(Dispatch.ONE_TO_ALL)
     def say(self, text: str) -> None:

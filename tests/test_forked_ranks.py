@@ -371,3 +371,24 @@ def test_verls_groups_keep_a_ray_actor_per_rank_whatever_the_environment_says(ra
             assert f.read().strip() == "raylet"  # Ray spawned it: no warm process in between
     finally:
         group.shutdown()
+
+
+def test_a_replacement_starts_while_the_survivors_drain(ray_session):
+    import psutil
+
+    group = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(ForkProbe), process_model="fork",
+                           on_rank_death="keep")
+    try:
+        pids = group.pid()
+        sent = time.time()
+        busy = group.nap_later(4.0)  # rank 0 stays busy for 4 s: the drain waits for it to leave
+        os.kill(pids[1], signal.SIGKILL)
+        report = group.replace_dead_ranks()
+        new_pid = group.pid()[1]
+        assert new_pid != pids[1] and report.ranks == [1]
+        # Started while rank 0 was still busy, not after it had left (4 s after the call went out).
+        assert psutil.Process(new_pid).create_time() < sent + 2.5, report
+        with pytest.raises(WorkerDiedError):
+            busy.get()
+    finally:
+        group.shutdown()

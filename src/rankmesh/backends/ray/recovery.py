@@ -17,7 +17,9 @@ when a rank dies; :func:`replace_dead_ranks` then rebuilds the group around them
    per dead rank in the rank's own placement-group bundle: on its old node, whose bundle is free
    again since the process died, or, when the node itself is gone, wherever Ray re-placed the
    bundle (a node with room).  A node of theirs that no node agent of the group serves gets
-   one now, while they start (:meth:`.executor.RayExecutor.ready_agents`);
+   one now, while they start (:meth:`.executor.RayExecutor.ready_agents`).  When no spare is
+   there to take and no shrink to choose, the new processes are asked for before the drain, so
+   their start runs while the survivors leave;
 4. **re-form**: rank 0 (old or new) reserves a fresh MASTER_PORT (race-free, as at start-up);
    the new processes build their workers from the dead ranks' own setup (same rank, coordinates,
    environment, classes and constructor arguments; colocated roles together) while the
@@ -89,7 +91,7 @@ class ReplacementReport:
     new_pids: dict[int, int] = field(default_factory=dict)
     detected_s: float | None = None  # failed call submitted -> WorkerDiedError (set by the retry policy)
     drain_s: float = 0.0  # survivors' calls ended and they left torch.distributed
-    start_s: float = 0.0  # new processes up (Python, Ray and rankmesh imported)
+    start_s: float = 0.0  # new processes up after the drain (Python, Ray and rankmesh imported; a start begun before the drain overlaps it)
     import_s: float = 0.0  # the worker classes imported in the new processes (setup unpickled)
     init_s: float = 0.0  # workers built on the new ranks, survivors rejoined: the world re-formed
     restore_s: float = 0.0
@@ -301,6 +303,12 @@ def start_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float,
 
     ``placed(node_ids)``: told the nodes of the bundles once they are placed, before the hosts
     start (the group starts node agents there meanwhile, :meth:`.executor.RayExecutor.ready_agents`)."""
+    return finish_replacements(hosts, begin_replacements(hosts, ranks, timeout, placed), timeout)
+
+
+def begin_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float,
+                       placed: Callable[[list[str]], Any] | None = None) -> dict[int, Any]:
+    """The first half of :func:`start_replacements`: each rank's host asked for in its bundle, not waited for."""
     if not ranks:
         return {}
     if hosts.pool is None:
@@ -317,9 +325,17 @@ def start_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float,
     if placed is not None:
         tables = {id(slots[r].pg): placement_group_table(slots[r].pg)["bundles_to_node_id"] for r in ranks}
         placed([tables[id(slots[r].pg)].get(slots[r].bundle_index, "") for r in ranks])
-    actors = {r: start_host(hosts.pool, slots[r], r, hosts.name_prefix, hosts.detached, hosts.options, hosts.forking) for r in ranks}
+    return {r: start_host(hosts.pool, slots[r], r, hosts.name_prefix, hosts.detached, hosts.options, hosts.forking)
+            for r in ranks}
+
+
+def finish_replacements(hosts: HostSet, actors: Mapping[int, Any], timeout: float) -> dict[int, dict[str, Any]]:
+    """The second half of :func:`start_replacements`: wait for the hosts :func:`begin_replacements`
+    asked for, and put each in its rank's place; their node info."""
+    if not actors:
+        return {}
     pend = [start_step(a, r, "node_info", what="start") for r, a in actors.items()]
-    info = fetch_outputs(pend, deadline=deadline.bounded(max(0.1, deadline.left())), inspect=hang_inspector(actors))
+    info = fetch_outputs(pend, deadline=Deadline.after(timeout), inspect=hang_inspector(dict(actors)))
     for (rank, actor), got in zip(actors.items(), info):
         hosts.put_rank(rank, actor, got)
     return dict(zip(actors, info))
@@ -405,10 +421,20 @@ def replace_dead_ranks(
     if not dead:
         return None
     recovery.replacing = True
+    early: dict[int, Any] = {}  # rank -> a new host asked for and not yet in the group
     try:
         try:
             peers = restore_peers(mesh, sorted(dead))
             survivors = [r for r in range(len(hosts.actors)) if r not in dead]
+            agents_started: list[str] = []
+
+            def placed(node_ids: list[str]) -> None:
+                agents_started.extend(executor.ready_agents(node_ids))
+
+            # With no spare to take and no shrink to choose, the dead ranks' new processes start
+            # while the survivors drain (forked, a start is about as long as the drain).
+            if shrink is None and not usable_spares(hosts.spares):
+                early.update(begin_replacements(hosts, sorted(dead), timeout, placed))
             more, stuck = drain(executor, survivors, mesh, timeout, lost_addresses(hosts, dead))
             if more or stuck:  # died while the others drained, or blocked for good: replace them too
                 dead |= more | stuck
@@ -427,15 +453,15 @@ def replace_dead_ranks(
                 logger.warning("no process can be had for ranks %s (no spare, their bundles are not placed within %gs): "
                                "shrinking the group instead", unspared, PLACE_TIMEOUT_S)
                 return shrink(dead)
-            info = take_spares(hosts, report.ranks, timeout, {r: copy_nodes(hosts, mesh, r, survivors) for r in report.ranks})
+            spared = [r for r in report.ranks if r not in early]
+            info = take_spares(hosts, spared, timeout, {r: copy_nodes(hosts, mesh, r, survivors) for r in spared})
             report.from_spares = sorted(info)
             report.spare_paid = {r: (i["spare_start_s"], i["spare_import_s"]) for r, i in info.items()}
-            report.agents_started = executor.ready_agents([i.get("node_id") for i in info.values()])
-
-            def placed(node_ids: list[str]) -> None:
-                report.agents_started += executor.ready_agents(node_ids)
-
-            info.update(start_replacements(hosts, [r for r in report.ranks if r not in info], timeout, placed))
+            agents_started += executor.ready_agents([i.get("node_id") for i in info.values()])
+            early.update(begin_replacements(hosts, [r for r in spared if r not in info], timeout, placed))
+            info.update(finish_replacements(hosts, early, timeout))
+            early.clear()  # the group holds them now
+            report.agents_started = agents_started
             t2 = time.monotonic()
             report.start_s = t2 - t1
             report.new_nodes = {r: i.get("node_ip") for r, i in info.items()}
@@ -450,6 +476,8 @@ def replace_dead_ranks(
             t4 = time.monotonic()
             report.restore_s = t4 - t3
         except Exception as exc:
+            for actor in early.values():  # asked for, never the group's: nothing else would stop them
+                ray.kill(actor, no_restart=True)
             err = exc if isinstance(exc, RecoveryError) else RecoveryError(f"replacing dead ranks {sorted(dead)} failed: {exc}", sorted(dead))
             executor.abandon(err)
             if err is exc:
