@@ -224,6 +224,10 @@ class RefTable:
                                "instead, or start the group with process_model='ray'")
         return found
 
+    def seal(self, payload: bytearray, numbers: list[int]) -> Sealed:
+        """The rank's pickle ``payload`` as Ray will carry it, with the references its tokens ``numbers`` stand for."""
+        return Sealed(payload, tuple((n, self.ref(n)) for n in numbers))
+
     def mark(self) -> int:
         """The number after which references come from now on (for :meth:`release_after`)."""
         with self._lock:
@@ -290,7 +294,7 @@ class _Channel:
         if status == "error":
             raise said
         # Passed on unopened: whoever reads them from Ray rebuilds the values, and this holder imports nothing for them.
-        parts = tuple(Sealed(payload, tuple((n, self.refs.ref(n)) for n in numbers)) for payload, numbers in zip(payloads, said))
+        parts = tuple(self.refs.seal(payload, numbers) for payload, numbers in zip(payloads, said))
         return parts if name in ANSWER_PARTS else parts[0]
 
 
@@ -342,7 +346,7 @@ class ForkedHost:
                 if step == "put":
                     (numbers,) = args
                     payload = receive_payload(conn)
-                    answer = ("ok", objects.put(Sealed(payload, tuple((n, self._refs.ref(n)) for n in numbers))))
+                    answer = ("ok", objects.put(self._refs.seal(payload, numbers)))
                 else:
                     answer = ("ok", steps[step](*args))
             except (EOFError, OSError):

@@ -453,12 +453,12 @@ def replace_dead_ranks(
                 logger.warning("no process can be had for ranks %s (no spare, their bundles are not placed within %gs): "
                                "shrinking the group instead", unspared, PLACE_TIMEOUT_S)
                 return shrink(dead)
-            spared = [r for r in report.ranks if r not in early]
-            info = take_spares(hosts, spared, timeout, {r: copy_nodes(hosts, mesh, r, survivors) for r in spared})
+            unstarted = [r for r in report.ranks if r not in early]
+            info = take_spares(hosts, unstarted, timeout, {r: copy_nodes(hosts, mesh, r, survivors) for r in unstarted})
             report.from_spares = sorted(info)
             report.spare_paid = {r: (i["spare_start_s"], i["spare_import_s"]) for r, i in info.items()}
             agents_started += executor.ready_agents([i.get("node_id") for i in info.values()])
-            early.update(begin_replacements(hosts, [r for r in spared if r not in info], timeout, placed))
+            early.update(begin_replacements(hosts, [r for r in unstarted if r not in info], timeout, placed))
             info.update(finish_replacements(hosts, early, timeout))
             early.clear()  # the group holds them now
             report.agents_started = agents_started
