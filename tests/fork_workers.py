@@ -59,6 +59,13 @@ class ForkProbe(Worker):
         """:meth:`double` as a non-blocking call: Ray's tasks, so through a forked rank's holder."""
         return DataProto.from_dict({"y": data.batch["x"] * 2})
 
+    @register(Dispatch.DP_COMPUTE_METRIC, materialize_futures=False)
+    def read_future(self, data: object) -> dict:
+        """What reached the rank (a future, and its parts, or its value read before), then the rows it reads."""
+        parts = len(data.parts) if hasattr(data, "parts") else None
+        got = data.get() if hasattr(data, "get") else data
+        return {"type": type(data).__name__, "parts": parts, "y": got.batch["y"].tolist()}
+
     @register(Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()

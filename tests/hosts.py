@@ -14,6 +14,11 @@ come back clean within :data:`RESET_TIMEOUT_S` (a call still running) are shut d
 
 Ranks of a group built here run in processes that earlier groups used: a test that needs fresh
 processes (start-up, placement, pids, kills) must start its own group.
+
+The bank's processes follow the suite's process model (``RANKMESH_PROCESS_MODEL``, ``"fork"`` unless
+set: ``conftest.py``): forked ranks from a warm process that has megatron-core imported, each
+behind its light holder.  A test about what only a rank in its own Ray actor does (copy-on-write
+receive from Ray's store) asks for ``process_model="ray"``, and gets processes of that model.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, Mapping
 import ray
 
 from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from rankmesh.backends.ray.forked import Forking, process_model_of
 from rankmesh.backends.ray.hosts import HostSet, launch_hosts
 from rankmesh.dispatch import Dispatch, register
 from rankmesh.mesh import RankMesh
@@ -31,6 +37,8 @@ from rankmesh.worker import Worker
 
 logger = logging.getLogger(__name__)
 
+#: What the bank's warm processes import before they fork: the heaviest worker module its borrowers use.
+BANK_MODULES = ("rankmesh.megatron.worker",)
 #: How long giving hosts back may wait for the ranks to finish what the last group left running.
 RESET_TIMEOUT_S = 20.0
 
@@ -56,7 +64,7 @@ class HostBank:
     """Running host processes by world size; each set is lent to one group at a time."""
 
     def __init__(self) -> None:
-        self._free: dict[int, list[HostSet]] = {}
+        self._free: dict[tuple[int, str], list[HostSet]] = {}  # (world size, process model) -> free sets
         self._lent: dict[int, HostSet] = {}  # id(hosts) -> hosts, for the groups built on them (and their roles)
 
     def build(
@@ -65,13 +73,15 @@ class HostBank:
         mesh: RankMesh,
         meshes: Mapping[str, RankMesh] | None = None,
         worker_env: Mapping[str, Any] | None = None,
+        process_model: str | None = None,
     ) -> RayWorkerGroup:
-        """A new group of ``init``'s workers over ``mesh`` in lent processes (started if none is free)."""
+        """A new group of ``init``'s workers over ``mesh`` in lent processes (started if none is free)
+        of ``process_model`` (``None``: the suite's, ``RANKMESH_PROCESS_MODEL``)."""
         if not isinstance(init, RayClassWithInitArgs):
             init = RayClassWithInitArgs(init)
-        world = mesh.world_size
-        free = self._free.setdefault(world, [])
-        hosts = free.pop() if free else self._launch(world)
+        kind = (mesh.world_size, process_model_of(process_model))
+        free = self._free.setdefault(kind, [])
+        hosts = free.pop() if free else self._launch(*kind)
         try:
             group = RayWorkerGroup.on_hosts(hosts, init, mesh=mesh, meshes=meshes, worker_env=worker_env)
         except BaseException:
@@ -97,12 +107,14 @@ class HostBank:
             logger.warning("host bank: %d processes did not reset (%s); shutting them down", len(hosts.actors), exc)
             hosts.shutdown()
             return
-        self._free.setdefault(len(hosts.actors), []).append(hosts)
+        model = "ray" if hosts.forking is None else "fork"
+        self._free.setdefault((len(hosts.actors), model), []).append(hosts)
 
-    def _launch(self, world: int) -> HostSet:
+    def _launch(self, world: int, process_model: str) -> HostSet:
         pool = RayResourcePool([world], use_gpu=False)
         pool.acquire()
-        hosts = launch_hosts(pool, f"bank{world}", False, {}, 300.0)
+        forking = Forking(BANK_MODULES) if process_model == "fork" else None
+        hosts = launch_hosts(pool, f"bank{world}{process_model}", False, {}, 300.0, forking=forking)
         hosts.pool = pool  # released by shutdown
         return hosts
 
@@ -141,12 +153,11 @@ class BankProcesses:
         process_model: str | None = None,
         **group_kwargs: Any,
     ) -> RayWorkerGroup:
-        # The bank's processes are Ray actors already running, whatever process model the run would
-        # start its own with: lending them is what it exists for (a forked rank saves the same start).
+        # Running processes of the process model the run asks for: lending them is what the bank is for.
         if len(process_on_nodes) != 1 or spares or group_kwargs:
             raise ValueError(f"the host bank builds groups of one node without spares or options, not "
                              f"{process_on_nodes} with spares={spares} and {sorted(group_kwargs)}")
-        return self.bank.build(ray_cls_with_init, mesh)
+        return self.bank.build(ray_cls_with_init, mesh, process_model=process_model)
 
     def stop(self, group: RayWorkerGroup) -> None:
         self.bank.give_back(group)

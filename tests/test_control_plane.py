@@ -112,7 +112,7 @@ def test_outputs_bigger_than_an_answer_slot_arrive_whole(groups, path):
     size = REPLY_BYTES + 4096
     out = wg.big(size)
     assert [len(b) for b in out] == [size] * 4 and [b[:1] for b in out] == [bytes([r]) for r in range(4)]
-    parked = ray.get([actor.__ray_call__.remote(lambda host: host._session_state.parked) for actor in wg.workers])
+    parked = ray.get([actor.parked_outputs.remote() for actor in wg.workers])
     assert parked == [0] * 4  # each output taken once, nothing kept in the workers
 
 

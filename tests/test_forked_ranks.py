@@ -80,6 +80,41 @@ def test_an_answer_passes_through_the_holder_unread(groups):
         assert "libtorch" not in _maps(info["ray_pid"]), f"holder {info['ray_pid']} loaded torch"
 
 
+def test_an_argument_stored_in_rays_store_passes_through_the_holder_unread(groups):
+    """Calls on Ray's tasks store a large argument in Ray's store; Ray reads a task's stored
+    arguments before the holder's method runs, so it is stored sealed and only the rank opens it."""
+    forked, _ = groups
+    x = torch.arange(4 * 70_000, dtype=torch.float32).reshape(4 * 1000, 70)  # over the inline limit per rank
+    batch = DataProto.from_dict({"x": x})
+    puts = forked.executor.stats.puts
+    forked.set_control("ray")
+    try:
+        out = forked.double(batch)
+    finally:
+        forked.set_control("auto")
+    assert forked.executor.stats.puts > puts  # it did go through the store
+    assert torch.equal(out.batch["y"], x * 2) and torch.equal(batch.batch["x"], x)
+    for info in forked.executor.hosts.info:
+        assert "libtorch" not in _maps(info["ray_pid"]), f"holder {info['ray_pid']} loaded torch"
+
+
+def test_a_future_passed_to_forked_ranks_is_read_by_them_part_by_part_not_by_their_holders(groups):
+    """A future passed along reaches a forked rank as a future, so each rank fetches only the parts
+    its rows are in (a rank in its own actor does the same); between forked ranks the holders open
+    neither the future nor its parts.  Expected by hand: ``y`` is twice ``x``, two rows per rank of four."""
+    forked, spawned = groups
+    x = torch.arange(8, dtype=torch.float32)
+    quarters = forked.double_later(DataProto.from_dict({"x": x}))  # four parts of 2 rows, from forked ranks
+    assert forked.read_future(quarters) == [{"type": "DataProtoFuture", "parts": 1, "y": [4.0 * r, 4.0 * r + 2]}
+                                            for r in range(4)]
+    for info in forked.executor.hosts.info:
+        assert "libtorch" not in _maps(info["ray_pid"]), f"holder {info['ray_pid']} loaded torch"
+    assert spawned.read_future(quarters) == [{"type": "DataProtoFuture", "parts": 4, "y": (x * 2).tolist()}]
+    whole = spawned.double_later(DataProto.from_dict({"x": x}))  # one part of 8 rows, from a Ray actor
+    assert forked.read_future(whole) == [{"type": "DataProtoFuture", "parts": 1, "y": [4.0 * r, 4.0 * r + 2]}
+                                         for r in range(4)]
+
+
 def test_a_forked_rank_sees_what_a_rank_spawned_in_the_same_pool_does(groups):
     forked, spawned = groups
     mine = forked.facts()

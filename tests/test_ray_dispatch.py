@@ -102,7 +102,7 @@ class Holder(Worker):
     def keep(self, data: DataProto) -> dict:
         self.kept = data
         x = data.batch["x"]
-        return {"writable": bool(x.numpy().flags.writeable), "ptr": x.data_ptr(), "first": float(x[0, 0])}
+        return {"writable": bool(x.numpy().flags.writeable), "first": float(x[0, 0])}
 
     @register(Dispatch.RANK_ZERO)
     def bump(self, value: float) -> float:
@@ -158,8 +158,7 @@ def test_one_copy_for_a_piece_shared_by_four_ranks(holder_group, monkeypatch):
     assert (ex.stats.puts - puts, ex.stats.maps - maps) == (0, 1)  # one file of 64 MiB ...
     files = {id(call.args[0]) for call in seen}
     assert len(seen) == 4 and len(files) == 1 and isinstance(seen[0].args[0], Mapped)  # ... read by four ranks
-    assert all(o["writable"] for o in out)  # every rank got a private writable copy
-    assert len({o["ptr"] for o in out}) == 4
+    assert all(o["writable"] for o in out)  # every rank got a writable view (that a write stays private: below)
 
 
 def test_a_rank_that_keeps_its_input_keeps_its_bytes_through_later_large_calls(holder_group):

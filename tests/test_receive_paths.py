@@ -124,7 +124,9 @@ pytestmark = pytest.mark.usefixtures("host_bank")
 
 @pytest.fixture(scope="module")
 def ray_group(host_bank):
-    wg = host_bank.build(RayClassWithInitArgs(Inplace), MESH)
+    # Ranks in Ray actors: they map Ray's store, which is what these receive paths are about (a
+    # forked rank's objects come through its holder, as private copies).
+    wg = host_bank.build(RayClassWithInitArgs(Inplace), MESH, process_model="ray")
     yield wg
     host_bank.give_back(wg)
 

@@ -207,7 +207,7 @@ def test_parked_outputs_of_an_abandoned_call_are_dropped(wg):
     with pytest.raises(HangError):
         wg.with_timeout(0.3).big_after(1.0, 3 << 20)
     assert wg.with_timeout(10).echo("next") == ["next"] * 4  # waits for the abandoned call, then runs
-    parked = ray.get([actor.__ray_call__.remote(lambda host: host._session_state.parked) for actor in wg.workers])
+    parked = ray.get([actor.parked_outputs.remote() for actor in wg.workers])
     assert parked == [0] * 4
 
 

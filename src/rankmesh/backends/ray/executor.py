@@ -63,6 +63,7 @@ from .tasks import RayTasks, ready_refs, step_part
 from .calls import CallRecord, Carrier, Pending, RankPart
 from .waiting import POLL_INTERVAL, Gathered, combine_errors, fetch_outputs, gather, timed_out
 from .files import Mapped, mapped
+from .warm import seal
 from .wire import INLINE_BYTES, encode_rank_call, inline
 
 logger = logging.getLogger(__name__)
@@ -591,6 +592,7 @@ class RayExecutor:
 
         Either of the first two keeps the call one message on the session's ring; what holds a
         Ray handle (a future passed along) goes through the store under Ray's own serialization.
+        For forked ranks it is stored sealed (:func:`.warm.seal`): their holders pass it on unread.
         """
         if isinstance(obj, Shared):
             return obj
@@ -605,7 +607,7 @@ class RayExecutor:
                 self.stats.add(maps=1)
                 return big
         self.stats.add(puts=1)
-        return Shared(ray.put(obj))
+        return Shared(ray.put(seal(obj) if self.hosts.forking is not None else obj))
 
     def submit(
         self, role: str | None, method: str, calls: Sequence[RankCall] | GroupCall, deadline: Deadline | None = None

@@ -18,10 +18,12 @@ process, which Ray does not know of; so:
 * **Data through the holder.**  A call's header and the arguments inside it reach the rank as the
   bytes they are; the rank's answer goes back sealed (:class:`.warm.Sealed`: its pickle, opened
   where Ray unpickles it, not in the holder).  Arguments in Ray's store (over 100 KiB, off the
-  caller's node) are unpickled by Ray in the holder and pickled once more to the rank; the first
-  that holds a tensor makes the holder import torch.  The call
-  session (blocking calls on the node, large arguments in memory files included) never goes
-  through it; Ray's tasks (non-blocking calls, futures passed along, node agents' data calls) do.
+  caller's node or on Ray's tasks; a future passed along) are stored sealed by the caller
+  (:func:`.warm.seal`): this process is a holder (:func:`.warm.pass_sealed_in_this_process`), so
+  Ray hands them over unopened and the rank opens them; a future's parts the rank then fetches
+  through its holder.  The call session (blocking calls on the node, large arguments in memory
+  files included) never goes through it; Ray's tasks (non-blocking calls, futures passed along,
+  node agents' data calls) do.
 * **Ray's objects stay in the holder.**  An ObjectRef on its way to the rank (in a call's
   arguments, or in a value the rank fetched) is kept in the holder's :class:`RefTable`, and the
   rank gets a :class:`.warm.RefToken` for it; a token in the rank's answer turns back into the
@@ -61,7 +63,7 @@ from rankmesh.errors import BackendError, RayHandleInChannel
 from .hostapi import ANSWER_PARTS, BARE_SLOT_METHODS, CONTROL_GROUP, HOST_METHODS, SLOT_METHODS, HostPlace
 from .reshard import RayObjects
 from .runtime import DETACHED_NAMESPACE
-from .warm import (ForkRequest, NoHandles, Sealed, encode_message, fork_rank, pass_sealed_in_this_thread, receive_message,
+from .warm import (ForkRequest, NoHandles, Sealed, encode_message, fork_rank, pass_sealed_in_this_process, receive_message,
                    receive_payload, send_encoded, sendable)
 
 logger = logging.getLogger(__name__)
@@ -111,12 +113,12 @@ class WarmKeeper:
         found = self._warm.get(key)
         if found is not None:
             process, address, files = found
-            if process.poll() is None and not _changed(files):
+            why = "it exited" if process.poll() is not None else "a source file changed" if _changed(files) else None
+            if why is None:
                 return address
             process.kill()
             process.wait()
-            logger.info("warm process %d for %s retired (%s)", process.pid, key[0],
-                        "exited" if process.returncode not in (None, -9) else "a source file changed")
+            logger.info("warm process %d for %s retired (%s)", process.pid, key[0], why)
         self._warm[key] = self._start(key)
         return self._warm[key][1]
 
@@ -193,14 +195,6 @@ class Forking:
         return holder_actor_class().options(**options).remote(rank, group_name, self.modules)
 
 
-#: The module of the futures a holder reads for its rank (present once a future reached the holder).
-FUTURE_MODULE = "rankmesh.data.future"
-
-
-def _same(value: Any) -> Any:
-    return value
-
-
 class RefTable:
     """The ObjectRefs a holder keeps for its forked rank, by number (the rank's :class:`.warm.RefToken`)."""
 
@@ -242,8 +236,8 @@ class RefTable:
 
 class _ToRank(NoHandles):
     """What a holder sends its rank: an ObjectRef travels as a number its holder keeps it under
-    (:class:`RefTable`), a ``DataProtoFuture`` arrives read (the holder reads it, as a rank in its
-    own actor would before its method runs); an actor handle is refused."""
+    (:class:`RefTable`), a :class:`.warm.Sealed` value as it came (the rank opens it); an actor
+    handle is refused."""
 
     def __init__(self, file: Any, refs: RefTable) -> None:
         super().__init__(file)
@@ -251,12 +245,6 @@ class _ToRank(NoHandles):
 
     def persistent_id(self, obj: Any) -> Any:
         return self.refs.hold(obj) if isinstance(obj, ray.ObjectRef) else None
-
-    def reducer_override(self, obj: Any) -> Any:
-        futures = sys.modules.get(FUTURE_MODULE)
-        if futures is not None and isinstance(obj, futures.DataProtoFuture):
-            return _same, (obj.get(),)
-        return super().reducer_override(obj)
 
 
 class _Channel:
@@ -302,6 +290,7 @@ class ForkedHost:
     """The holder of a forked rank's bundle: a Ray actor that forwards host calls to the rank (see the module docstring)."""
 
     def __init__(self, rank: int | None, group_name: str, modules: tuple[str, ...]) -> None:
+        pass_sealed_in_this_process()  # what reaches the rank sealed goes on sealed (.warm.seal)
         # The keeper of the node Ray placed this holder on (a bundle re-placed after its node died
         # lands elsewhere than its slot first said).
         keeper = keeper_of(ray.get_runtime_context().get_node_id())
@@ -334,34 +323,41 @@ class ForkedHost:
 
         Neither what the rank puts nor what it fetches is opened here: a put arrives as the rank's
         pickle and is stored sealed, and a sealed value fetched goes on to the rank as it is
-        (:func:`.warm.pass_sealed_in_this_thread`), so the holder imports nothing for them."""
-        pass_sealed_in_this_thread()
+        (:func:`.warm.pass_sealed_in_this_process`), so the holder imports nothing for them."""
         objects = RayObjects()
-        steps = {"get": objects.get, "wait_any": objects.wait_any}
         to_rank = functools.partial(_ToRank, refs=self._refs)
-        while True:
-            step = "a request"
-            try:
-                step, *args = receive_message(conn, self._refs.ref)
-                if step == "put":
-                    (numbers,) = args
-                    payload = receive_payload(conn)
-                    answer = ("ok", objects.put(self._refs.seal(payload, numbers)))
-                else:
-                    answer = ("ok", steps[step](*args))
-            except (EOFError, OSError):
-                return  # the rank is gone (the watch ends this process)
-            except Exception as exc:  # noqa: BLE001 - the rank raises it, as Ray would in a rank of its own
-                answer = ("error", sendable(exc))
-            try:
-                payload = encode_message(answer, to_rank)
-            except Exception as exc:  # noqa: BLE001 - a fetched value that does not travel to the rank
-                payload = encode_message(("error", BackendError(f"{step}: the value does not travel to a forked rank: "
-                                                               f"{exc!r}")), to_rank)
-            try:
-                send_encoded(conn, payload)
-            except OSError:
-                return
+        while self._answer_objects(conn, objects, to_rank):
+            pass
+
+    def _answer_objects(self, conn: socket.socket, objects: RayObjects, to_rank: Any) -> bool:
+        """Answer one request of the rank's objects channel; ``False`` once the rank is gone.
+
+        One request per call, so that nothing it fetched or named outlives its answer here (a
+        reference kept by this thread would pin its object, owner-side, until the next request)."""
+        step = "a request"
+        try:
+            step, *args = receive_message(conn, self._refs.ref)
+            if step == "put":
+                (numbers,) = args
+                answer = ("ok", objects.put(self._refs.seal(receive_payload(conn), numbers)))
+            elif step in ("get", "wait_any"):
+                answer = ("ok", getattr(objects, step)(*args))
+            else:
+                answer = ("error", BackendError(f"a forked rank asked its holder for {step!r}, which is no object step"))
+        except (EOFError, OSError):
+            return False  # the rank is gone (the watch ends this process)
+        except Exception as exc:  # noqa: BLE001 - the rank raises it, as Ray would in a rank of its own
+            answer = ("error", sendable(exc))
+        try:
+            payload = encode_message(answer, to_rank)
+        except Exception as exc:  # noqa: BLE001 - a fetched value that does not travel to the rank
+            payload = encode_message(("error", BackendError(f"{step}: the value does not travel to a forked rank: "
+                                                           f"{exc!r}")), to_rank)
+        try:
+            send_encoded(conn, payload)
+        except OSError:
+            return False
+        return True
 
     def _watch(self) -> None:
         """Exit the moment the rank does, so Ray reports this actor (the rank, to everyone else) dead."""

@@ -413,6 +413,12 @@ class WorkerHost:
         return self._session_state.take(call_id)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
+    def parked_outputs(self) -> int:
+        """How many session outputs this process still keeps for :meth:`take_parked` (each is let go
+        once taken, or when its call is given up): a leak shows here."""
+        return self._session_state.parked
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def stacks(self) -> ProcessStacks:
         """Every thread's stack now, the running call's first, with the collective it waits in.
 

@@ -46,7 +46,7 @@ HOST_METHODS: Mapping[str, str | None] = MappingProxyType({
     "rejoin_distributed": None, "restore_from_peer": None, "recovery_state": None,
     "load_recovery_state": None, "exit_on_next_call": None,
     "open_session": CONTROL_GROUP, "close_session": CONTROL_GROUP, "take_parked": CONTROL_GROUP,
-    "stacks": CONTROL_GROUP, "drain_timings": CONTROL_GROUP, "describe": CONTROL_GROUP,
+    "parked_outputs": CONTROL_GROUP, "stacks": CONTROL_GROUP, "drain_timings": CONTROL_GROUP, "describe": CONTROL_GROUP,
     "sever": CONTROL_GROUP, "ping": CONTROL_GROUP,
 })
 

@@ -16,7 +16,9 @@ object (the controller ships the send calls' pending handles to the receives as 
 list), and an actor may wait on references of other actors' tasks.
 
 One :class:`RayObjects` lives in every worker process (:class:`.host.WorkerHost` makes it), so the
-colocated roles of a process share its ``outbox``.
+colocated roles of a process share its ``outbox``.  A forked rank has no Ray worker: it reaches
+the store through its holder (:class:`.warm.HolderObjects`), for reshard and for the parts of a
+future passed to it (:func:`use_holder_objects`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,26 @@ from .runtime import worker_raylet_pid
 def _ref(handle: Any) -> Any:
     """The ObjectRef of a put object (itself) or of a pending group call (``.calls.Pending.handle``)."""
     return handle if isinstance(handle, ray.ObjectRef) else handle.handle
+
+
+#: How this process reaches Ray's objects when it has no Ray worker of its own: a forked rank asks
+#: its holder (:class:`.warm.HolderObjects`, set once by :func:`use_holder_objects`).  Empty in a
+#: Ray process.
+_HOLDER_OBJECTS: list[Any] = []
+
+
+def use_holder_objects(objects: Any) -> None:
+    """Wait for and fetch Ray's objects through ``objects`` (a forked rank's holder) from now on.
+
+    Why process-wide: a future passed to a forked rank is rebuilt by the unpickler with its fetch
+    function's pickled arguments alone (``GroupFetcher``), so nothing can hand it the rank's
+    transport; its parts' references arrive as the holder's tokens, which only the holder reads."""
+    _HOLDER_OBJECTS[:] = [objects]
+
+
+def holder_objects() -> Any:
+    """The transport :func:`use_holder_objects` set (a forked rank's), else ``None`` (a Ray process)."""
+    return _HOLDER_OBJECTS[0] if _HOLDER_OBJECTS else None
 
 
 class RayObjects:

@@ -24,7 +24,14 @@ from rankmesh.errors import BackendError
 from rankmesh.mesh import RankCoords
 
 from .calls import CallRecord, Outcome, Pending, RankPart
+from .reshard import holder_objects
 from .wire import HeaderCache, encode_rank_call, slot_method
+
+
+def get_objects(refs: Sequence[Any], timeout: float | None = None) -> list[Any]:
+    """``ray.get(refs, timeout)``, through the holder in a forked rank (:func:`.reshard.use_holder_objects`)."""
+    holder = holder_objects()
+    return ray.get(list(refs), timeout=timeout) if holder is None else holder.get(list(refs), timeout)
 
 
 class RayTasks:
@@ -75,6 +82,9 @@ class RayTasks:
         finding who is slow or failed (the outputs stay in the store, so asking twice loses nothing).
         """
         refs = [p.handle for p in pending]
+        holder = holder_objects()
+        if holder is not None:
+            return _poll_through(holder, refs, within)
         if first:
             try:
                 return {i: Outcome(v) for i, v in enumerate(ray.get(refs, timeout=within))}
@@ -94,6 +104,23 @@ class RayTasks:
                 except Exception as exc:  # noqa: BLE001
                     out[i] = Outcome(error=exc)
             return out
+
+
+def _poll_through(objects: Any, refs: Sequence[Any], within: float) -> dict[int, Outcome]:
+    """:meth:`RayTasks.poll` in a process that reaches Ray's objects through ``objects`` (a forked rank)."""
+    finished = objects.wait_any(refs, within)
+    if not finished:
+        return {}
+    try:
+        return {i: Outcome(v) for i, v in zip(finished, objects.get([refs[i] for i in finished]))}
+    except Exception:  # noqa: BLE001 - find which parts failed, one by one
+        out: dict[int, Outcome] = {}
+        for i in finished:
+            try:
+                out[i] = Outcome(objects.get([refs[i]])[0])
+            except Exception as exc:  # noqa: BLE001
+                out[i] = Outcome(error=exc)
+        return out
 
 
 def output_refs(pending: Sequence[Pending]) -> list[Any]:
@@ -120,6 +147,9 @@ def ready_refs(refs: Sequence[Any], timeout: float | None = 0.0) -> set[Any]:
     unique = list(dict.fromkeys(refs))
     if not unique:
         return set()
+    holder = holder_objects()
+    if holder is not None:
+        return {unique[i] for i in holder.wait_any(unique, timeout)}
     if timeout is None or timeout > 0:
         ready, _ = ray.wait(unique, num_returns=1, timeout=timeout, fetch_local=False)
         if not ready:

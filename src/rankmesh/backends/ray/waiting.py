@@ -37,7 +37,7 @@ from rankmesh.serialization import receiving
 from rankmesh.tracing.marks import FETCH
 
 from .calls import Carrier, Outcome, Pending
-from .tasks import RayTasks
+from .tasks import RayTasks, get_objects
 
 logger = logging.getLogger(__name__)
 
@@ -310,9 +310,7 @@ def warn_stall(pending: Sequence[Pending], slow: Sequence[Pending], stall_warn_s
 def fetch_refs(handles: Sequence[Any], timeout: float | None = None) -> list[Any]:
     """Fetch for futures built from bare ObjectRefs (verl's ``DataProtoFuture.concat(refs)``).
 
-    Picklable and usable in any Ray process; the outputs are private copies.  ``timeout``
-    (seconds; ``None``: no end) bounds the wait, as every fetch's.
+    Picklable and usable in any Ray process or forked rank; the outputs are private copies.
+    ``timeout`` (seconds; ``None``: no end) bounds the wait, as every fetch's.
     """
-    import ray
-
-    return ray.get(list(handles), timeout=timeout)
+    return get_objects(handles, timeout)

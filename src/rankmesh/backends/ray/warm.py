@@ -55,7 +55,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from ray import cloudpickle
+from ray import ObjectRef, cloudpickle
 
 from rankmesh.errors import BackendError, RayHandleInChannel
 
@@ -200,7 +200,7 @@ class Sealed:
 
     __slots__ = ("payload", "refs")
 
-    def __init__(self, payload: bytearray, refs: tuple[tuple[int, Any], ...]) -> None:
+    def __init__(self, payload: bytearray | memoryview, refs: tuple[tuple[int, Any], ...]) -> None:
         self.payload = payload
         self.refs = refs
 
@@ -208,25 +208,51 @@ class Sealed:
         return unseal, (pickle.PickleBuffer(self.payload), self.refs)
 
 
-#: Threads that pass sealed values on unopened: a holder's objects thread, which fetches what its
-#: rank asked for and sends it on (:func:`pass_sealed_in_this_thread`).
-_PASSING = threading.local()
+#: Set in a forked rank's holder (:func:`pass_sealed_in_this_process`): every sealed value Ray
+#: rebuilds there (a call's stored argument, what the rank asked to fetch) is passed on unopened.
+_PASSING = threading.Event()
 
 
-def pass_sealed_in_this_thread() -> None:
-    """From now on :func:`unseal` in the calling thread gives the :class:`Sealed` back unopened, for
-    the thread to send on to the rank that opens it (a holder would import what the value needs)."""
-    _PASSING.on = True
+def pass_sealed_in_this_process() -> None:
+    """From now on :func:`unseal` in this process gives the :class:`Sealed` back unopened, to be sent
+    on to the rank that opens it (a holder would import what the value needs, torch for a tensor)."""
+    _PASSING.set()
 
 
 def unseal(payload: Any, refs: tuple[tuple[int, Any], ...]) -> Any:
-    """The value a :class:`Sealed` answer holds, its reference tokens turned back into the ObjectRefs
-    (in a thread that passes sealed values on, the :class:`Sealed` itself)."""
-    if getattr(_PASSING, "on", False):
+    """The value a :class:`Sealed` holds, its reference numbers turned into what ``refs`` pairs them
+    with (ObjectRefs, or in a forked rank :class:`RefToken` s); in a holder, the :class:`Sealed` itself."""
+    if _PASSING.is_set():
         return Sealed(payload, refs)
     if not refs:
         return pickle.loads(payload)
     return _Reader(io.BytesIO(payload), dict(refs).__getitem__).load()
+
+
+class _Sealing(NoHandles):
+    """:class:`NoHandles` that numbers each ObjectRef it meets and notes the reference in ``refs``."""
+
+    def __init__(self, file: Any, refs: list[Any]) -> None:
+        super().__init__(file)
+        self.refs = refs
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, ObjectRef):
+            self.refs.append(obj)
+            return len(self.refs)
+        return super().persistent_id(obj)
+
+
+def seal(value: Any) -> Sealed:
+    """``value`` as a caller stores it for forked ranks: pickled here, carried by Ray unopened
+    through their holders and opened by each rank (a rank in its own actor opens it as Ray reads it).
+
+    Why: Ray unpickles a task's stored arguments before the holder's method runs, so a batch or a
+    future passed along would make the holder import torch and copy it twice more.  The
+    ObjectRefs inside (a future's parts) ride beside the pickle under Ray's own serialization."""
+    refs: list[Any] = []
+    payload = encode_message(value, functools.partial(_Sealing, refs=refs))
+    return Sealed(payload, tuple(enumerate(refs, 1)))
 
 
 def _receive_exactly(conn: socket.socket, size: int) -> bytearray:
@@ -312,8 +338,11 @@ def become_rank(request: ForkRequest, default: socket.socket, control: socket.so
         _reseed()
         _set_threads(request.env)
         from .host import WorkerHost  # imported by the warm process already
+        from .reshard import use_holder_objects
 
-        host = WorkerHost(request.rank, request.group_name, request.place, objects=HolderObjects(objects))
+        holder = HolderObjects(objects)
+        use_holder_objects(holder)  # a future's parts are fetched through it too (.tasks)
+        host = WorkerHost(request.rank, request.group_name, request.place, objects=holder)
         send_message(default, ("ok", os.getpid()))
         who = f"rank {request.rank} of {request.group_name}"
         threading.Thread(target=_serve, args=(host, control, who), name="rankmesh-control", daemon=True).start()
