@@ -11,6 +11,9 @@ prints:
   should run nothing else);
 * **first tensor call** through Ray's tasks (a non-blocking call with a tensor batch): a forked
   rank's holder imports torch when the first tensor reaches it, a Ray actor has it already;
+* **first future passed along**: a non-blocking call's future from one group handed to a call of
+  the other, seconds and the machine's CPU-seconds: a forked rank fetches its parts through its
+  holder, which passes them on sealed (a holder that read the future itself imported torch);
 * **refit**: a reshard of ``--mib`` MiB from a tp2 group to a dp group of the same process model,
   through Ray's object store (``transport="store"``: through the holders for forked ranks) and
   by direct reads (``"auto"``), median of ``--repeat``.
@@ -72,6 +75,10 @@ class Weights(ReshardWorker):
     def rows_nb(self, batch: DataProto) -> DataProto:
         return DataProto.from_dict({"n": torch.full((len(batch),), float(self.rank))})
 
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def rows(self, batch: DataProto) -> DataProto:
+        return DataProto.from_dict({"n": batch.batch["n"] + 1})
+
 
 def machine_cpu_s() -> float:
     """CPU-seconds every process of the machine has used since boot (user, nice, system, irq, softirq)."""
@@ -96,6 +103,18 @@ def first_tensor_call(group, ranks: int) -> float:
     t = time.perf_counter()
     group.rows_nb(batch).get()
     return time.perf_counter() - t
+
+
+def first_future(src, dst, ranks: int) -> tuple[float, float]:
+    """The first call of ``dst`` given a future of ``src``: seconds, and the machine's CPU-seconds."""
+    future = src.rows_nb(DataProto.from_dict({"x": torch.zeros(ranks * 4, 8)}))
+    future.get()  # the source's outputs are in: what is timed is the handing over
+    cpu, t = machine_cpu_s(), time.perf_counter()
+    out = dst.rows(future)
+    took, cpu = time.perf_counter() - t, machine_cpu_s() - cpu
+    if len(out) != ranks * 4:
+        raise SystemExit(f"the future's call returned {len(out)} rows, not {ranks * 4}")
+    return took, cpu
 
 
 def refit(src, dst, mesh: RankMesh, transport: str, repeat: int) -> float:
@@ -138,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             src, start_s, start_cpu = start(model, args.ranks, layouts, src_mesh, fill=1.0)
             dst, _, _ = start(model, args.ranks, layouts, dst_mesh, fill=0.0)
             try:
+                future_s, future_cpu_s = first_future(src, dst, args.ranks)
                 row[model] = {"start_s": start_s, "start_cpu_s": start_cpu, "first_tensor_s": first_tensor_call(dst, args.ranks),
+                              "first_future_s": future_s, "first_future_cpu_s": future_cpu_s,
                               "store_s": refit(src, dst, dst_mesh, "store", args.repeat),
                               "direct_s": refit(src, dst, dst_mesh, "auto", args.repeat)}
             finally:

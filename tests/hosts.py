@@ -153,11 +153,12 @@ class BankProcesses:
         process_model: str | None = None,
         **group_kwargs: Any,
     ) -> RayWorkerGroup:
-        # Running processes of the process model the run asks for: lending them is what the bank is for.
+        # Running processes of the suite's process model, whatever the run would start its own with:
+        # lending them is what the bank is for (and sets of both models would not fit the session's CPUs).
         if len(process_on_nodes) != 1 or spares or group_kwargs:
             raise ValueError(f"the host bank builds groups of one node without spares or options, not "
                              f"{process_on_nodes} with spares={spares} and {sorted(group_kwargs)}")
-        return self.bank.build(ray_cls_with_init, mesh, process_model=process_model)
+        return self.bank.build(ray_cls_with_init, mesh)
 
     def stop(self, group: RayWorkerGroup) -> None:
         self.bank.give_back(group)
