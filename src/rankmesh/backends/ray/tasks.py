@@ -80,14 +80,12 @@ class RayTasks:
         round first costs ~0.3 ms per 8-rank fan-out here); it still fails fast, since
         ``ray.get`` returns at the first error, and anything but success falls through to
         finding who is slow or failed (the outputs stay in the store, so asking twice loses nothing).
+        In a forked rank both steps go through its holder (:func:`get_objects`, :func:`ready_refs`).
         """
         refs = [p.handle for p in pending]
-        holder = holder_objects()
-        if holder is not None:
-            return _poll_through(holder, refs, within)
         if first:
             try:
-                return {i: Outcome(v) for i, v in enumerate(ray.get(refs, timeout=within))}
+                return {i: Outcome(v) for i, v in enumerate(get_objects(refs, within))}
             except Exception:  # noqa: BLE001 - sorted out below, rank by rank
                 within = 0.0
         done = ready_refs(refs, within)
@@ -95,32 +93,15 @@ class RayTasks:
             return {}
         finished = [i for i, ref in enumerate(refs) if ref in done]
         try:
-            return {i: Outcome(v) for i, v in zip(finished, ray.get([refs[i] for i in finished]))}
+            return {i: Outcome(v) for i, v in zip(finished, get_objects([refs[i] for i in finished]))}
         except Exception:  # noqa: BLE001 - find which ranks failed; read every output (or Ray logs it as unhandled)
             out: dict[int, Outcome] = {}
             for i in finished:
                 try:
-                    out[i] = Outcome(ray.get(refs[i]))
+                    out[i] = Outcome(get_objects([refs[i]])[0])
                 except Exception as exc:  # noqa: BLE001
                     out[i] = Outcome(error=exc)
             return out
-
-
-def _poll_through(objects: Any, refs: Sequence[Any], within: float) -> dict[int, Outcome]:
-    """:meth:`RayTasks.poll` in a process that reaches Ray's objects through ``objects`` (a forked rank)."""
-    finished = objects.wait_any(refs, within)
-    if not finished:
-        return {}
-    try:
-        return {i: Outcome(v) for i, v in zip(finished, objects.get([refs[i] for i in finished]))}
-    except Exception:  # noqa: BLE001 - find which parts failed, one by one
-        out: dict[int, Outcome] = {}
-        for i in finished:
-            try:
-                out[i] = Outcome(objects.get([refs[i]])[0])
-            except Exception as exc:  # noqa: BLE001
-                out[i] = Outcome(error=exc)
-        return out
 
 
 def output_refs(pending: Sequence[Pending]) -> list[Any]:
