@@ -14,6 +14,9 @@ prints:
 * **first future passed along**: a non-blocking call's future from one group handed to a call of
   the other, seconds and the machine's CPU-seconds: a forked rank fetches its parts through its
   holder, which passes them on sealed (a holder that read the future itself imported torch);
+* **call on Ray's tasks**: the median round trip of a small non-blocking call sent on Ray's
+  tasks (``set_control("ray")``), in milliseconds: a forked rank's call goes through its node's
+  holder;
 * **refit**: a reshard of ``--mib`` MiB from a tp2 group to a dp group of the same process model,
   through Ray's object store (``transport="store"``: through the holders for forked ranks) and
   by direct reads (``"auto"``), median of ``--repeat``.
@@ -117,6 +120,22 @@ def first_future(src, dst, ranks: int) -> tuple[float, float]:
     return took, cpu
 
 
+def tasks_call_ms(group, ranks: int, calls: int = 30) -> float:
+    """Median milliseconds of a small non-blocking call sent on Ray's tasks (not the call session)."""
+    batch = DataProto.from_dict({"x": torch.zeros(ranks, 8)})
+    group.set_control("ray")
+    try:
+        group.rows_nb(batch).get()
+        times = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            group.rows_nb(batch).get()
+            times.append(time.perf_counter() - t)
+    finally:
+        group.set_control("auto")
+    return 1e3 * statistics.median(times)
+
+
 def refit(src, dst, mesh: RankMesh, transport: str, repeat: int) -> float:
     from rankmesh.reshard.run import plan_between, reshard
 
@@ -160,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 future_s, future_cpu_s = first_future(src, dst, args.ranks)
                 row[model] = {"start_s": start_s, "start_cpu_s": start_cpu, "first_tensor_s": first_tensor_call(dst, args.ranks),
                               "first_future_s": future_s, "first_future_cpu_s": future_cpu_s,
+                              "tasks_call_ms": tasks_call_ms(dst, args.ranks),
                               "store_s": refit(src, dst, dst_mesh, "store", args.repeat),
                               "direct_s": refit(src, dst, dst_mesh, "auto", args.repeat)}
             finally:

@@ -76,6 +76,12 @@ class ForkProbe(Worker):
         time.sleep(seconds)
         return time.time()
 
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def note_later(self, value: int) -> int:
+        """Keep ``value`` in the order calls arrive; how many are kept."""
+        self.__dict__.setdefault("notes", []).append(value)
+        return len(self.notes)
+
     @register(Dispatch.ONE_TO_ALL)
     def say(self, text: str) -> None:
         print(f"{text} from rank {self.rank}", flush=True)

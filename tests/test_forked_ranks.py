@@ -61,11 +61,11 @@ def test_a_forked_rank_is_a_child_of_its_nodes_warm_process_and_its_holder_impor
     facts = forked.facts()
     warm = {pid for _, pid in _keeper_processes()}
     assert {f["ppid"] for f in facts} <= warm and len(warm) >= 1
-    holders = [info["ray_pid"] for info in forked.executor.hosts.info]
-    assert len(set(holders)) == 4 and not set(holders) & {f["pid"] for f in facts}
+    holders = {info["ray_pid"] for info in forked.executor.hosts.info}
+    assert len(holders) == 1 and not holders & {f["pid"] for f in facts}  # one Ray worker for the node's 4 ranks
     for holder in holders:  # a call's small arguments go through the session ring, not the holder
         with open(f"/proc/{holder}/cmdline", "rb") as f:
-            assert b"ForkedHost" in f.read()  # the process title Ray gives the actor
+            assert b"ForkedRanks" in f.read()  # the process title Ray gives the actor
         assert "libtorch" not in _maps(holder), f"holder {holder} loaded torch"
     for f in facts:
         assert "libtorch" in _maps(f["pid"]) and not f["cuda_initialized"]
@@ -165,7 +165,7 @@ def test_what_a_forked_rank_prints_reaches_the_driver_as_its_holders_output(grou
         out += capsys.readouterr().out
     for r in range(4):
         assert f"{token} from rank {r}" in out
-    assert "ForkedHost" in next(line for line in out.splitlines() if token in line)  # Ray's prefix: the holder
+    assert "ForkedRanks" in next(line for line in out.splitlines() if token in line)  # Ray's prefix: the holder
 
 
 def test_a_forked_rank_forks_its_own_children(groups):
@@ -274,11 +274,12 @@ def test_a_process_model_that_does_not_exist_is_refused_before_anything_starts(r
         RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ForkProbe), process_model="spawn")
 
 
-def test_the_holder_forwards_every_method_of_the_host_on_the_same_thread():
-    """The names the holder forwards (hostapi) are the host's remote methods, each in the host's concurrency group."""
-    from rankmesh.backends.ray.forked import ForkedHost
+def test_the_holder_runs_every_method_of_the_host_on_the_lane_of_its_thread():
+    """The names a route sends (hostapi) are the host's remote methods, each on the lane of the host's
+    concurrency group (control calls answer while a call blocks); other names are refused."""
+    from rankmesh.backends.ray.forked import DEFAULT_LANE, RankRoute, lane_of
     from rankmesh.backends.ray.host import WorkerHost
-    from rankmesh.backends.ray.hostapi import BARE_SLOT_METHODS, HOST_METHODS, SLOT_METHODS
+    from rankmesh.backends.ray.hostapi import BARE_SLOT_METHODS, CONTROL_GROUP, HOST_METHODS, SLOT_METHODS
 
     slots = set(SLOT_METHODS) | set(BARE_SLOT_METHODS)
     host = {name: getattr(getattr(WorkerHost, name), "__ray_concurrency_group__", None)
@@ -286,8 +287,23 @@ def test_the_holder_forwards_every_method_of_the_host_on_the_same_thread():
             and name not in slots}
     assert host == dict(HOST_METHODS)
     for name in [*host, *slots]:
-        forwarded = getattr(ForkedHost, name)
-        assert getattr(forwarded, "__ray_concurrency_group__", None) == host.get(name), name
+        assert lane_of(name) == (CONTROL_GROUP if host.get(name) == CONTROL_GROUP else DEFAULT_LANE), name
+    with pytest.raises(AttributeError, match="no remote method 'exceute'"):
+        RankRoute(None, "k").exceute
+
+
+def test_one_callers_calls_reach_a_forked_rank_in_the_order_sent(groups):
+    """Ray runs the calls of the node's holder (an async actor) in any order; each caller's calls of
+    one rank still run in the order it sent them, non-blocking ones on Ray's tasks included."""
+    forked, _ = groups
+    forked.set_control("ray")
+    try:
+        waits = [forked.nap_later(0.3), *(forked.note_later(i) for i in range(60))]
+        counts = [w.get() for w in waits[1:]]
+    finally:
+        forked.set_control("auto")
+    for i, per_rank in enumerate(counts):
+        assert per_rank == [i + 1] * 4, (i, per_rank)
 
 
 def test_a_stopped_forked_rank_dies_with_its_holder(groups):
@@ -296,7 +312,7 @@ def test_a_stopped_forked_rank_dies_with_its_holder(groups):
     try:
         pid = group.pid()[0]
         os.kill(pid, signal.SIGSTOP)
-        ray.kill(group.executor.hosts.actors[0], no_restart=True)
+        ray.kill(group.executor.hosts.actors[0].node, no_restart=True)  # the node's holder of its forked ranks
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             try:

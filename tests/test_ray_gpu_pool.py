@@ -9,7 +9,8 @@ is refused at once.  Then verl's merged pools (its ``test_high_level_scheduling_
 through ``rankmesh.compat.verl``, with verl's default ``max_colocate_count`` (10): a group on
 ``merge_resource_pool(rm, ref)`` and a group on ``ref`` share ``ref``'s bundle and GPU; verl's
 ``ray.get(wg.execute_all_async(...))``, ``get_placement_groups(device_name=...)`` and
-``parallel_put`` on them.  Runs its own driver (tests/drivers.py): the session's Ray declares no
+``parallel_put`` on them.  A forked group on the same pool sees each bundle's GPU as the spawned
+ranks do.  Runs its own driver (tests/drivers.py): the session's Ray declares no
 GPUs.
 """
 
@@ -46,6 +47,19 @@ try:
 except ResourcePoolError as exc:
     report["fourth"] = str(exc)
 report["fourth_s"] = time.monotonic() - started
+groups.pop().shutdown()  # room for one forked group on the pool's bundles
+
+
+class Sees(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def devices(self):
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+forked = RayWorkerGroup(pool, RayClassWithInitArgs(Sees), name_prefix="forked", process_model="fork")
+report["forked"] = forked.devices()
+report["forked_gpu_ids"] = [list(i["gpu_ids"]) for i in forked.executor.hosts.info]
+forked.shutdown()
 for g in groups:
     g.shutdown()
 
@@ -82,6 +96,14 @@ def test_three_groups_share_one_gpu_pool_and_a_fourth_is_refused_at_once(seen):
     assert all([device for _, device in group] == gpus for group in where), where
     assert "already hold 3 worker group(s), as many as max_colocate_count=3 allows" in seen["fourth"]
     assert seen["fourth_s"] < 2.0
+
+
+def test_a_forked_rank_sees_the_gpu_of_its_bundle_as_a_spawned_one_does(seen):
+    """A forked rank has no Ray worker: the devices Ray gave its bundle are read by a task in the
+    bundle and set before the rank starts.  Expected: the spawned ranks' devices, bundle by bundle."""
+    gpus = [device for _, device in seen["where"][0]]
+    assert seen["forked"] == gpus, seen
+    assert seen["forked_gpu_ids"] == [[g] for g in gpus], seen
 
 
 def test_merged_verl_pools_put_a_group_on_both_and_share_the_second_pools_bundle(seen):

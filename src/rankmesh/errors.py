@@ -207,6 +207,13 @@ class MeshMismatchError(RankMeshError, RuntimeError):
         return (type(self), (str(self), self.mismatches))
 
 
+class ForkedRankGone(BackendError):
+    """A forked rank's process is gone (``process_model="fork"``): what its node's holder raises for its calls.
+
+    The group reads it as a process death, as it reads Ray's dead-actor error for a rank in its own
+    actor, and raises :class:`WorkerDiedError` naming the rank."""
+
+
 class WorkerDiedError(BackendError):
     """A worker process died (or its node went away) during a call; names ranks, coordinates, method.
 

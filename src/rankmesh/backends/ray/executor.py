@@ -53,6 +53,7 @@ from rankmesh.tracing.marks import FETCH
 from rankmesh.sharedmem import register_store_processes
 from rankmesh.validate import optional_seconds, positive_int, positive_seconds
 
+from .forked import kill_host
 from .agent import AGENT_FANOUT, AgentCall, AgentSends, AgentSession, NoOutput, Unreached, owners_lost, ping_ranks
 from .hangs import gather_hangs
 from .hosts import HostSet
@@ -507,7 +508,7 @@ class RayExecutor:
     def kill_ranks(self, ranks: Sequence[int], why: str) -> None:
         """Kill ``ranks``' processes on purpose; the group then treats them as dead (its ``on_rank_death``)."""
         for rank in ranks:
-            ray.kill(self.hosts.actors[rank], no_restart=True)
+            kill_host(self.hosts.actors[rank])
         first = min(ranks)
         self.fail(WorkerDiedError(first, "kill_ranks", why, self.nodes[first], ranks=list(ranks),
                                   coords={r: self.coords[r] for r in ranks if self.coords[r] is not None}))

@@ -1,36 +1,45 @@
-"""Forked ranks on Ray: the light actor that holds a rank's bundle, and the keeper of each node's warm processes.
+"""Forked ranks on Ray: the holder of a group's forked ranks on each node, their routes, and the keeper of each node's warm processes.
 
 Why: a group started with ``process_model="fork"`` forks each rank from its node's warm process
 (:mod:`.warm`) instead of importing torch, rankmesh and megatron-core again in a Ray worker per
-rank.  Ray still places and accounts: each rank's bundle is held by a :class:`ForkedHost`, a Ray
-actor that imports neither torch nor the user's modules, so its process starts in well under a
-second (or is one of Ray's prestarted workers).  The rank's process is a child of the warm
-process, which Ray does not know of; so:
+rank.  Ray still places and accounts: each rank's bundle stays reserved by its placement group,
+and one :class:`ForkedRanks` per group and node, a Ray actor that asks for no resources and
+imports neither torch nor the user's modules, forks the group's ranks on that node.  A rank's
+process is a child of the warm process, which Ray does not know of; so:
 
-* **The holder forwards** every host method (:data:`.hostapi.HOST_METHODS`, the call slots) to its
-  rank over two Unix socket channels, the default one and the control one, each on the holder's
-  thread of the same concurrency group, so calls keep their order and ``stacks``/``ping`` answer
-  while a call blocks, as with a rank in its own actor.  A call session's ring needs no holder:
-  the rank attaches to the writer's socket itself (:meth:`.host.WorkerHost.open_session`).
-* **Death is one death.**  The holder watches its rank's pidfd and exits the moment the rank does,
-  so Ray reports the actor dead and every path that handles a dead rank (sessions, recovery,
-  spares) sees what it always saw; the rank exits when its holder's channels close.
+* **Callers hold a route, not an actor.**  ``hosts.actors[rank]`` of a forked group is a
+  :class:`RankRoute`: ``route.execute.remote(...)`` runs the host method on the rank through its
+  node's holder, which forwards it over one of two Unix socket channels, the default one and the
+  control one (a *lane* each, one thread), so a caller's calls keep their order and
+  ``stacks``/``ping`` answer while a call blocks, as with a rank in its own actor.  The holder is
+  an async actor, which Ray runs out of order: each call carries its caller's number for it
+  (:class:`_Submitter`) and waits for the caller's earlier calls of that rank and lane.  A call
+  session's ring needs no holder: the rank attaches to the writer's socket itself
+  (:meth:`.host.WorkerHost.open_session`).
+* **A death is told at once.**  The holder watches each rank's pidfd; from the moment a rank's
+  process exits, its calls raise :class:`~rankmesh.errors.ForkedRankGone`, which the group reads
+  as a process death (:data:`.waiting.PROCESS_DIED`).  A rank exits when its holder does (the warm
+  process watches the holder's pid, and the rank's channels close).  :func:`kill_host` kills one
+  rank; killing the holder kills the node's ranks of the group.
 * **Data through the holder.**  A call's header and the arguments inside it reach the rank as the
   bytes they are; the rank's answer goes back sealed (:class:`.warm.Sealed`: its pickle, opened
   where Ray unpickles it, not in the holder).  Arguments in Ray's store (over 100 KiB, off the
   caller's node or on Ray's tasks; a future passed along) are stored sealed by the caller
   (:func:`.warm.seal`): this process is a holder (:func:`.warm.pass_sealed_in_this_process`), so
-  Ray hands them over unopened and the rank opens them; a future's parts the rank then fetches
-  through its holder.  The call session (blocking calls on the node, large arguments in memory
-  files included) never goes through it; Ray's tasks (non-blocking calls, futures passed along,
-  node agents' data calls) do.
-* **Ray's objects stay in the holder.**  An ObjectRef on its way to the rank (in a call's
-  arguments, or in a value the rank fetched) is kept in the holder's :class:`RefTable`, and the
+  it reads them unopened and the rank opens them; a future's parts the rank then fetches through
+  its holder.  The call session (blocking calls on the node, large arguments in memory files
+  included) never goes through it; Ray's tasks (non-blocking calls, futures passed along, node
+  agents' data calls) do.
+* **Ray's objects stay in the holder.**  An ObjectRef on its way to a rank (in a call's
+  arguments, or in a value the rank fetched) is kept in the rank's :class:`RefTable`, and the
   rank gets a :class:`.warm.RefToken` for it; a token in the rank's answer turns back into the
   reference.  The rank's object transport (reshard's ``put``/``get``/``wait_any``,
-  :class:`.warm.HolderObjects`) asks the holder on a third channel, served by a thread of the
-  holder's own (:meth:`ForkedHost._serve_objects`).  The references a call brought or put are let
-  go when that call answers (those in its answer live on in Ray's, as a Ray actor's would).
+  :class:`.warm.HolderObjects`) asks the holder on a third channel, served by a thread per rank
+  (:func:`_serve_objects`).  The references a call brought or put are let go when that call
+  answers (those in its answer live on in Ray's, as a Ray actor's would).
+* **The rank's environment is a Ray worker's in its bundle**: the holder's, with
+  ``OMP_NUM_THREADS`` as Ray sets it for the bundle's CPUs, and on a bundle with a GPU share the
+  devices a task in the bundle reads (:func:`bundle_devices`, once per fork).
 
 A :class:`WarmKeeper` per node (a detached named actor in rankmesh's namespace, ``num_cpus=0``)
 starts the node's warm processes, one per import set and ``sys.path``, and restarts one that
@@ -42,23 +51,28 @@ listed in ``docs/ray_backend.md`` ("Process models").
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
-from dataclasses import dataclass
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import ray
 
-from rankmesh.errors import BackendError, RayHandleInChannel
+from rankmesh.errors import BackendError, ForkedRankGone, RayHandleInChannel
 
 from .hostapi import ANSWER_PARTS, BARE_SLOT_METHODS, CONTROL_GROUP, HOST_METHODS, SLOT_METHODS, HostPlace
 from .reshard import RayObjects
@@ -76,6 +90,8 @@ WARM_START_S = 300.0
 FORK_START_S = 120.0
 #: Ray's switch for its automatic ``ray.init()`` on first use, set off for warm processes.
 NO_AUTO_CONNECT = ("RAY_ENABLE_AUTO_CONNECT", "0")
+#: How long a group's holder on a node may take to answer before another is started there (seconds).
+HOLDER_PING_S = 10.0
 #: The keeper actor's name, per node.
 KEEPER_NAME = "rankmesh_warm_keeper_{node_id}"
 
@@ -180,9 +196,14 @@ def keeper_of(node_id: str) -> Any:
 
 @dataclass(frozen=True)
 class Forking:
-    """How a group's ranks are forked: the modules its warm processes import."""
+    """How a group's ranks are forked: the modules its warm processes import, and its holder on each node.
+
+    ``holders``: node id -> the group's :class:`ForkedRanks` there (and its first ping, answered
+    once it started), started with the first rank the group forks on that node and killed with
+    the group (:meth:`close`)."""
 
     modules: tuple[str, ...]
+    holders: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of_roles(cls, roles: Mapping[str | None, Any], preload: Sequence[str]) -> "Forking":
@@ -190,9 +211,60 @@ class Forking:
         modules = {getattr(role.cls, "__module__", None) for role in roles.values()} | set(preload)
         return cls(tuple(sorted(m for m in modules if m and m != "__main__")))
 
-    def start(self, rank: int | None, group_name: str, options: Mapping[str, Any]) -> Any:
-        """A holder of ``rank`` with Ray ``options`` (its bundle and resources), forking its rank where Ray places it."""
-        return holder_actor_class().options(**options).remote(rank, group_name, self.modules)
+    def start(self, slot: Any, rank: int | None, group_name: str, resources: Mapping[str, Any],
+              options: Mapping[str, Any]) -> RankRoute:
+        """Fork ``rank`` for bundle ``slot`` (``resources``: a rank's share of it; ``options``: the
+        group's Ray options) on the node Ray placed the bundle on; its route, at once (the fork
+        goes on meanwhile, and the rank's first call waits for it)."""
+        from ray.util import placement_group_table  # noqa: PLC0415 - Ray's utilities load on use
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+        node = placement_group_table(slot.pg)["bundles_to_node_id"].get(slot.bundle_index) or slot.node_id
+        holder = self._holder(node, group_name, options)
+        devices: list[Any] = []
+        if any(v for k, v in resources.items() if k != "num_cpus"):  # a GPU share: ask a worker in the bundle
+            devices.append(ray.remote(bundle_devices).options(
+                **resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=slot.pg, placement_group_bundle_index=slot.bundle_index),
+                **({"runtime_env": options["runtime_env"]} if options.get("runtime_env") else {})).remote())
+        key = uuid.uuid4().hex
+        holder.fork.remote(key, rank, slot.pg.id.hex(), float(resources.get("num_cpus", 1.0)), devices)
+        return RankRoute(holder, key)
+
+    def _holder(self, node: str, group_name: str, options: Mapping[str, Any]) -> Any:
+        """The group's holder on ``node``, started there if it has none or its holder died.
+
+        A holder still starting (its warm process importing) is used as it is: its ranks' first
+        calls wait for it."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
+
+        found = self.holders.get(node)
+        if found is not None:
+            holder, started = found
+            if not ray.wait([started], timeout=0)[0]:
+                return holder
+            try:
+                ray.get(started)
+                ray.get(holder.ping.remote(), timeout=HOLDER_PING_S)
+                return holder
+            except (ray.exceptions.RayError, TimeoutError):  # dead (its ranks with it): start another
+                logger.info("worker group %s: the holder of its forked ranks on node %s is gone; starting another",
+                            group_name, node)
+        holder = holder_actor_class().options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+            **({"runtime_env": options["runtime_env"]} if options.get("runtime_env") else {}),
+        ).remote(group_name, self.modules)
+        self.holders[node] = (holder, holder.ping.remote())
+        return holder
+
+    def close(self) -> None:
+        """Kill the group's holders, and with them every rank they forked."""
+        for holder, _ in self.holders.values():
+            try:
+                ray.kill(holder, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - already dead
+                logger.debug("killing %s: %s", holder, exc)
+        self.holders.clear()
 
 
 class RefTable:
@@ -251,12 +323,13 @@ class _Channel:
     """One end of a holder's channel to its rank: a request, then its answer.
 
     ``scoped``: the references held for the rank since a call began are let go when it answers
-    (the default channel's calls; control calls carry none)."""
+    (the default channel's calls; control calls carry none).  ``who``: the rank, for errors."""
 
-    def __init__(self, conn: socket.socket, refs: RefTable, scoped: bool) -> None:
+    def __init__(self, conn: socket.socket, refs: RefTable, scoped: bool, who: str) -> None:
         self.conn = conn
         self.refs = refs
         self.scoped = scoped
+        self.who = who
 
     def call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mark = self.refs.mark()
@@ -277,8 +350,8 @@ class _Channel:
             send_encoded(self.conn, payload)
             status, said = receive_message(self.conn, self.refs.ref)
             payloads = [receive_payload(self.conn) for _ in said] if status == "ok" else []
-        except (EOFError, OSError):
-            os._exit(1)  # the rank is gone under this call: the holder goes too, and Ray reports the actor dead
+        except (EOFError, OSError) as exc:
+            raise ForkedRankGone(f"{self.who} is gone under {name} ({exc or 'its channel closed'})") from None
         if status == "error":
             raise said
         # Passed on unopened: whoever reads them from Ray rebuilds the values, and this holder imports nothing for them.
@@ -286,19 +359,153 @@ class _Channel:
         return parts if name in ANSWER_PARTS else parts[0]
 
 
-class ForkedHost:
-    """The holder of a forked rank's bundle: a Ray actor that forwards host calls to the rank (see the module docstring)."""
+#: The lane of a host method's calls in a :class:`ForkedRanks` (:func:`lane_of`): calls of one lane
+#: run one at a time, in the order each caller sent them.
+DEFAULT_LANE = "default"
+#: How long a call waits for an earlier one of the same caller and rank that never arrives (Ray
+#: failed it before it ran, say) before it goes on without it (seconds).
+TURN_WAIT_S = 30.0
 
-    def __init__(self, rank: int | None, group_name: str, modules: tuple[str, ...]) -> None:
-        pass_sealed_in_this_process()  # what reaches the rank sealed goes on sealed (.warm.seal)
-        # The keeper of the node Ray placed this holder on (a bundle re-placed after its node died
-        # lands elsewhere than its slot first said).
+
+def lane_of(name: str) -> str:
+    """The lane host method ``name`` runs on: the control lane for control calls (they answer while a
+    call blocks), the default lane for the rest and the call slots."""
+    if name in HOST_METHODS:
+        return CONTROL_GROUP if HOST_METHODS[name] == CONTROL_GROUP else DEFAULT_LANE
+    if name in SLOT_SET:
+        return DEFAULT_LANE
+    raise AttributeError(f"a forked rank's host has no remote method {name!r}")
+
+
+SLOT_SET = frozenset(SLOT_METHODS) | frozenset(BARE_SLOT_METHODS)
+
+
+@dataclass
+class _ForkedRank:
+    """One forked rank as its node's holder keeps it: its process, channels, lanes and references."""
+
+    rank: int | None
+    pid: int
+    refs: RefTable
+    channels: dict[str, _Channel]
+    #: One thread per lane: a lane's calls run in the order they were handed to it.
+    lanes: dict[str, ThreadPoolExecutor]
+    gone: str | None = None
+
+    def lost(self, why: str) -> None:
+        """The rank's process is gone: later calls raise at once; its channels close once their calls end."""
+        self.gone = why
+        for lane, executor in self.lanes.items():
+            executor.submit(self.channels[lane].conn.close)
+            executor.shutdown(wait=False)
+
+
+class ForkedRanks:
+    """The holder of one group's forked ranks on one node: a Ray actor that forks them and forwards their calls.
+
+    Why one per node and not one per rank: a holder is a Ray worker process, and a Ray worker per
+    rank is what forking saves.  The ranks' bundles stay reserved by their placement groups, so
+    Ray's resource view is as with a Ray actor per rank; this actor asks for no resources.
+
+    Each rank is known here by a key its route chose (:class:`RankRoute`).  A call carries its
+    caller's id and a number per (rank, lane): Ray runs an async actor's calls in any order, so a
+    call waits for the caller's earlier ones to be handed to the rank's lane first (every wait
+    bounded by :data:`TURN_WAIT_S`), and each lane is one thread.  Arguments are passed inside a
+    list, so Ray resolves none of them before the call's turn; the call reads its stored arguments
+    itself, sealed values staying sealed (:func:`.warm.pass_sealed_in_this_process`).
+    """
+
+    def __init__(self, group_name: str, modules: tuple[str, ...]) -> None:
+        pass_sealed_in_this_process()  # what reaches a rank sealed goes on sealed (.warm.seal)
+        self._group_name = group_name
         keeper = keeper_of(ray.get_runtime_context().get_node_id())
-        address = ray.get(keeper.address.remote(modules, sys.path), timeout=WARM_START_S + FORK_START_S)
-        pairs = [socket.socketpair() for _ in range(3)]  # default, control, objects: holder's end, rank's end
-        request = ForkRequest(rank=rank, group_name=group_name, env=dict(os.environ), cwd=os.getcwd(),
-                              sys_path=tuple(sys.path), place=HostPlace.of_ray_worker())
-        self._pid = fork_rank(address, request, [end for _, end in pairs], FORK_START_S)
+        self._address = ray.get(keeper.address.remote(modules, sys.path), timeout=WARM_START_S)
+        self._place = HostPlace.of_ray_worker()
+        self._exec_env = _exec_environment()
+        self._forks: dict[str, asyncio.Future] = {}
+        self._next: dict[tuple[str, str, str], int] = {}  # (caller, key, lane) -> the number whose turn it is
+        self._turns = asyncio.Condition()
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+    async def fork(self, key: str, rank: int | None, placement_group_id: str, cpus: float, devices: list[Any]) -> None:
+        """Fork rank ``key`` (``devices``: one reference to its bundle's devices, or none on a bundle without).
+
+        Its error, if any, is raised by the rank's calls (nobody waits for this one)."""
+        forked = self._forked(key)
+        try:
+            bundle = (await devices[0]) if devices else None
+            record = await asyncio.get_running_loop().run_in_executor(
+                None, self._fork, rank, placement_group_id, cpus, bundle)
+        except Exception as exc:  # noqa: BLE001 - told to the rank's callers
+            forked.set_exception(exc)
+            forked.exception()  # told through the calls: not an error nobody read
+            return
+        forked.set_result(record)
+
+    async def call(self, key: str, lane: str, caller: str, number: int, name: str, args: list[Any],
+                   kwargs: dict[str, Any]) -> Any:
+        """Run host method ``name`` on rank ``key``, after ``caller``'s calls numbered below ``number``."""
+        await self._turn((caller, key, lane), number)
+        try:
+            record = await self._forked(key)
+            if record.gone is not None:
+                raise ForkedRankGone(record.gone)
+            args = [(await a) if isinstance(a, ray.ObjectRef) else a for a in args]
+            kwargs = {k: (await v) if isinstance(v, ray.ObjectRef) else v for k, v in kwargs.items()}
+            answer = asyncio.get_running_loop().run_in_executor(record.lanes[lane], record.channels[lane].call,
+                                                                name, tuple(args), kwargs)
+        finally:
+            await self._done((caller, key, lane), number)
+        return await answer
+
+    async def kill_rank(self, key: str) -> None:
+        """Kill rank ``key``'s process (its death then reaches its callers as any death does)."""
+        forked = self._forks.get(key)
+        if forked is None or not forked.done() or forked.exception() is not None:
+            return
+        try:
+            os.kill(forked.result().pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _forked(self, key: str) -> asyncio.Future:
+        if key not in self._forks:
+            self._forks[key] = asyncio.get_running_loop().create_future()
+        return self._forks[key]
+
+    async def _turn(self, turn: tuple[str, str, str], number: int) -> None:
+        async with self._turns:
+            try:
+                await asyncio.wait_for(self._turns.wait_for(lambda: self._next.get(turn, 0) >= number), TURN_WAIT_S)
+            except asyncio.TimeoutError:
+                logger.warning("forked rank %s: call %d of caller %s waited %.0f s for the caller's call %d, which "
+                               "never arrived (Ray failed it before it ran); going on without it",
+                               turn[1], number, turn[0], TURN_WAIT_S, self._next.get(turn, 0))
+
+    async def _done(self, turn: tuple[str, str, str], number: int) -> None:
+        async with self._turns:
+            self._next[turn] = max(self._next.get(turn, 0), number + 1)
+            self._turns.notify_all()
+
+    def _fork(self, rank: int | None, placement_group_id: str, cpus: float, bundle: BundleDevices | None) -> _ForkedRank:
+        """Fork the rank (on a thread: it waits for the rank's host to be built)."""
+        env = dict(os.environ)
+        if "OMP_NUM_THREADS" not in self._exec_env:  # what Ray would set in a worker of the bundle's CPUs
+            env["OMP_NUM_THREADS"] = str(max(math.floor(cpus), 1))
+        place = dataclasses.replace(self._place, placement_group_id=placement_group_id)
+        if bundle is not None:
+            place = dataclasses.replace(place, gpu_ids=bundle.gpu_ids, accelerator_ids=bundle.accelerator_ids)
+            for name, value in bundle.env.items():
+                if value is None:
+                    env.pop(name, None)
+                else:
+                    env[name] = value
+        pairs = [socket.socketpair() for _ in range(3)]  # default, control, objects: this end, the rank's end
+        request = ForkRequest(rank=rank, group_name=self._group_name, env=env, cwd=os.getcwd(),
+                              sys_path=tuple(sys.path), place=place)
+        pid = fork_rank(self._address, request, [end for _, end in pairs], FORK_START_S)
         for _, end in pairs:
             end.close()
         (default, _), (control, _), (objects, _) = pairs
@@ -306,95 +513,188 @@ class ForkedHost:
         try:
             status, said = receive_message(default)
         except (EOFError, OSError) as exc:
-            raise BackendError(f"rank {rank} of {group_name}: its forked process {self._pid} ended before its host "
+            raise BackendError(f"rank {rank} of {self._group_name}: its forked process {pid} ended before its host "
                                f"was built ({exc}); the warm process's log is in the node's rankmesh-warm-* folder") from None
         if status != "ok":
             raise said
         default.settimeout(None)
-        self._refs = RefTable()
-        self._default = _Channel(default, self._refs, scoped=True)
-        self._control = _Channel(control, self._refs, scoped=False)
-        self._pidfd = os.pidfd_open(self._pid)
-        threading.Thread(target=self._watch, name="rankmesh-rank-watch", daemon=True).start()
-        threading.Thread(target=self._serve_objects, args=(objects,), name="rankmesh-rank-objects", daemon=True).start()
+        refs = RefTable()
+        who = f"rank {rank} of {self._group_name} (forked process {pid})"
+        record = _ForkedRank(
+            rank, pid, refs,
+            channels={DEFAULT_LANE: _Channel(default, refs, scoped=True, who=who),
+                      CONTROL_GROUP: _Channel(control, refs, scoped=False, who=who)},
+            lanes={lane: ThreadPoolExecutor(1, thread_name_prefix=f"rankmesh-rank-{pid}-{lane}")
+                   for lane in (DEFAULT_LANE, CONTROL_GROUP)})
+        threading.Thread(target=self._watch, args=(record,), name=f"rankmesh-rank-{pid}-watch", daemon=True).start()
+        threading.Thread(target=_serve_objects, args=(objects, refs), name=f"rankmesh-rank-{pid}-objects",
+                         daemon=True).start()
+        return record
 
-    def _serve_objects(self, conn: socket.socket) -> None:
-        """Do the rank's ``put``/``get``/``wait_any`` with Ray (:class:`.reshard.RayObjects`), one at a time.
+    def _watch(self, record: _ForkedRank) -> None:
+        """Tell the rank's death to its callers the moment its process exits."""
+        pidfd = os.pidfd_open(record.pid)
+        try:
+            select.select([pidfd], [], [])
+        finally:
+            os.close(pidfd)
+        logger.debug("forked rank process %d exited", record.pid)  # the group tells it
+        record.lost(f"rank {record.rank} of {self._group_name}: its forked process {record.pid} exited")
 
-        Neither what the rank puts nor what it fetches is opened here: a put arrives as the rank's
-        pickle and is stored sealed, and a sealed value fetched goes on to the rank as it is
-        (:func:`.warm.pass_sealed_in_this_process`), so the holder imports nothing for them."""
-        objects = RayObjects()
-        to_rank = functools.partial(_ToRank, refs=self._refs)
-        while self._answer_objects(conn, objects, to_rank):
+
+def _exec_environment() -> dict[str, str]:
+    """The environment this process started with, before Ray set anything in it (Linux's ``/proc``)."""
+    with open("/proc/self/environ", "rb") as f:
+        entries = f.read().split(b"\0")
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+
+
+def _serve_objects(conn: socket.socket, refs: RefTable) -> None:
+    """Do a forked rank's ``put``/``get``/``wait_any`` with Ray (:class:`.reshard.RayObjects`), one at a time.
+
+    Neither what the rank puts nor what it fetches is opened here: a put arrives as the rank's
+    pickle and is stored sealed, and a sealed value fetched goes on to the rank as it is
+    (:func:`.warm.pass_sealed_in_this_process`), so the holder imports nothing for them."""
+    objects = RayObjects()
+    to_rank = functools.partial(_ToRank, refs=refs)
+    with conn:
+        while _answer_objects(conn, refs, objects, to_rank):
             pass
 
-    def _answer_objects(self, conn: socket.socket, objects: RayObjects, to_rank: Any) -> bool:
-        """Answer one request of the rank's objects channel; ``False`` once the rank is gone.
 
-        One request per call, so that nothing it fetched or named outlives its answer here (a
-        reference kept by this thread would pin its object, owner-side, until the next request)."""
-        step = "a request"
-        try:
-            step, *args = receive_message(conn, self._refs.ref)
-            if step == "put":
-                (numbers,) = args
-                answer = ("ok", objects.put(self._refs.seal(receive_payload(conn), numbers)))
-            elif step in ("get", "wait_any"):
-                answer = ("ok", getattr(objects, step)(*args))
-            else:
-                answer = ("error", BackendError(f"a forked rank asked its holder for {step!r}, which is no object step"))
-        except (EOFError, OSError):
-            return False  # the rank is gone (the watch ends this process)
-        except Exception as exc:  # noqa: BLE001 - the rank raises it, as Ray would in a rank of its own
-            answer = ("error", sendable(exc))
-        try:
-            payload = encode_message(answer, to_rank)
-        except Exception as exc:  # noqa: BLE001 - a fetched value that does not travel to the rank
-            payload = encode_message(("error", BackendError(f"{step}: the value does not travel to a forked rank: "
-                                                           f"{exc!r}")), to_rank)
-        try:
-            send_encoded(conn, payload)
-        except OSError:
-            return False
-        return True
+def _answer_objects(conn: socket.socket, refs: RefTable, objects: RayObjects, to_rank: Any) -> bool:
+    """Answer one request of a rank's objects channel; ``False`` once the rank is gone.
 
-    def _watch(self) -> None:
-        """Exit the moment the rank does, so Ray reports this actor (the rank, to everyone else) dead."""
-        select.select([self._pidfd], [], [])
-        logger.debug("forked rank process %d exited; its holder exits too", self._pid)  # the group tells it
-        time.sleep(0.05)  # let a call the rank answered just before leave first
-        os._exit(1)
+    One request per call, so that nothing it fetched or named outlives its answer here (a
+    reference kept by this thread would pin its object, owner-side, until the next request)."""
+    step = "a request"
+    try:
+        step, *args = receive_message(conn, refs.ref)
+        if step == "put":
+            (numbers,) = args
+            answer = ("ok", objects.put(refs.seal(receive_payload(conn), numbers)))
+        elif step in ("get", "wait_any"):
+            answer = ("ok", getattr(objects, step)(*args))
+        else:
+            answer = ("error", BackendError(f"a forked rank asked its holder for {step!r}, which is no object step"))
+    except (EOFError, OSError):
+        return False  # the rank is gone
+    except Exception as exc:  # noqa: BLE001 - the rank raises it, as Ray would in a rank of its own
+        answer = ("error", sendable(exc))
+    try:
+        payload = encode_message(answer, to_rank)
+    except Exception as exc:  # noqa: BLE001 - a fetched value that does not travel to the rank
+        payload = encode_message(("error", BackendError(f"{step}: the value does not travel to a forked rank: "
+                                                       f"{exc!r}")), to_rank)
+    try:
+        send_encoded(conn, payload)
+    except OSError:
+        return False
+    return True
 
 
-def _forward(name: str, group: str | None) -> Any:
-    if group is None:
-        def method(self: ForkedHost, *args: Any, **kwargs: Any) -> Any:
-            return self._default.call(name, args, kwargs)
+@dataclass(frozen=True)
+class BundleDevices:
+    """The devices Ray gave a bundle, as a worker in it sees them (read by :func:`bundle_devices`)."""
+
+    gpu_ids: tuple[str, ...]
+    accelerator_ids: Mapping[str, Any]
+    #: Each accelerator's visibility variable (``CUDA_VISIBLE_DEVICES`` ...) as Ray set it (``None``: unset).
+    env: Mapping[str, str | None]
+
+
+def bundle_devices() -> BundleDevices:
+    """The devices of the bundle this task runs in: run once per bundle with devices, before its rank is forked."""
+    place = HostPlace.of_ray_worker()
+    names = {"CUDA_VISIBLE_DEVICES"}
+    try:
+        from ray._private.accelerators import get_all_accelerator_managers  # noqa: PLC0415 - no public list
+
+        names |= {m.get_visible_accelerator_ids_env_var() for m in get_all_accelerator_managers()} - {None}
+    except Exception:  # noqa: BLE001 - a Ray without the list: CUDA's variable alone
+        logger.debug("no list of Ray's accelerator variables", exc_info=True)
+    return BundleDevices(place.gpu_ids, place.accelerator_ids, {n: os.environ.get(n) for n in sorted(names)})
+
+
+class _Submitter:
+    """This process's calls to forked ranks, numbered per (rank, lane) in the order they were sent.
+
+    Why: Ray runs an async actor's calls in any order; the holder (:class:`ForkedRanks`) puts each
+    caller's calls of one rank and lane back in order by these numbers.  One per process, since
+    every copy of a route in it is one caller (as every copy of a Ray actor handle is)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = -1
+        self.caller = ""
+        self._sent: dict[tuple[str, str], int] = {}
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+
+    def send(self, route: "RankRoute", lane: str, name: str, options: Mapping[str, Any], args: list[Any],
+             kwargs: dict[str, Any]) -> Any:
+        with self._lock:
+            if self._pid != os.getpid():  # a new process (a fork): a new caller
+                self._pid, self.caller, self._sent, self._locks = os.getpid(), uuid.uuid4().hex, {}, {}
+            turn = (route.key, lane)
+            lock = self._locks.setdefault(turn, threading.Lock())
+            caller = self.caller
+        with lock:
+            number = self._sent.get(turn, 0)
+            ref = route.node.call.options(**options).remote(route.key, lane, caller, number, name, args, kwargs)
+            self._sent[turn] = number + 1  # not before: a call Ray refused to send takes no number
+        return ref
+
+
+_SUBMITTER = _Submitter()
+
+
+class _RouteMethod:
+    """``route.<method>``: ``.remote(*args, **kwargs)`` and ``.options(...)`` as a Ray actor method has them."""
+
+    def __init__(self, route: "RankRoute", name: str, options: Mapping[str, Any]) -> None:
+        self._route, self._name, self._options = route, name, dict(options)
+
+    def options(self, **options: Any) -> "_RouteMethod":
+        return _RouteMethod(self._route, self._name, {**self._options, **options})
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return _SUBMITTER.send(self._route, lane_of(self._name), self._name, self._options, list(args), kwargs)
+
+
+class RankRoute:
+    """A forked rank as its callers hold it, in place of a Ray actor handle: its node's holder and its key there.
+
+    ``route.execute.remote(...)`` (and ``.options(num_returns=...)``) runs host method ``execute``
+    on the rank through :class:`ForkedRanks`, in order per caller and lane as Ray orders an
+    actor's calls; a death of the rank raises :class:`~rankmesh.errors.ForkedRankGone` (one of
+    the process deaths of :data:`.waiting.PROCESS_DIED`).  Kill one with :func:`kill_host`."""
+
+    __slots__ = ("node", "key")
+
+    def __init__(self, node: Any, key: str) -> None:
+        self.node = node
+        self.key = key
+
+    def __getattr__(self, name: str) -> _RouteMethod:
+        lane_of(name)  # AttributeError for a name the host does not have
+        return _RouteMethod(self, name, {})
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
+        return RankRoute, (self.node, self.key)
+
+    def __repr__(self) -> str:
+        return f"RankRoute({self.key})"
+
+
+def kill_host(handle: Any) -> None:
+    """Kill a rank's process now, whichever it is: a Ray actor (no restart) or a forked rank (its route)."""
+    if isinstance(handle, RankRoute):
+        handle.node.kill_rank.remote(handle.key)
     else:
-        @ray.method(concurrency_group=group)
-        def method(self: ForkedHost, *args: Any, **kwargs: Any) -> Any:
-            return self._control.call(name, args, kwargs)
-    method.__name__ = method.__qualname__ = name
-    return method
-
-
-def _forward_bare(name: str) -> Any:
-    def bare(self: ForkedHost) -> Any:  # no parameters: Ray skips binding arguments (see .hostapi)
-        return self._default.call(name, (), {})
-    bare.__name__ = bare.__qualname__ = name
-    return bare
-
-
-for _name, _group in HOST_METHODS.items():
-    setattr(ForkedHost, _name, _forward(_name, _group))
-for _name in SLOT_METHODS:
-    setattr(ForkedHost, _name, _forward(_name, None))
-for _name in BARE_SLOT_METHODS:
-    setattr(ForkedHost, _name, _forward_bare(_name))
+        ray.kill(handle, no_restart=True)
 
 
 @functools.lru_cache(maxsize=None)
 def holder_actor_class() -> Any:
-    """``ray.remote(ForkedHost)`` with the control thread a rank's host has, made once per process."""
-    return ray.remote(concurrency_groups={CONTROL_GROUP: 1})(ForkedHost)
+    """``ray.remote(ForkedRanks)``, asking for no resources (the bundles hold them), made once per process."""
+    return ray.remote(num_cpus=0)(ForkedRanks)

@@ -110,7 +110,7 @@ class HostPlace:
     """Where a rank's process runs, as Ray sees it: what the host would otherwise ask Ray.
 
     A rank in its own Ray actor reads it from Ray (:meth:`HostPlace.of_ray_worker`); a forked rank
-    has no Ray worker of its own and gets its holder's (:mod:`.forked`).
+    has no Ray worker of its own and gets the place its node's holder reads for its bundle (:mod:`.forked`).
     """
 
     node_id: str
@@ -119,7 +119,7 @@ class HostPlace:
     gpu_ids: tuple[str, ...]
     accelerator_ids: Mapping[str, Any]
     raylet_pid: int | None
-    #: The process Ray knows as this rank's worker: its own, or a forked rank's holder.
+    #: The process Ray knows as this rank's worker: its own, or the holder of the group's forked ranks on the node.
     ray_pid: int
 
     @classmethod

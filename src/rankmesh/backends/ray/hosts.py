@@ -37,7 +37,7 @@ from rankmesh.placement import RankPlace
 
 from .hangs import hang_inspector
 from .notices import NOTICES
-from .forked import Forking, process_model_of
+from .forked import Forking, kill_host, process_model_of
 from .host import WorkerHost, host_actor_options
 from .hostapi import HostSetup, RoleInit
 from rankmesh.rendezvous import RESERVED_ENV
@@ -165,9 +165,11 @@ class HostSet:
         """Kill every process now, spares too (no restart); the placement groups stay reserved."""
         for actor in [*self.actors, *(s.actor for s in self.spares)]:
             try:
-                ray.kill(actor, no_restart=True)
+                kill_host(actor)
             except Exception as exc:  # noqa: BLE001 - already dead
                 logger.debug("killing %s: %s", actor, exc)
+        if self.forking is not None:
+            self.forking.close()  # the holders of its forked ranks
 
     def teardown_workers(self, timeout: float = 60.0) -> None:
         """Drop the role objects in every host, keeping the processes (see ``WorkerHost.teardown``).
@@ -225,7 +227,7 @@ def check_worker_env(worker_env: Mapping[str, Any] | None) -> dict[str, str]:
 def start_host(pool: Any, slot: Any, rank: int, name_prefix: str, detached: bool, options: Mapping[str, Any],
                forking: Forking | None = None) -> Any:
     """Start the (empty) host process of ``rank`` in its bundle ``slot`` of ``pool`` (also a replacement's):
-    a Ray actor of its own, or with ``forking`` a holder whose rank is forked from the node's warm process."""
+    a Ray actor of its own, or with ``forking`` a fork of the node's warm process (its route: :class:`.forked.RankRoute`)."""
     opts: dict[str, Any] = {
         **pool.actor_resources,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -236,7 +238,7 @@ def start_host(pool: Any, slot: Any, rank: int, name_prefix: str, detached: bool
     if detached:
         opts.update(name=actor_name(name_prefix, rank), namespace=DETACHED_NAMESPACE, lifetime="detached")
     if forking is not None:
-        return forking.start(rank, name_prefix, opts)
+        return forking.start(slot, rank, name_prefix, pool.actor_resources, options)
     return remote_host_class().options(**opts).remote(rank, name_prefix)
 
 

@@ -50,6 +50,7 @@ from rankmesh.mesh import RankCoords, RankMesh
 
 from rankmesh.deadline import Deadline
 
+from .forked import kill_host
 from .executor import RayExecutor
 from .hangs import hang_inspector
 from .hosts import HostSet, start_host
@@ -315,7 +316,7 @@ def begin_replacements(hosts: HostSet, ranks: Sequence[int], timeout: float,
         raise RecoveryError("cannot replace ranks of a group attached with from_detached (it has no pool)", list(ranks))
     slots = hosts.slots
     for rank in ranks:
-        ray.kill(hosts.actors[rank], no_restart=True)  # make sure: a half-dead process holds its bundle
+        kill_host(hosts.actors[rank])  # make sure: a half-dead process holds its bundle
     deadline = Deadline.after(timeout)
     for pg in {id(slots[r].pg): slots[r].pg for r in ranks}.values():
         # A bundle whose node died is rescheduled by Ray onto a node with room.
@@ -477,7 +478,7 @@ def replace_dead_ranks(
             report.restore_s = t4 - t3
         except Exception as exc:
             for actor in early.values():  # asked for, never the group's: nothing else would stop them
-                ray.kill(actor, no_restart=True)
+                kill_host(actor)
             err = exc if isinstance(exc, RecoveryError) else RecoveryError(f"replacing dead ranks {sorted(dead)} failed: {exc}", sorted(dead))
             executor.abandon(err)
             if err is exc:

@@ -50,6 +50,7 @@ from rankmesh.errors import RecoveryError, ShardLostError
 from rankmesh.mesh import RankMesh
 from rankmesh.replicas import select_replicas
 
+from .forked import kill_host
 from .executor import RayExecutor
 from .hangs import hang_inspector
 from .hosts import HostSet, actor_name, start_host
@@ -201,7 +202,7 @@ def shrink_dead_replicas(
         t1 = time.monotonic()
         report.drain_s = t1 - t0
         for rank in plan.dropped:  # the dead and the lost replicas' live ranks
-            ray.kill(hosts.actors[rank], no_restart=True)
+            kill_host(hosts.actors[rank])
             hosts.free_slot(hosts.slots[rank])
         _move_hosts(hosts, plan, {}, {}, {})
         executor.reshape([plan.new.rank_coords(r) for r in range(plan.new.world_size)],
@@ -282,7 +283,7 @@ def _processes_for(hosts: HostSet, plan: Remesh, timeout: float) -> tuple[dict[i
     except BaseException:
         for rank, actor in actors.items():
             if rank not in taken:
-                ray.kill(actor, no_restart=True)
+                kill_host(actor)
         hosts.add_spares(list(taken.values()))
         for slot in free:  # the group's bundles go back, whether a process started in one or not
             hosts.free_slot(slot)

@@ -37,6 +37,7 @@ import ray
 import ray.exceptions as rex
 from ray.util import placement_group_table
 
+from .forked import kill_host
 from .hosts import HostSet, start_host
 from .pool import Slot
 from .runtime import alive_nodes
@@ -201,10 +202,10 @@ def take_spares(hosts: HostSet, ranks: Sequence[int], timeout: float,
                 logger.warning("worker group %s: spare in bundle %d of %s is unusable (%s); trying the next",
                                hosts.name_prefix, spare.slot.bundle_index, spare.slot.node_ip,
                                str(exc).strip().splitlines()[-1])
-                ray.kill(spare.actor, no_restart=True)
+                kill_host(spare.actor)
                 hosts.free_slot(spare.slot)
                 continue
-            ray.kill(hosts.actors[rank], no_restart=True)  # make sure: a half-dead process holds its bundle
+            kill_host(hosts.actors[rank])  # make sure: a half-dead process holds its bundle
             hosts.free_slot(hosts.slots[rank])
             hosts.put_rank(rank, spare.actor, info, spare.slot)
             # What the spare saved, paid before the death: process start, then the imports.

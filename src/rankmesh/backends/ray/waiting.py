@@ -32,7 +32,7 @@ import ray.exceptions as rex
 
 from rankmesh.backend import merge_failures
 from rankmesh.deadline import Deadline
-from rankmesh.errors import FetchTimeoutError, HangError, RemoteTraceback, WorkerDiedError, WorkerError
+from rankmesh.errors import FetchTimeoutError, ForkedRankGone, HangError, RemoteTraceback, WorkerDiedError, WorkerError
 from rankmesh.serialization import receiving
 from rankmesh.tracing.marks import FETCH
 
@@ -48,9 +48,11 @@ POLL_INTERVAL = 0.5
 #: lost their peer.
 FAIL_GRACE = 0.5
 
-#: Ray's errors that mean the process (or its node) is gone.  OutOfMemoryError: Ray's memory
-#: monitor killed the process.
-PROCESS_DIED = (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError, rex.ObjectLostError, rex.OutOfMemoryError)
+#: The errors that mean the process (or its node) is gone: Ray's, and a forked rank's holder's
+#: (Ray hands it back as a task error that is also a ``ForkedRankGone``).  OutOfMemoryError: Ray's
+#: memory monitor killed the process.
+PROCESS_DIED = (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError, rex.ObjectLostError, rex.OutOfMemoryError,
+                ForkedRankGone)
 
 
 #: ``inspect(unfinished, finished, after_s)``: where each unfinished call's rank is (a
@@ -65,10 +67,11 @@ OnDied = Callable[[WorkerDiedError], None]
 def translate_error(pending: Pending, exc: BaseException) -> BaseException:
     """Turn a carrier's error for one rank call into rankmesh's error, keeping the remote traceback."""
     coords = pending.coords
-    if isinstance(exc, rex.RayTaskError):
+    if isinstance(exc, rex.RayTaskError) and not isinstance(exc, ForkedRankGone):
         return task_error(pending, getattr(exc, "cause", None), getattr(exc, "traceback_str", "") or str(exc))
     if isinstance(exc, PROCESS_DIED):
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        said = str(getattr(exc, "cause", None) or exc).strip()  # a forked rank's: the holder's words, not Ray's wrapping
+        first = said.splitlines()[0] if said else type(exc).__name__
         err = WorkerDiedError(pending.rank, pending.method, first, pending.node, coords={pending.rank: coords} if coords is not None else None)
         err.__cause__ = exc
         return err

@@ -15,18 +15,18 @@ and which source files it read (a file changed on disk retires it), then serves 
 a Unix socket, one at a time, on its only Python thread.  It starts no threads of its own, no
 torch thread pool, no CUDA context and no process group.
 
-**A fork request** (:class:`ForkRequest`) comes from a rank's holder (:class:`.forked.ForkedHost`),
-the light Ray actor that holds the rank's bundle: the holder's environment, working directory and
-``sys.path`` (so the rank sees exactly what a rank spawned by Ray in that bundle would: its
-``CUDA_VISIBLE_DEVICES`` included), where the holder runs (:class:`.hostapi.HostPlace`), and two
-socket ends passed as file descriptors: the holder's default and control channels and the rank's
-objects channel, with the holder's stdout and stderr (what the rank prints is logged and shown as
-the holder's).  The child
+**A fork request** (:class:`ForkRequest`) comes from the holder of the group's forked ranks on
+the node (:class:`.forked.ForkedRanks`), a light Ray actor: the environment, working directory and
+``sys.path`` a Ray worker in the rank's bundle would have (its ``CUDA_VISIBLE_DEVICES`` included),
+where the rank runs as Ray sees it (:class:`.hostapi.HostPlace`), and three socket ends passed as
+file descriptors: the rank's default, control and objects channels, with the holder's stdout and
+stderr (what the rank prints is logged and shown as the holder's).  The child
 takes them (:func:`become_rank`), re-seeds the random generators a spawned process seeds from the
 operating system (a fork would share the warm process's), sets torch's thread count as a spawned rank's would be, builds its
 :class:`.host.WorkerHost` and serves each channel on its own thread, as a Ray actor serves its
 default and control concurrency groups.  The rank exits when its holder goes (either channel
-closes), and its holder exits when it does (:mod:`.forked`): Ray sees a rank die as it always has.
+closes, or this process kills it), and its holder tells the rank's callers the moment it exits
+(:mod:`.forked`).
 
 **Ray's objects** reach a forked rank through its holder, which keeps each ObjectRef and hands the
 rank a :class:`RefToken` for it; the rank's object transport (:class:`HolderObjects`, reshard's
@@ -82,11 +82,11 @@ HOST_MODULES: tuple[str, ...] = ("rankmesh.backends.ray.host",)
 
 @dataclass(frozen=True)
 class ForkRequest:
-    """What a holder sends the warm process to fork its rank (the channels travel as fds beside it)."""
+    """What a holder sends the warm process to fork a rank (the channels travel as fds beside it)."""
 
     rank: int | None
     group_name: str
-    env: Mapping[str, str]  # the holder's
+    env: Mapping[str, str]  # a Ray worker's in the rank's bundle (.forked.ForkedRanks)
     cwd: str
     sys_path: tuple[str, ...]
     place: HostPlace
