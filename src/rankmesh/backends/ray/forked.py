@@ -68,7 +68,7 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import ray
 
@@ -400,6 +400,22 @@ class _ForkedRank:
             executor.shutdown(wait=False)
 
 
+class CallHead(NamedTuple):
+    """A call to a forked rank as it travels to the node's holder: the rank, lane and method, its
+    caller's number for it, and the method's arguments.
+
+    One argument of Ray's call: Ray pickles each argument on its own (about 65 us each here), and
+    resolves none nested in it, so a stored argument is read after the call's turn, not before."""
+
+    key: str
+    lane: str
+    caller: str
+    number: int
+    name: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+
+
 class ForkedRanks:
     """The holder of one group's forked ranks on one node: a Ray actor that forks them and forwards their calls.
 
@@ -423,8 +439,10 @@ class ForkedRanks:
         self._place = HostPlace.of_ray_worker()
         self._exec_env = _exec_environment()
         self._forks: dict[str, asyncio.Future] = {}
+        # Only the event loop's thread reads and writes these: no lock.
         self._next: dict[tuple[str, str, str], int] = {}  # (caller, key, lane) -> the number whose turn it is
-        self._turns = asyncio.Condition()
+        self._turns = asyncio.Condition()  # notified when a number goes forward and calls wait
+        self._waiting = 0
 
     async def ping(self) -> int:
         return os.getpid()
@@ -444,20 +462,21 @@ class ForkedRanks:
             return
         forked.set_result(record)
 
-    async def call(self, key: str, lane: str, caller: str, number: int, name: str, args: list[Any],
-                   kwargs: dict[str, Any]) -> Any:
-        """Run host method ``name`` on rank ``key``, after ``caller``'s calls numbered below ``number``."""
-        await self._turn((caller, key, lane), number)
+    async def call(self, head: CallHead) -> Any:
+        """Run host method ``head.name`` on rank ``head.key``, after the caller's calls numbered below ``head.number``."""
+        args, kwargs = head.args, head.kwargs
+        turn = (head.caller, head.key, head.lane)
+        await self._turn(turn, head.number)
         try:
-            record = await self._forked(key)
+            record = await self._forked(head.key)
             if record.gone is not None:
                 raise ForkedRankGone(record.gone)
             args = [(await a) if isinstance(a, ray.ObjectRef) else a for a in args]
             kwargs = {k: (await v) if isinstance(v, ray.ObjectRef) else v for k, v in kwargs.items()}
-            answer = asyncio.get_running_loop().run_in_executor(record.lanes[lane], record.channels[lane].call,
-                                                                name, tuple(args), kwargs)
+            answer = asyncio.get_running_loop().run_in_executor(record.lanes[head.lane], record.channels[head.lane].call,
+                                                                head.name, tuple(args), kwargs)
         finally:
-            await self._done((caller, key, lane), number)
+            self._done(turn, head.number)
         return await answer
 
     async def kill_rank(self, key: str) -> None:
@@ -476,17 +495,27 @@ class ForkedRanks:
         return self._forks[key]
 
     async def _turn(self, turn: tuple[str, str, str], number: int) -> None:
-        async with self._turns:
-            try:
+        if self._next.get(turn, 0) >= number:  # its turn already (the usual case): no wait
+            return
+        self._waiting += 1
+        try:
+            async with self._turns:
                 await asyncio.wait_for(self._turns.wait_for(lambda: self._next.get(turn, 0) >= number), TURN_WAIT_S)
-            except asyncio.TimeoutError:
-                logger.warning("forked rank %s: call %d of caller %s waited %.0f s for the caller's call %d, which "
-                               "never arrived (Ray failed it before it ran); going on without it",
-                               turn[1], number, turn[0], TURN_WAIT_S, self._next.get(turn, 0))
+        except asyncio.TimeoutError:
+            logger.warning("forked rank %s: call %d of caller %s waited %.0f s for the caller's call %d, which "
+                           "never arrived (Ray failed it before it ran); going on without it",
+                           turn[1], number, turn[0], TURN_WAIT_S, self._next.get(turn, 0))
+        finally:
+            self._waiting -= 1
 
-    async def _done(self, turn: tuple[str, str, str], number: int) -> None:
+    def _done(self, turn: tuple[str, str, str], number: int) -> None:
+        """The call numbered ``number`` was handed to its lane: the caller's next one may go."""
+        self._next[turn] = max(self._next.get(turn, 0), number + 1)
+        if self._waiting:
+            asyncio.get_running_loop().create_task(self._wake())
+
+    async def _wake(self) -> None:
         async with self._turns:
-            self._next[turn] = max(self._next.get(turn, 0), number + 1)
             self._turns.notify_all()
 
     def _fork(self, rank: int | None, placement_group_id: str, cpus: float, bundle: BundleDevices | None) -> _ForkedRank:
@@ -640,7 +669,8 @@ class _Submitter:
             caller = self.caller
         with lock:
             number = self._sent.get(turn, 0)
-            ref = route.node.call.options(**options).remote(route.key, lane, caller, number, name, args, kwargs)
+            method = route.node.call.options(**options) if options else route.node.call
+            ref = method.remote(CallHead(route.key, lane, caller, number, name, args, kwargs))
             self._sent[turn] = number + 1  # not before: a call Ray refused to send takes no number
         return ref
 
