@@ -306,6 +306,20 @@ def test_one_callers_calls_reach_a_forked_rank_in_the_order_sent(groups):
         assert per_rank == [i + 1] * 4, (i, per_rank)
 
 
+def test_a_rank_killed_while_it_is_being_forked_dies_once_forked(groups):
+    """A kill that reaches the node's holder before the rank's fork is done is not lost: the rank
+    is killed the moment it exists, and its calls say it is gone."""
+    from rankmesh.backends.ray.forked import kill_host
+    from rankmesh.errors import ForkedRankGone
+
+    forked, _ = groups
+    hosts = forked.executor.hosts
+    route = hosts.forking.start(hosts.slots[0], None, "killed-early", hosts.pool.actor_resources, hosts.options)
+    kill_host(route)  # long before the fork (a process, then a host built in it) is done
+    with pytest.raises(ForkedRankGone):
+        ray.get(route.node_info.remote(), timeout=60)
+
+
 def test_a_stopped_forked_rank_dies_with_its_holder(groups):
     """A rank that cannot run (SIGSTOP) never reads its closed channels: its warm process kills it."""
     group = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ForkProbe), process_model="fork")

@@ -443,6 +443,7 @@ class ForkedRanks:
         self._next: dict[tuple[str, str, str], int] = {}  # (caller, key, lane) -> the number whose turn it is
         self._turns = asyncio.Condition()  # notified when a number goes forward and calls wait
         self._waiting = 0
+        self._doomed: set[str] = set()  # ranks killed before their fork was done
 
     async def ping(self) -> int:
         return os.getpid()
@@ -461,6 +462,8 @@ class ForkedRanks:
             forked.exception()  # told through the calls: not an error nobody read
             return
         forked.set_result(record)
+        if key in self._doomed:  # killed while it was being forked
+            self._kill(record)
 
     async def call(self, head: CallHead) -> Any:
         """Run host method ``head.name`` on rank ``head.key``, after the caller's calls numbered below ``head.number``."""
@@ -468,7 +471,7 @@ class ForkedRanks:
         turn = (head.caller, head.key, head.lane)
         await self._turn(turn, head.number)
         try:
-            record = await self._forked(head.key)
+            record = await self._record(head.key)
             if record.gone is not None:
                 raise ForkedRankGone(record.gone)
             args = [(await a) if isinstance(a, ray.ObjectRef) else a for a in args]
@@ -481,18 +484,32 @@ class ForkedRanks:
 
     async def kill_rank(self, key: str) -> None:
         """Kill rank ``key``'s process (its death then reaches its callers as any death does)."""
-        forked = self._forks.get(key)
-        if forked is None or not forked.done() or forked.exception() is not None:
-            return
+        forked = self._forked(key)
+        if not forked.done():
+            self._doomed.add(key)  # killed the moment its fork is done
+        elif forked.exception() is None:
+            self._kill(forked.result())
+
+    @staticmethod
+    def _kill(record: _ForkedRank) -> None:
         try:
-            os.kill(forked.result().pid, signal.SIGKILL)
+            os.kill(record.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
     def _forked(self, key: str) -> asyncio.Future:
+        """Rank ``key``'s fork: its record once forked (a call may come before its fork does)."""
         if key not in self._forks:
             self._forks[key] = asyncio.get_running_loop().create_future()
         return self._forks[key]
+
+    async def _record(self, key: str) -> _ForkedRank:
+        """Rank ``key``, once forked: waits no longer than a warm process's start and a fork."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._forked(key)), WARM_START_S + FORK_START_S)
+        except asyncio.TimeoutError:
+            raise BackendError(f"{self._group_name}: no fork of rank {key} reached this node's holder within "
+                               f"{WARM_START_S + FORK_START_S:g} s") from None
 
     async def _turn(self, turn: tuple[str, str, str], number: int) -> None:
         if self._next.get(turn, 0) >= number:  # its turn already (the usual case): no wait
