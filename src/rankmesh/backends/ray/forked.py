@@ -226,7 +226,7 @@ class Forking:
             devices.append(ray.remote(bundle_devices).options(
                 **resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=slot.pg, placement_group_bundle_index=slot.bundle_index),
-                **({"runtime_env": options["runtime_env"]} if options.get("runtime_env") else {})).remote())
+                **_runtime_env(options)).remote())
         key = uuid.uuid4().hex
         holder.fork.remote(key, rank, slot.pg.id.hex(), float(resources.get("num_cpus", 1.0)), devices)
         return RankRoute(holder, key)
@@ -252,7 +252,7 @@ class Forking:
                             group_name, node)
         holder = holder_actor_class().options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-            **({"runtime_env": options["runtime_env"]} if options.get("runtime_env") else {}),
+            **_runtime_env(options),
         ).remote(group_name, self.modules)
         self.holders[node] = (holder, holder.ping.remote())
         return holder
@@ -265,6 +265,12 @@ class Forking:
             except Exception as exc:  # noqa: BLE001 - already dead
                 logger.debug("killing %s: %s", holder, exc)
         self.holders.clear()
+
+
+def _runtime_env(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The group's ``runtime_env`` among its Ray ``options``, for what runs beside its ranks (their
+    holder, the read of a bundle's devices): the rest of the options are a rank's."""
+    return {"runtime_env": options["runtime_env"]} if options.get("runtime_env") else {}
 
 
 class RefTable:
