@@ -198,6 +198,8 @@ def test_groups_of_different_worker_modules_get_different_warm_processes(groups)
 
 
 def test_a_dead_rank_is_told_at_once_and_replaced_by_a_fork(groups):
+    """Replaced by a fork even when the node's warm process died meanwhile: the holder asks the
+    keeper at each fork, which starts the warm process again."""
     group = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(ForkProbe), process_model="fork",
                            on_rank_death="keep")
     try:
@@ -207,14 +209,33 @@ def test_a_dead_rank_is_told_at_once_and_replaced_by_a_fork(groups):
         with pytest.raises(WorkerDiedError) as err:
             group.pid()
         assert err.value.rank == 1 and time.monotonic() - start < 10
+        (warm,) = [pid for modules, pid in _keeper_processes() if "tests.fork_workers" in modules]
+        os.kill(warm, signal.SIGKILL)
+        _wait_exited(warm)
         start = time.monotonic()
         group.replace_dead_ranks()
         replaced = time.monotonic() - start
         now = group.pid()
         assert now[0] == pids[0] and now[1] != pids[1]
         assert os.getpgid(now[1]) >= 0 and replaced < 30
+        (again,) = [pid for modules, pid in _keeper_processes() if "tests.fork_workers" in modules]
+        assert again != warm and group.facts()[1]["ppid"] == again
     finally:
         group.shutdown()
+
+
+def _wait_exited(pid: int, timeout: float = 10.0) -> None:
+    """Until process ``pid`` has exited (a zombie its parent has not reaped yet counts)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"process {pid} still runs {timeout:g} s after SIGKILL")
 
 
 def test_a_warm_process_that_died_is_started_again(groups):

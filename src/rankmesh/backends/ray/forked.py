@@ -440,8 +440,9 @@ class ForkedRanks:
     def __init__(self, group_name: str, modules: tuple[str, ...]) -> None:
         pass_sealed_in_this_process()  # what reaches a rank sealed goes on sealed (.warm.seal)
         self._group_name = group_name
-        keeper = keeper_of(ray.get_runtime_context().get_node_id())
-        self._address = ray.get(keeper.address.remote(modules, sys.path), timeout=WARM_START_S)
+        self._modules = modules
+        self._keeper = keeper_of(ray.get_runtime_context().get_node_id())
+        self._warm_address()  # the warm process imports while the group's ranks are asked for
         self._place = HostPlace.of_ray_worker()
         self._exec_env = _exec_environment()
         self._forks: dict[str, asyncio.Future] = {}
@@ -557,7 +558,7 @@ class ForkedRanks:
         pairs = [socket.socketpair() for _ in range(3)]  # default, control, objects: this end, the rank's end
         request = ForkRequest(rank=rank, group_name=self._group_name, env=env, cwd=os.getcwd(),
                               sys_path=tuple(sys.path), place=place)
-        pid = fork_rank(self._address, request, [end for _, end in pairs], FORK_START_S)
+        pid = fork_rank(self._warm_address(), request, [end for _, end in pairs], FORK_START_S)
         for _, end in pairs:
             end.close()
         (default, _), (control, _), (objects, _) = pairs
@@ -582,6 +583,11 @@ class ForkedRanks:
         threading.Thread(target=_serve_objects, args=(objects, refs), name=f"rankmesh-rank-{pid}-objects",
                          daemon=True).start()
         return record
+
+    def _warm_address(self) -> str:
+        """The socket of the node's warm process for the group's modules, asked of the keeper at each
+        fork: one that died, or whose source files changed, since the last is started again."""
+        return ray.get(self._keeper.address.remote(self._modules, sys.path), timeout=WARM_START_S)
 
     def _watch(self, record: _ForkedRank) -> None:
         """Tell the rank's death to its callers the moment its process exits."""
