@@ -371,6 +371,8 @@ DEFAULT_LANE = "default"
 #: How long a call waits for an earlier one of the same caller and rank that never arrives (Ray
 #: failed it before it ran, say) before it goes on without it (seconds).
 TURN_WAIT_S = 30.0
+#: The call slots' names (:data:`.hostapi.SLOT_METHODS`, :data:`.hostapi.BARE_SLOT_METHODS`): default lane.
+SLOT_SET = frozenset(SLOT_METHODS) | frozenset(BARE_SLOT_METHODS)
 
 
 def lane_of(name: str) -> str:
@@ -381,9 +383,6 @@ def lane_of(name: str) -> str:
     if name in SLOT_SET:
         return DEFAULT_LANE
     raise AttributeError(f"a forked rank's host has no remote method {name!r}")
-
-
-SLOT_SET = frozenset(SLOT_METHODS) | frozenset(BARE_SLOT_METHODS)
 
 
 @dataclass
@@ -432,9 +431,9 @@ class ForkedRanks:
     Each rank is known here by a key its route chose (:class:`RankRoute`).  A call carries its
     caller's id and a number per (rank, lane): Ray runs an async actor's calls in any order, so a
     call waits for the caller's earlier ones to be handed to the rank's lane first (every wait
-    bounded by :data:`TURN_WAIT_S`), and each lane is one thread.  Arguments are passed inside a
-    list, so Ray resolves none of them before the call's turn; the call reads its stored arguments
-    itself, sealed values staying sealed (:func:`.warm.pass_sealed_in_this_process`).
+    bounded by :data:`TURN_WAIT_S`), and each lane is one thread.  Arguments travel inside the
+    call's :class:`CallHead`, so Ray resolves none of them before the call's turn; the call reads
+    its stored arguments itself, sealed values staying sealed (:func:`.warm.pass_sealed_in_this_process`).
     """
 
     def __init__(self, group_name: str, modules: tuple[str, ...]) -> None:
@@ -710,14 +709,14 @@ _SUBMITTER = _Submitter()
 class _RouteMethod:
     """``route.<method>``: ``.remote(*args, **kwargs)`` and ``.options(...)`` as a Ray actor method has them."""
 
-    def __init__(self, route: "RankRoute", name: str, options: Mapping[str, Any]) -> None:
-        self._route, self._name, self._options = route, name, dict(options)
+    def __init__(self, route: "RankRoute", name: str, lane: str, options: Mapping[str, Any]) -> None:
+        self._route, self._name, self._lane, self._options = route, name, lane, dict(options)
 
     def options(self, **options: Any) -> "_RouteMethod":
-        return _RouteMethod(self._route, self._name, {**self._options, **options})
+        return _RouteMethod(self._route, self._name, self._lane, {**self._options, **options})
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return _SUBMITTER.send(self._route, lane_of(self._name), self._name, self._options, list(args), kwargs)
+        return _SUBMITTER.send(self._route, self._lane, self._name, self._options, list(args), kwargs)
 
 
 class RankRoute:
@@ -735,8 +734,7 @@ class RankRoute:
         self.key = key
 
     def __getattr__(self, name: str) -> _RouteMethod:
-        lane_of(name)  # AttributeError for a name the host does not have
-        return _RouteMethod(self, name, {})
+        return _RouteMethod(self, name, lane_of(name), {})  # lane_of: AttributeError for a name the host lacks
 
     def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
         return RankRoute, (self.node, self.key)
