@@ -33,7 +33,6 @@ import ray.exceptions as rex
 from rankmesh.backend import merge_failures
 from rankmesh.deadline import Deadline
 from rankmesh.errors import FetchTimeoutError, ForkedRankGone, HangError, RemoteTraceback, WorkerDiedError, WorkerError
-from rankmesh.serialization import receiving
 from rankmesh.tracing.marks import FETCH
 
 from .calls import Carrier, Outcome, Pending
@@ -244,6 +243,8 @@ def fetch_outputs(
     if carriers is None:
         carriers = {"ray": RayTasks()}
     deadline = deadline if deadline is not None else Deadline.after(timeout)
+    from rankmesh.serialization import receiving  # noqa: PLC0415 - it loads torch, which the node agents need not
+
     with receiving("borrow") if borrow else contextlib.nullcontext():
         got = gather(pending, deadline, carriers, stall_warn_s, inspect)
     if got.stopped == "done":

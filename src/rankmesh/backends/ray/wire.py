@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import enum
 import pickle
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-import numpy as np
-import torch
 from ray import cloudpickle
 
 from rankmesh.backend import INLINE_BYTES, RankCall, Selection, Shared
-from rankmesh.data import DataProto
 
 from .files import CappedSink, FilePool, mapped, pickle_probed
 from .hostapi import BARE_SLOT_METHODS, CALL_SLOTS, SLOT_METHODS
@@ -47,12 +45,16 @@ from .hostapi import BARE_SLOT_METHODS, CALL_SLOTS, SLOT_METHODS
 
 
 def _known_bytes(obj: Any) -> int | None:
-    """The bytes ``obj`` certainly holds, read without pickling (tensors, arrays, a DataProto's tensors); else ``None``."""
-    if isinstance(obj, torch.Tensor):
+    """The bytes ``obj`` certainly holds, read without pickling (tensors, arrays, a DataProto's tensors); else ``None``.
+
+    Each kind is looked for only when its module is loaded (an object of it cannot exist
+    otherwise): the node agents, which use this module, never load torch for it."""
+    torch, np, data = sys.modules.get("torch"), sys.modules.get("numpy"), sys.modules.get("rankmesh.data")
+    if torch is not None and isinstance(obj, torch.Tensor):
         return obj.nbytes
-    if isinstance(obj, np.ndarray) and obj.dtype != object:
+    if np is not None and isinstance(obj, np.ndarray) and obj.dtype != object:
         return obj.nbytes
-    if isinstance(obj, DataProto):  # its tensors alone may already be too big
+    if data is not None and isinstance(obj, data.DataProto):  # its tensors alone may already be too big
         # Not TensorDict.bytes(): its recursive closure is a reference cycle holding every tensor
         # it counted until the next garbage collection (a rank's output is its input's views).
         if obj.batch is None:
