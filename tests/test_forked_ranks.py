@@ -193,8 +193,39 @@ def test_groups_of_different_worker_modules_get_different_warm_processes(groups)
         after = _keeper_processes()
         assert any("tests.fork_workers" in m for m, _ in after) and any(m == ("tests.hosts",) for m, _ in after)
         assert len({pid for _, pid in after}) == len(after) > len(before)
+        # Both forked from the node's base warm process (which imported torch and rankmesh once),
+        # itself started by the keeper.
+        bases = {_parent(pid) for _, pid in after}
+        assert len(bases) == 1 and b"rankmesh.backends.ray.warm" in _cmdline(bases.pop())
     finally:
         other.shutdown()
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def test_a_worker_module_that_starts_a_thread_when_imported_is_not_forked(ray_session):
+    """A fork copies one thread: the rank would lack the module's thread, and any lock it held."""
+    from tests.fork_threaded_worker import StartsAThread
+
+    with pytest.raises(WorkerError) as err:
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(StartsAThread), process_model="fork")
+    text = str(err.value)
+    assert text.startswith("rank 0 failed in start: BackendError: ranks cannot be forked for worker modules "
+                           "['tests.fork_threaded_worker']"), text
+    assert "started-at-import" in text and "process_model='ray'" in text
+    group = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(StartsAThread), process_model="ray")
+    try:
+        assert group.alive() == [True]
+    finally:
+        group.shutdown()
 
 
 def test_a_dead_rank_is_told_at_once_and_replaced_by_a_fork(groups):

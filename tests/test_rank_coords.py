@@ -67,6 +67,10 @@ def test_a_merged_error_names_the_other_ranks_once():
     two = merge_failures([(r, "n0", errors[r].coords, WorkerError(r, mesh.rank_coords(r), "act", "E: x")) for r in (3, 1)])
     assert str(two) == "rank 1 (tp1 dp0) and 1 other rank [3] failed in act: E: x"
     assert str(two.others[0]) == "rank 3 (tp1 dp1) failed in act: E: x"
+    # Two steps of one rank failing in one wait (a rank's start and its port) name the rank once.
+    twice = merge_failures([(0, None, None, WorkerError(0, None, "start", "E: x")),
+                            (0, None, None, WorkerError(0, None, "start", "E: x"))])
+    assert str(twice) == "rank 0 failed in start: E: x"
 
 
 def test_bad_records_are_refused():

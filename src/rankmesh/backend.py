@@ -179,11 +179,11 @@ def merge_failures(failures: Sequence[tuple[int, str | None, Any, BaseException]
         err = WorkerDiedError(min(ranks), first.method, first.detail, ", ".join(sorted(nodes)) or None, ranks=ranks, coords=coords)
         err.__cause__ = first.__cause__
         return err
-    workers: dict[int, WorkerError] = {}
+    workers: dict[int, WorkerError] = {}  # by rank: a rank that failed twice in one wait is said once
     for _, _, _, e in ordered:
         if isinstance(e, WorkerError):
             for w in (e, *e.others):
-                workers.setdefault(id(w), w)
+                workers.setdefault(w.rank, w)
     if workers:
         flat = sorted(workers.values(), key=lambda e: e.rank)
         return flat[0].attach([w.attach([]) if w.others else w for w in flat[1:]])

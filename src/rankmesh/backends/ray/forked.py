@@ -78,7 +78,7 @@ from .hostapi import ANSWER_PARTS, BARE_SLOT_METHODS, CONTROL_GROUP, HOST_METHOD
 from .reshard import RayObjects
 from .runtime import DETACHED_NAMESPACE
 from .warm import (ForkRequest, NoHandles, Sealed, encode_message, fork_rank, pass_sealed_in_this_process, receive_message,
-                   receive_payload, send_encoded, sendable)
+                   kill_by_pidfd, receive_payload, send_encoded, sendable, start_warm)
 
 logger = logging.getLogger(__name__)
 
@@ -114,19 +114,55 @@ def process_model_of(process_model: str | None, environ: Mapping[str, str] | Non
 
 
 class WarmKeeper:
-    """One node's warm processes, by import set: started on first need, replaced when dead or stale."""
+    """One node's warm processes, by import set: started on first need, replaced when dead or stale.
+
+    Each ``sys.path`` has a base warm process (the host's modules imported) that this keeper
+    starts; each import set's warm process is forked from its base (:func:`.warm.start_warm`)."""
 
     def __init__(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="rankmesh-warm-")
         self._started = 0
-        #: (modules, sys.path) -> the warm process, its socket, the source files it read.
-        self._warm: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[subprocess.Popen, str, list[tuple[str, int, int]]]] = {}
+        #: sys.path -> the base warm process, its socket, the source files it read.
+        self._bases: dict[tuple[str, ...], tuple[subprocess.Popen, str, list[tuple[str, int, int]]]] = {}
+        #: (modules, sys.path) -> the warm process (a pidfd on it, its pid), its socket, the source files it read.
+        self._warm: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[int, int, str, list[tuple[str, int, int]]]] = {}
 
     def address(self, modules: Sequence[str], sys_path: Sequence[str]) -> str:
         """The socket of the warm process that imported ``modules`` on ``sys_path`` (the ranks'),
         started (and waited for) if need be."""
         key = (tuple(sorted(set(modules))), tuple(sys_path))
-        found = self._warm.get(key)
+        base = self._base(key[1])
+        found = self._warm.pop(key, None)
+        if found is not None:
+            pidfd, pid, address, files = found
+            why = "it exited" if _exited(pidfd) else "a source file changed" if _changed(files) else None
+            if why is None:
+                self._warm[key] = found
+                return address
+            kill_by_pidfd(pidfd)
+            logger.info("warm process %d for %s retired (%s)", pid, key[0], why)
+        self._started += 1
+        address = os.path.join(self._dir, f"warm-{self._started}.sock")
+        said = start_warm(base, address, key[0], WARM_START_S)
+        pidfd = os.pidfd_open(said["pid"])
+        if said["unsafe"]:
+            kill_by_pidfd(pidfd)
+            raise BackendError(f"ranks cannot be forked for worker modules {list(key[0])}: {said['unsafe']}. Start "
+                               f"the group with process_model='ray', or have the module start that at first use")
+        for name, error in said["failed"].items():
+            logger.warning("the warm process for %s could not import %s: %s (each rank will import it)", key[0], name, error)
+        self._warm[key] = (pidfd, said["pid"], address, [tuple(f) for f in said["files"]])
+        return address
+
+    def processes(self) -> list[tuple[tuple[str, ...], int]]:
+        """(modules, pid) of each live warm process of an import set (for tests and tools)."""
+        return [(key[0], pid) for key, (pidfd, pid, _, _) in self._warm.items() if not _exited(pidfd)]
+
+    def _base(self, sys_path: tuple[str, ...]) -> str:
+        """The socket of the base warm process for ``sys_path``, started if need be.  A base that
+        exited or read a source file changed since is replaced, and its import sets' warm
+        processes (its children, which die with it) are forgotten."""
+        found = self._bases.get(sys_path)
         if found is not None:
             process, address, files = found
             why = "it exited" if process.poll() is not None else "a source file changed" if _changed(files) else None
@@ -134,26 +170,18 @@ class WarmKeeper:
                 return address
             process.kill()
             process.wait()
-            logger.info("warm process %d for %s retired (%s)", process.pid, key[0], why)
-        self._warm[key] = self._start(key)
-        return self._warm[key][1]
-
-    def processes(self) -> list[tuple[tuple[str, ...], int]]:
-        """(modules, pid) of each live warm process (for tests and tools)."""
-        return [(key[0], p.pid) for key, (p, _, _) in self._warm.items() if p.poll() is None]
-
-    def _start(self, key: tuple[tuple[str, ...], tuple[str, ...]]) -> tuple[subprocess.Popen, str, list[tuple[str, int, int]]]:
-        modules, sys_path = key
+            logger.info("base warm process %d retired (%s)", process.pid, why)
+            for key in [k for k in self._warm if k[1] == sys_path]:
+                os.close(self._warm.pop(key)[0])  # killed with its base
         self._started += 1
-        address = os.path.join(self._dir, f"warm-{self._started}.sock")
-        log = os.path.join(self._dir, f"warm-{self._started}.log")
+        address = os.path.join(self._dir, f"base-{self._started}.sock")
+        log = os.path.join(self._dir, f"base-{self._started}.log")
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each rank sets its own
         # Ray read in a forked rank must not connect it as a hidden driver of its own (it has no
-        # Ray worker): Ray's automatic ray.init() is off for the warm process and its forks.
+        # Ray worker): Ray's automatic ray.init() is off for the warm processes and their forks.
         env[NO_AUTO_CONNECT[0]] = NO_AUTO_CONNECT[1]
         with open(log, "wb") as err:
-            process = subprocess.Popen([sys.executable, "-m", "rankmesh.backends.ray.warm", address, json.dumps(sys_path),
-                                        *modules],
+            process = subprocess.Popen([sys.executable, "-m", "rankmesh.backends.ray.warm", address, json.dumps(sys_path)],
                                        stdout=subprocess.PIPE, stderr=err, env=env)
         ready, _, _ = select.select([process.stdout], [], [], WARM_START_S)
         line = process.stdout.readline() if ready else b""
@@ -162,12 +190,18 @@ class WarmKeeper:
             process.wait()
             with open(log, "rb") as f:
                 tail = f.read()[-2000:].decode(errors="replace")
-            raise BackendError(f"the warm process for {list(modules)} did not start within {WARM_START_S:g} s "
+            raise BackendError(f"the base warm process did not start within {WARM_START_S:g} s "
                                f"(exit code {process.returncode}); its log ends:\n{tail}")
         said = json.loads(line)
         for name, error in said["failed"].items():
-            logger.warning("the warm process for %s could not import %s: %s (each rank will import it)", modules, name, error)
-        return process, address, [tuple(f) for f in said["files"]]
+            logger.warning("the base warm process could not import %s: %s (each rank will import it)", name, error)
+        self._bases[sys_path] = (process, address, [tuple(f) for f in said["files"]])
+        return address
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process behind ``pidfd`` has exited (its pidfd reads ready)."""
+    return bool(select.select([pidfd], [], [], 0)[0])
 
 
 def _changed(files: Sequence[tuple[str, int, int]]) -> bool:
@@ -441,7 +475,9 @@ class ForkedRanks:
         self._group_name = group_name
         self._modules = modules
         self._keeper = keeper_of(ray.get_runtime_context().get_node_id())
-        self._warm_address()  # the warm process imports while the group's ranks are asked for
+        # The warm process imports while the group's ranks are asked for; should it fail, each fork
+        # asks again and raises why.
+        self._keeper.address.remote(self._modules, sys.path)
         self._place = HostPlace.of_ray_worker()
         self._exec_env = _exec_environment()
         self._forks: dict[str, asyncio.Future] = {}
@@ -586,7 +622,12 @@ class ForkedRanks:
     def _warm_address(self) -> str:
         """The socket of the node's warm process for the group's modules, asked of the keeper at each
         fork: one that died, or whose source files changed, since the last is started again."""
-        return ray.get(self._keeper.address.remote(self._modules, sys.path), timeout=WARM_START_S)
+        try:
+            return ray.get(self._keeper.address.remote(self._modules, sys.path), timeout=WARM_START_S)
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, BackendError):  # the keeper's refusal, told as it said it
+                raise exc.cause from None
+            raise
 
     def _watch(self, record: _ForkedRank) -> None:
         """Tell the rank's death to its callers the moment its process exits."""

@@ -448,25 +448,107 @@ def _source_files(before: set[str]) -> list[tuple[str, int, int]]:
     return sorted(files)
 
 
-def serve_forks(address: str, sys_path: Sequence[str], modules: Sequence[str]) -> None:
-    """The warm process: import, say ready on stdout, then fork a rank per request until the keeper goes."""
+def serve_base(address: str, sys_path: Sequence[str]) -> None:
+    """The base warm process of a node and ``sys.path``: import the host's modules, say ready on
+    stdout, then fork an import set's warm process per request (:func:`_start_warm`) until the keeper goes.
+
+    Why a base: torch and rankmesh are most of every import set's cost (1.6 of a plain rank's
+    1.7 CPU-s here), and every group on the node needs them.  A second worker class on the node
+    then costs the import of its own modules alone."""
     _die_with_parent()
     sys.path[:] = list(sys_path)
     parent = os.getppid()
+    start_env = dict(os.environ)
     before = set(sys.modules)
-    env_before = dict(os.environ)
+    failed = _import_all(HOST_MODULES)
+    listener = _listen(address)
+    sys.stdout.write(json.dumps({"pid": os.getpid(), "files": _source_files(before), "failed": failed}) + "\n")
+    sys.stdout.flush()
+    warms: set[int] = set()
+    last = time.monotonic()
+    while os.getppid() == parent and (warms or time.monotonic() - last < IDLE_S):
+        warms -= _reap()
+        if not select.select([listener], [], [], REAP_EVERY_S)[0]:
+            continue
+        last = time.monotonic()
+        conn, _ = listener.accept()
+        with conn:
+            try:
+                conn.settimeout(REAP_EVERY_S)
+                asked = json.loads(receive_payload(conn))
+            except Exception:  # noqa: BLE001 - a broken request fails its keeper, not this process
+                logger.exception("a warm process request did not arrive whole")
+                continue
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                _start_warm(conn, asked["address"], asked["modules"], start_env, failed)
+            warms.add(pid)
+
+
+def _start_warm(conn: socket.socket, address: str, modules: Sequence[str], start_env: Mapping[str, str],
+                failed: Mapping[str, str]) -> None:
+    """The life of an import set's warm process, forked from its base: import ``modules``, say
+    ready on ``conn`` (or why it may not fork ranks), then serve fork requests; never returns."""
+    code = 0
+    try:
+        _die_with_parent()
+        before = set(sys.modules)
+        failed = {**failed, **_import_all(modules)}
+        unsafe = _fork_hazards(modules)
+        listener = None if unsafe else _listen(address)
+        send_message(conn, {"pid": os.getpid(), "files": _source_files(before), "failed": failed, "unsafe": unsafe})
+        conn.close()
+        if listener is not None:
+            imported_env = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
+            serve_forks(listener, imported_env)
+    except BaseException:  # noqa: BLE001 - the child must end here, whatever happened
+        code = 1
+        logger.exception("the warm process for %s failed", list(modules))
+    finally:
+        os._exit(code)
+
+
+def _import_all(modules: Sequence[str]) -> dict[str, str]:
+    """Import each of ``modules``; the ones that failed, with why (the rank reports it where it builds the worker)."""
     failed = {}
-    for name in (*HOST_MODULES, *modules):
+    for name in modules:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - the rank reports it where it builds the worker
             failed[name] = repr(exc)
-    imported_env = {k: v for k, v in os.environ.items() if env_before.get(k) != v}
+    return failed
+
+
+def _fork_hazards(modules: Sequence[str]) -> str:
+    """Why this process may not fork ranks after importing ``modules``, or ``""``.
+
+    A fork copies one thread: a Python thread that a module started at import would be missing
+    from every rank, with whatever lock it held held for good; a CUDA context does not survive a
+    fork at all (the rank's first CUDA call fails).  Threads of native pools (OpenBLAS's) are not
+    counted: they re-create themselves in a child."""
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if threads:
+        return (f"importing {list(modules)} started Python threads {threads}: a forked rank would lack them, and any "
+                f"lock they hold at the fork would stay held in the rank")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return f"importing {list(modules)} created a CUDA context, which a forked rank cannot use"
+    return ""
+
+
+def _listen(address: str) -> socket.socket:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
-    sys.stdout.write(json.dumps({"pid": os.getpid(), "files": _source_files(before), "failed": failed}) + "\n")
-    sys.stdout.flush()
+    return listener
+
+
+def serve_forks(listener: socket.socket, imported_env: Mapping[str, str]) -> None:
+    """An import set's warm process: fork a rank per request on ``listener`` until its base goes.
+
+    ``imported_env``: what the imports set in the environment (:func:`become_rank`)."""
+    parent = os.getppid()
     holders: dict[int, int] = {}  # a holder's pidfd -> its rank's pidfd
     last = time.monotonic()
     while os.getppid() == parent and (holders or time.monotonic() - last < IDLE_S):
@@ -474,7 +556,7 @@ def serve_forks(address: str, sys_path: Sequence[str], modules: Sequence[str]) -
         readable, _, _ = select.select([listener, *holders], [], [], REAP_EVERY_S)
         for fd in readable:
             if fd is not listener:  # a holder is gone: so is its rank, even one stopped (a channel's end it cannot read)
-                _kill_rank(holders.pop(fd))
+                kill_by_pidfd(holders.pop(fd))
                 os.close(fd)
         if listener not in readable:
             continue
@@ -504,12 +586,12 @@ def serve_forks(address: str, sys_path: Sequence[str], modules: Sequence[str]) -
             try:
                 holders[os.pidfd_open(request.place.ray_pid)] = rank
             except ProcessLookupError:  # the holder went while its rank was forked
-                _kill_rank(rank)
+                kill_by_pidfd(rank)
             conn.sendall(LENGTH.pack(pid))
 
 
-def _kill_rank(pidfd: int) -> None:
-    """SIGKILL the rank behind ``pidfd`` (a pidfd: a pid reused since cannot be hit) and close it."""
+def kill_by_pidfd(pidfd: int) -> None:
+    """SIGKILL the process behind ``pidfd`` (a pidfd: a pid reused since cannot be hit; gone already: nothing) and close it."""
     try:
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     except ProcessLookupError:
@@ -517,15 +599,17 @@ def _kill_rank(pidfd: int) -> None:
     os.close(pidfd)
 
 
-def _reap() -> None:
-    """Collect the exit of every forked rank that ended (its holder saw it through a pidfd already)."""
+def _reap() -> set[int]:
+    """Collect the exit of every child that ended (a rank's holder saw it through a pidfd already); their pids."""
+    reaped = set()
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return reaped
         if pid == 0:
-            return
+            return reaped
+        reaped.add(pid)
 
 
 def fork_rank(address: str, request: ForkRequest, channels: Sequence[socket.socket], timeout: float) -> int:
@@ -541,5 +625,16 @@ def fork_rank(address: str, request: ForkRequest, channels: Sequence[socket.sock
     return pid
 
 
+def start_warm(base: str, address: str, modules: Sequence[str], timeout: float) -> dict[str, Any]:
+    """Ask the base warm process at ``base`` for a warm process of ``modules`` listening at
+    ``address``; what it said once ready: ``pid``, the source ``files`` it read, the modules that
+    ``failed`` to import and why, and why it is ``unsafe`` to fork from (``""``: it is not)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(timeout)
+        conn.connect(base)
+        send_encoded(conn, memoryview(json.dumps({"address": address, "modules": list(modules)}).encode()))
+        return receive_message(conn)
+
+
 if __name__ == "__main__":
-    serve_forks(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:])
+    serve_base(sys.argv[1], json.loads(sys.argv[2]))
