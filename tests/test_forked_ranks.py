@@ -23,7 +23,7 @@ from rankmesh.backends.ray import RayClassWithInitArgs, RayResourcePool, RayWork
 from rankmesh.backends.ray.forked import KEEPER_NAME  # noqa: E402
 from rankmesh.backends.ray.runtime import DETACHED_NAMESPACE  # noqa: E402
 from rankmesh.data import DataProto  # noqa: E402
-from rankmesh.errors import BackendError, WorkerDiedError, WorkerError  # noqa: E402
+from rankmesh.errors import BackendError, ForkRefused, WorkerDiedError, WorkerError  # noqa: E402
 from tests.fork_workers import ForkProbe  # noqa: E402
 
 #: Variables Ray gives each worker process of its own (ids, the log files): a forked rank has its holder's.
@@ -211,6 +211,35 @@ def _cmdline(pid: int) -> bytes:
         return f.read()
 
 
+KEEPER_SCRIPT = """
+import json, sys
+from rankmesh.backends.ray.forked import WarmKeeper
+keeper = WarmKeeper()
+print(json.dumps(keeper.address(["json"], sys.path)), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_keepers_sockets_go_with_it():
+    """The keeper's directory holds its warm processes' sockets; it must not outlive the keeper
+    (a killed keeper runs no clean-up of its own)."""
+    import json
+    import subprocess
+
+    keeper = subprocess.Popen([sys.executable, "-c", KEEPER_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        address = json.loads(keeper.stdout.readline())
+        directory = os.path.dirname(address)
+        assert os.path.exists(address) and os.path.basename(directory).startswith("rankmesh-warm-")
+    finally:
+        keeper.kill()
+        keeper.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(directory) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(directory), os.listdir(directory)
+
+
 def test_a_worker_module_that_starts_a_thread_when_imported_is_not_forked(ray_session):
     """A fork copies one thread: the rank would lack the module's thread, and any lock it held."""
     from tests.fork_threaded_worker import StartsAThread
@@ -218,9 +247,10 @@ def test_a_worker_module_that_starts_a_thread_when_imported_is_not_forked(ray_se
     with pytest.raises(WorkerError) as err:
         RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(StartsAThread), process_model="fork")
     text = str(err.value)
-    assert text.startswith("rank 0 failed in start: BackendError: ranks cannot be forked for worker modules "
+    assert text.startswith("rank 0 failed in start: ForkRefused: ranks cannot be forked for worker modules "
                            "['tests.fork_threaded_worker']"), text
     assert "started-at-import" in text and "process_model='ray'" in text
+    assert err.value.raised(ForkRefused)  # asked for, the model is refused: no fall-back
     group = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(StartsAThread), process_model="ray")
     try:
         assert group.alive() == [True]
@@ -324,6 +354,62 @@ def test_a_worker_module_changed_on_disk_reaches_the_next_group(groups, tmp_path
 def test_a_process_model_that_does_not_exist_is_refused_before_anything_starts(ray_session):
     with pytest.raises(BackendError, match="process_model must be one of"):
         RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ForkProbe), process_model="spawn")
+
+
+def test_rankmeshs_own_workers_fork_by_default_and_any_other_class_keeps_a_ray_actor():
+    """By hand, from the rule: a group that names no model and has no RANKMESH_PROCESS_MODEL forks
+    when every class is rankmesh's own (falling back to Ray actors if refused), else keeps Ray actors;
+    a model named, or set in the environment, is what the group gets, with no fall-back."""
+    from rankmesh.backends.ray.forked import ProcessChoice, choose_process_model
+    from rankmesh.megatron.roles import CriticWorker
+    from rankmesh.reshard.worker import ReshardWorker
+
+    unset: dict = {}
+    assert choose_process_model(None, [ReshardWorker], unset) == ProcessChoice("fork", fall_back=True)
+    assert choose_process_model(None, [ReshardWorker, CriticWorker], unset) == ProcessChoice("fork", fall_back=True)
+    assert choose_process_model(None, [ForkProbe], unset) == ProcessChoice("ray")
+    assert choose_process_model(None, [ReshardWorker, ForkProbe], unset) == ProcessChoice("ray")
+    assert choose_process_model("ray", [ReshardWorker], unset) == ProcessChoice("ray")
+    assert choose_process_model("fork", [ForkProbe], unset) == ProcessChoice("fork")
+    assert choose_process_model(None, [ReshardWorker], {"RANKMESH_PROCESS_MODEL": "ray"}) == ProcessChoice("ray")
+    assert choose_process_model(None, [ForkProbe], {"RANKMESH_PROCESS_MODEL": "fork"}) == ProcessChoice("fork")
+
+
+def test_a_group_of_rankmeshs_own_workers_forks_when_nothing_says_otherwise(ray_session, monkeypatch):
+    from rankmesh.reshard.worker import ReshardWorker
+
+    monkeypatch.delenv("RANKMESH_PROCESS_MODEL", raising=False)
+    group = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(ReshardWorker))
+    try:
+        (info,) = group.executor.hosts.info
+        with open(f"/proc/{info['ray_pid']}/cmdline", "rb") as f:
+            assert b"ForkedRanks" in f.read()  # the rank's Ray process is its holder
+        assert info["pid"] != info["ray_pid"]
+    finally:
+        group.shutdown()
+
+
+def test_a_default_fork_that_is_refused_starts_ray_actors_and_says_why(ray_session, caplog):
+    """What a group whose model was the default gets when its modules may not be forked."""
+    from rankmesh.backends.ray.forked import ProcessChoice
+    from rankmesh.backends.ray.hosts import start_hosts
+    from rankmesh.mesh import RankMesh
+    from tests.fork_threaded_worker import StartsAThread
+
+    pool = RayResourcePool([1], use_gpu=False)
+    pool.connect()
+    roles = RayClassWithInitArgs(StartsAThread).roles
+    with caplog.at_level("WARNING", logger="rankmesh.backends.ray.hosts"):
+        hosts = start_hosts(pool, roles, RankMesh(), {}, "refused", False, {}, {}, 120.0,
+                            process=ProcessChoice("fork", fall_back=True))
+    try:
+        assert hosts.forking is None
+        (info,) = hosts.info
+        assert info["pid"] == info["ray_pid"]  # a Ray actor of its own
+        (warning,) = [r.getMessage() for r in caplog.records if "start as Ray actors" in r.getMessage()]
+        assert "tests.fork_threaded_worker" in warning and "started-at-import" in warning
+    finally:
+        hosts.shutdown()
 
 
 def test_the_holder_runs_every_method_of_the_host_on_the_lane_of_its_thread():

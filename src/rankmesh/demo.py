@@ -252,7 +252,7 @@ def start_rollout(cfg: DemoConfig, model: dict, processes: Any):
 
     mesh, counts = resolve_rollout(cfg)
     return processes.start(counts, RayClassWithInitArgs(RolloutWorker, model=model), mesh, pool_name="rollout_pool",
-                           name_prefix="rollout", spares=cfg.spares, process_model="fork", **recovery_policy(cfg))
+                           name_prefix="rollout", spares=cfg.spares, **recovery_policy(cfg))
 
 
 def recovery_policy(cfg: DemoConfig) -> dict[str, Any]:
@@ -287,14 +287,15 @@ def start_groups(cfg: DemoConfig, model: dict, processes: Any):
         "ref": RayClassWithInitArgs(RefWorker, **common),
     })
     policy = recovery_policy(cfg)
-    # Every role forks its ranks from a warm process per node (docs/ray_backend.md, "Process
-    # models"): the refit between actor and rollout goes through the ranks' holders.
+    # Every role forks its ranks from a warm process per node, the default for rankmesh's own
+    # workers (docs/ray_backend.md, "Process models"): the refit between actor and rollout goes
+    # through the ranks' holders.
     actor_group = processes.start(actor_counts, colocated, actor_mesh, pool_name="actor_pool", spares=cfg.spares,
-                                  name_prefix="actor+ref", process_model="fork", **policy)
+                                  name_prefix="actor+ref", **policy)
     roles = check_megatron_group(actor_group, actor_mesh, roles=["actor", "ref"])
     critic_group = processes.start(critic_counts, RayClassWithInitArgs(CriticWorker, lr=cfg.critic_lr, **common),
                                    critic_mesh, pool_name="critic_pool", name_prefix="critic", spares=cfg.spares,
-                                   process_model="fork", **policy)
+                                   **policy)
     return roles["actor"], roles["ref"], check_megatron_group(critic_group, critic_mesh), source
 
 

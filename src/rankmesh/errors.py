@@ -188,6 +188,10 @@ class WorkerError(RankMeshError):
     def __str__(self) -> str:
         return self._text()
 
+    def raised(self, cls: type[BaseException]) -> bool:
+        """Whether the rank raised a ``cls`` (its exact class: what :meth:`from_exception` kept of it)."""
+        return self.cause == f"{cls.__module__}.{cls.__qualname__}"
+
     def __reduce__(self):
         return (type(self), (self.rank, self.coords, self.method, self.detail, self.node, self.remote_traceback, self.others,
                              self.cause))
@@ -212,6 +216,14 @@ class ForkedRankGone(BackendError):
 
     The group reads it as a process death, as it reads Ray's dead-actor error for a rank in its own
     actor, and raises :class:`WorkerDiedError` naming the rank."""
+
+
+class ForkRefused(BackendError):
+    """A node's warm process may not fork ranks for a group's modules: importing them started a
+    Python thread or a CUDA context, which a forked rank would lack or could not use.
+
+    The node's keeper raises it, naming the modules and what they started.  A group whose process
+    model was its worker classes' default (rankmesh's own) starts Ray actors instead."""
 
 
 class WorkerDiedError(BackendError):

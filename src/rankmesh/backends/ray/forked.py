@@ -42,8 +42,10 @@ process is a child of the warm process, which Ray does not know of; so:
   devices a task in the bundle reads (:func:`bundle_devices`, once per fork).
 
 A :class:`WarmKeeper` per node (a detached named actor in rankmesh's namespace, ``num_cpus=0``)
-starts the node's warm processes, one per import set and ``sys.path``, and restarts one that
-died or whose source files changed on disk since it imported them.  A warm process unused for
+starts the node's warm processes, one per import set and ``sys.path`` (each forked from the
+base warm process of its ``sys.path``, which imported torch and rankmesh once: :mod:`.warm`),
+and restarts one that died or whose source files changed on disk since it imported them, or
+refuses with why when its modules started a thread or CUDA.  A warm process unused for
 :data:`.warm.IDLE_S` exits by itself, so a long-lived cluster does not keep megatron-core
 imported for a driver long gone.  What a forked rank cannot do is
 listed in ``docs/ray_backend.md`` ("Process models").
@@ -72,7 +74,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import ray
 
-from rankmesh.errors import BackendError, ForkedRankGone, RayHandleInChannel
+from rankmesh.errors import BackendError, ForkedRankGone, ForkRefused, RayHandleInChannel
 
 from .hostapi import ANSWER_PARTS, BARE_SLOT_METHODS, CONTROL_GROUP, HOST_METHODS, SLOT_METHODS, HostPlace
 from .reshard import RayObjects
@@ -100,6 +102,27 @@ KEEPER_NAME = "rankmesh_warm_keeper_{node_id}"
 PROCESS_MODEL_ENV = "RANKMESH_PROCESS_MODEL"
 
 
+class ProcessChoice(NamedTuple):
+    """A group's process model, and whether a refusal to fork its modules (:class:`ForkRefused`)
+    starts Ray actors instead (``fall_back``: the model was the default, not asked for)."""
+
+    model: str
+    fall_back: bool = False
+
+
+def choose_process_model(process_model: str | None, classes: Sequence[type],
+                         environ: Mapping[str, str] | None = None) -> ProcessChoice:
+    """The process model of a group of worker ``classes``: ``process_model`` if given, else the
+    ``RANKMESH_PROCESS_MODEL`` setting, else ``"fork"`` when every class is rankmesh's own (none
+    calls Ray inside a rank), falling back to ``"ray"`` should forking be refused, and ``"ray"``
+    for any other class (it may call Ray, which a forked rank cannot)."""
+    environ = os.environ if environ is None else environ
+    if process_model is not None or environ.get(PROCESS_MODEL_ENV, "").strip():
+        return ProcessChoice(process_model_of(process_model, environ))
+    own = all(cls.__module__.split(".")[0] == "rankmesh" for cls in classes)
+    return ProcessChoice("fork", fall_back=True) if classes and own else ProcessChoice("ray")
+
+
 def process_model_of(process_model: str | None, environ: Mapping[str, str] | None = None) -> str:
     """``process_model`` checked, or when ``None`` the ``RANKMESH_PROCESS_MODEL`` setting (``"ray"`` if unset)."""
     if process_model is None:
@@ -120,7 +143,7 @@ class WarmKeeper:
     starts; each import set's warm process is forked from its base (:func:`.warm.start_warm`)."""
 
     def __init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="rankmesh-warm-")
+        self._dir = ""  # made with the first base warm process, which removes it when this keeper goes
         self._started = 0
         #: sys.path -> the base warm process, its socket, the source files it read.
         self._bases: dict[tuple[str, ...], tuple[subprocess.Popen, str, list[tuple[str, int, int]]]] = {}
@@ -147,8 +170,8 @@ class WarmKeeper:
         pidfd = os.pidfd_open(said["pid"])
         if said["unsafe"]:
             kill_by_pidfd(pidfd)
-            raise BackendError(f"ranks cannot be forked for worker modules {list(key[0])}: {said['unsafe']}. Start "
-                               f"the group with process_model='ray', or have the module start that at first use")
+            raise ForkRefused(f"ranks cannot be forked for worker modules {list(key[0])}: {said['unsafe']}. Start "
+                              f"the group with process_model='ray', or have the module start that at first use")
         for name, error in said["failed"].items():
             logger.warning("the warm process for %s could not import %s: %s (each rank will import it)", key[0], name, error)
         self._warm[key] = (pidfd, said["pid"], address, [tuple(f) for f in said["files"]])
@@ -174,6 +197,7 @@ class WarmKeeper:
             for key in [k for k in self._warm if k[1] == sys_path]:
                 os.close(self._warm.pop(key)[0])  # killed with its base
         self._started += 1
+        self._dir = self._dir if os.path.isdir(self._dir) else tempfile.mkdtemp(prefix="rankmesh-warm-")
         address = os.path.join(self._dir, f"base-{self._started}.sock")
         log = os.path.join(self._dir, f"base-{self._started}.log")
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each rank sets its own

@@ -31,7 +31,8 @@ from rankmesh.validate import optional_seconds, positive_seconds
 
 from .classes import RayClassWithInitArgs, fused_worker_class, unwrap_actor_class
 from .executor import ABANDONED_WAIT_S, RETRYING, SHRINKING, RayExecutor, check_policies, control_mode
-from .forked import process_model_of
+from .forked import ProcessChoice, choose_process_model
+from .hostapi import role_class
 from .hosts import HostSet, attach_hosts, build_workers, check_worker_env, start_hosts
 from .pool import RayResourcePool
 from .recovery import PROBE_TIMEOUT, Recovery, ReplacementReport, check_recoverable, probe_dead, replace_dead_ranks
@@ -105,7 +106,8 @@ class RayWorkerGroup(WorkerGroup):
     ``bin_pack`` is verl's; only ``True`` is supported (:func:`check_bin_pack`).
     ``process_model="fork"`` forks each rank from its node's warm process (imports paid once per
     node) behind a light holder actor, instead of a Ray actor per rank (:mod:`.forked`; ``None``:
-    the ``RANKMESH_PROCESS_MODEL`` setting, ``"ray"`` when unset;
+    the ``RANKMESH_PROCESS_MODEL`` setting, and when unset ``"fork"`` for rankmesh's own worker
+    classes, Ray actors should forking their modules be refused, and ``"ray"`` for any other;
     docs/ray_backend.md, "Process models", says when to choose which).
     """
 
@@ -133,8 +135,6 @@ class RayWorkerGroup(WorkerGroup):
         if detached and process_model == "fork":
             raise BackendError("a detached group outlives its driver, and forked ranks live no longer than the driver's "
                                "warm processes: use process_model='ray' with detached=True")
-        # A detached group keeps Ray actors whatever RANKMESH_PROCESS_MODEL says (it outlives the warm processes).
-        process_model = "ray" if detached else process_model_of(process_model)
         call_timeout_s = optional_seconds(call_timeout_s, "call_timeout_s", BackendError)
         abandoned_wait_s = positive_seconds(abandoned_wait_s, "abandoned_wait_s", BackendError)
         stall_warn_s = optional_seconds(stall_warn_s, "stall_warn_s", BackendError)
@@ -165,11 +165,15 @@ class RayWorkerGroup(WorkerGroup):
             )
         resource_pool.connect()  # not ensure_ray(): the pool sizes an embedded Ray for itself
         prefix = name_prefix or default_group_name(ray_cls_with_init, detached)
+        roles = ray_cls_with_init.roles  # pickles every class: once
+        # A detached group keeps Ray actors whatever RANKMESH_PROCESS_MODEL says (it outlives the warm processes).
+        process = ProcessChoice("ray") if detached else choose_process_model(
+            process_model, [role_class(role) for role in roles.values()])
         startup = StartupProgress(prefix, world, progress)
         try:
             hosts = start_hosts(
                 resource_pool,
-                ray_cls_with_init.roles,
+                roles,
                 table.mesh,
                 table.extra_meshes,
                 prefix,
@@ -179,7 +183,7 @@ class RayWorkerGroup(WorkerGroup):
                 start_timeout,
                 startup,
                 table.preload,
-                process_model,
+                process,
             )
         finally:
             startup.close()

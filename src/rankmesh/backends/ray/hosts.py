@@ -31,13 +31,13 @@ from ray._raylet import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rankmesh.errors import BackendError, WorkerEnvError
+from rankmesh.errors import BackendError, ForkRefused, WorkerEnvError, WorkerError
 from rankmesh.mesh import RankMesh
 from rankmesh.placement import RankPlace
 
 from .hangs import hang_inspector
 from .notices import NOTICES
-from .forked import Forking, kill_host, process_model_of
+from .forked import Forking, ProcessChoice, kill_host
 from .host import WorkerHost, host_actor_options
 from .hostapi import HostSetup, RoleInit
 from rankmesh.rendezvous import RESERVED_ENV
@@ -359,20 +359,28 @@ def start_hosts(
     timeout: float,
     progress: StartupProgress | None = None,
     preload: tuple[str, ...] = (),
-    process_model: str = "ray",
+    process: ProcessChoice = ProcessChoice("ray"),
 ) -> HostSet:
     """:func:`launch_hosts` then :func:`build_workers`; on failure every host is killed.
 
-    ``process_model``: ``"ray"`` starts a Ray actor per rank, ``"fork"`` forks each rank from its
-    node's warm process behind a holder actor (:mod:`.forked`).
+    ``process.model``: ``"ray"`` starts a Ray actor per rank, ``"fork"`` forks each rank from its
+    node's warm process behind a holder actor (:mod:`.forked`); with ``process.fall_back`` a node
+    that refuses to fork the group's modules (:class:`~rankmesh.errors.ForkRefused`) makes every
+    rank a Ray actor instead, with a warning that says why.
 
     The pool is acquired here and released by :meth:`HostSet.shutdown` (or at once on failure).
     """
     pool.admit()
     pool.acquire()
     try:
-        forking = Forking.of_roles(roles, preload) if process_model_of(process_model) == "fork" else None
-        hosts = launch_hosts(pool, name_prefix, detached, options, timeout, progress, forking)
+        forking = Forking.of_roles(roles, preload) if process.model == "fork" else None
+        try:
+            hosts = launch_hosts(pool, name_prefix, detached, options, timeout, progress, forking)
+        except WorkerError as exc:
+            if forking is None or not process.fall_back or not exc.raised(ForkRefused):
+                raise
+            logger.warning("worker group %s: its ranks start as Ray actors, one each: %s", name_prefix, exc.detail)
+            hosts = launch_hosts(pool, name_prefix, detached, options, timeout, progress, None)
     except BaseException:
         pool.release()
         raise

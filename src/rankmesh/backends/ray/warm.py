@@ -1,19 +1,24 @@
-"""The warm process of one node and import set, and the rank processes it forks.
+"""The warm processes of one node, a base per ``sys.path`` and one per import set forked from it, and the ranks they fork.
 
 Why: every rank in its own Ray worker is a fresh interpreter that imports torch (2.7 CPU-s here),
 rankmesh and megatron-core (6.7 CPU-s for a megatron rank) before it does anything.  A warm
 process imports a group's worker modules once per node; a rank is then a ``fork`` of it, ready
 in milliseconds, its imports already done (``docs/ray_backend.md``, "Process models").
 
-**The warm process** (``python -m rankmesh.backends.ray.warm SOCKET SYS_PATH MODULE...``) is started by
-its node's keeper (:class:`.forked.WarmKeeper`) and dies with it (``PR_SET_PDEATHSIG``).  It
-watches each rank's holder through a pidfd and kills the rank when its holder goes: a rank
-cannot be made to die with a process that is not its parent, and a stopped rank would never read
-its closed channels.  It
-imports the rank's host (torch, rankmesh) and the named modules on the ranks' ``sys.path``, tells the keeper it is ready
-and which source files it read (a file changed on disk retires it), then serves fork requests on
-a Unix socket, one at a time, on its only Python thread.  It starts no threads of its own, no
-torch thread pool, no CUDA context and no process group.
+**The warm processes.**  A node's keeper (:class:`.forked.WarmKeeper`) starts one *base* warm
+process per ``sys.path`` (``python -m rankmesh.backends.ray.warm SOCKET SYS_PATH``), which imports
+the rank's host (torch, rankmesh) and nothing else, says it is ready on stdout and which source
+files it read (a file changed on disk retires it), then forks one warm process per import set on
+request (:func:`start_warm`).  That one imports the group's worker modules on top and serves fork
+requests on a Unix socket, one at a time, on its only Python thread; so a second worker class on
+a node costs the import of its own modules, not torch's again.  Neither starts threads of its
+own, a torch thread pool, a CUDA context or a process group, and a warm process whose modules
+did (a Python thread started at import, a CUDA context) refuses to fork and says which modules:
+a fork would leave the rank without that thread (and with any lock it held) or unable to use
+CUDA.  The base dies with its keeper and takes the keeper's directory of sockets with it; an
+import set's warm process dies with its base.  A warm process watches each rank's holder
+through a pidfd and kills the rank when its holder goes: a rank cannot be made to die with a
+process that is not its parent, and a stopped rank would never read its closed channels.
 
 **A fork request** (:class:`ForkRequest`) comes from the holder of the group's forked ranks on
 the node (:class:`.forked.ForkedRanks`), a light Ray actor: the environment, working directory and
@@ -45,6 +50,7 @@ import os
 import pickle
 import random
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -427,9 +433,9 @@ def sendable(exc: BaseException) -> BaseException:
 # ----- the warm process ---------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(sig: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 def _source_files(before: set[str]) -> list[tuple[str, int, int]]:
@@ -455,9 +461,36 @@ def serve_base(address: str, sys_path: Sequence[str]) -> None:
     Why a base: torch and rankmesh are most of every import set's cost (1.6 of a plain rank's
     1.7 CPU-s here), and every group on the node needs them.  A second worker class on the node
     then costs the import of its own modules alone."""
-    _die_with_parent()
-    sys.path[:] = list(sys_path)
+    # The keeper's exit ends this process with SIGTERM rather than SIGKILL, so that the keeper's
+    # directory (every socket of its warm processes) goes with it.  The kernel sends that signal
+    # each time a thread of the keeper ends, the last one included, and only that one leaves this
+    # process a new parent: the others are ignored.
     parent = os.getppid()
+    signal.signal(signal.SIGTERM, functools.partial(_exit_if_orphaned, parent))
+    _die_with_parent(signal.SIGTERM)
+    try:
+        _serve_base(address, sys_path, parent)
+    finally:
+        if os.getppid() != parent:
+            shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+        else:  # idle: the keeper starts another on need
+            _unlink(address)
+
+
+def _exit_if_orphaned(parent: int, signum: int, frame: Any) -> None:
+    if os.getppid() != parent:
+        raise SystemExit(0)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _serve_base(address: str, sys_path: Sequence[str], parent: int) -> None:
+    sys.path[:] = list(sys_path)
     start_env = dict(os.environ)
     before = set(sys.modules)
     failed = _import_all(HOST_MODULES)
@@ -492,7 +525,8 @@ def _start_warm(conn: socket.socket, address: str, modules: Sequence[str], start
     ready on ``conn`` (or why it may not fork ranks), then serve fork requests; never returns."""
     code = 0
     try:
-        _die_with_parent()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _die_with_parent(signal.SIGKILL)
         before = set(sys.modules)
         failed = {**failed, **_import_all(modules)}
         unsafe = _fork_hazards(modules)
@@ -502,6 +536,7 @@ def _start_warm(conn: socket.socket, address: str, modules: Sequence[str], start
         if listener is not None:
             imported_env = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
             serve_forks(listener, imported_env)
+            _unlink(address)
     except BaseException:  # noqa: BLE001 - the child must end here, whatever happened
         code = 1
         logger.exception("the warm process for %s failed", list(modules))
@@ -533,7 +568,9 @@ def _fork_hazards(modules: Sequence[str]) -> str:
                 f"lock they hold at the fork would stay held in the rank")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        return f"importing {list(modules)} created a CUDA context, which a forked rank cannot use"
+        hint = ("; transformer-engine does so at import in some versions (NVTE_TORCH_COMPILE=0 avoids it there)"
+                if "transformer_engine" in sys.modules else "")
+        return f"importing {list(modules)} created a CUDA context, which a forked rank cannot use{hint}"
     return ""
 
 
