@@ -220,24 +220,74 @@ sys.stdin.read()
 """
 
 
-def test_a_keepers_sockets_go_with_it():
-    """The keeper's directory holds its warm processes' sockets; it must not outlive the keeper
-    (a killed keeper runs no clean-up of its own)."""
+def _start_keeper():
+    """A keeper in a process of its own, with its base and one import set's warm process up; the socket's name."""
     import json
     import subprocess
 
     keeper = subprocess.Popen([sys.executable, "-c", KEEPER_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return keeper, json.loads(keeper.stdout.readline())
+
+
+def _descendants(pid: int) -> list:
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    return [d for c in children for d in (c, *_descendants(c))]
+
+
+def test_a_keeper_and_its_warm_processes_leave_nothing_on_disk():
+    """Ray kills a worker's whole process tree when the worker goes (the keeper's too): whatever
+    they wrote on disk would stay there, one more entry per node and cluster."""
+    import tempfile
+
+    def ours() -> set:
+        return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("rankmesh")}
+
+    before = ours()
+    keeper, _ = _start_keeper()
+    tree = [keeper.pid, *_descendants(keeper.pid)]
+    for pid in tree:
+        os.kill(pid, signal.SIGKILL)
+    keeper.wait()
+    for pid in tree[1:]:
+        _wait_exited(pid)
+    assert ours() == before
+    assert len(tree) == 3  # the keeper, its base, one warm process
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_a_warm_process_takes_requests_from_its_own_user_only():
+    """Its socket is abstract (no file permissions): another user who asks the node's base warm
+    process for a warm process of its own is turned away unanswered, and nothing is forked."""
+    from rankmesh.backends.ray.warm import start_warm
+
+    keeper, _ = _start_keeper()
     try:
-        address = json.loads(keeper.stdout.readline())
-        directory = os.path.dirname(address)
-        assert os.path.exists(address) and os.path.basename(directory).startswith("rankmesh-warm-")
+        (base, _warm) = _descendants(keeper.pid)
+        with open(f"/proc/{base}/cmdline", "rb") as f:
+            base_address = f.read().split(b"\0")[3].decode()  # python -m rankmesh.backends.ray.warm ADDRESS SYS_PATH
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a process of user nobody
+            said = b"answered"
+            try:
+                os.setuid(65534)
+                start_warm(base_address, "rankmesh-intruder", ["json"], 10)
+            except (EOFError, ConnectionResetError):  # closed unread
+                said = b"unanswered"
+            except BaseException as exc:  # noqa: BLE001 - told to the test
+                said = repr(exc).encode()
+            finally:
+                os.write(write, said)
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(read, 256) == b"unanswered"
+        assert len(_descendants(keeper.pid)) == 2  # the base and the one warm process: nothing forked for nobody
     finally:
         keeper.kill()
         keeper.wait()
-    deadline = time.monotonic() + 10
-    while os.path.exists(directory) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not os.path.exists(directory), os.listdir(directory)
 
 
 def test_a_worker_module_that_starts_a_thread_when_imported_is_not_forked(ray_session):

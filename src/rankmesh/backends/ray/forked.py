@@ -54,6 +54,7 @@ listed in ``docs/ray_backend.md`` ("Process models").
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import json
@@ -65,7 +66,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -143,7 +143,7 @@ class WarmKeeper:
     starts; each import set's warm process is forked from its base (:func:`.warm.start_warm`)."""
 
     def __init__(self) -> None:
-        self._dir = ""  # made with the first base warm process, which removes it when this keeper goes
+        self._token = uuid.uuid4().hex[:12]  # names this keeper's sockets (abstract: :func:`.warm.abstract`)
         self._started = 0
         #: sys.path -> the base warm process, its socket, the source files it read.
         self._bases: dict[tuple[str, ...], tuple[subprocess.Popen, str, list[tuple[str, int, int]]]] = {}
@@ -165,7 +165,7 @@ class WarmKeeper:
             kill_by_pidfd(pidfd)
             logger.info("warm process %d for %s retired (%s)", pid, key[0], why)
         self._started += 1
-        address = os.path.join(self._dir, f"warm-{self._started}.sock")
+        address = f"rankmesh-warm-{self._token}-{self._started}"
         said = start_warm(base, address, key[0], WARM_START_S)
         pidfd = os.pidfd_open(said["pid"])
         if said["unsafe"]:
@@ -197,30 +197,45 @@ class WarmKeeper:
             for key in [k for k in self._warm if k[1] == sys_path]:
                 os.close(self._warm.pop(key)[0])  # killed with its base
         self._started += 1
-        self._dir = self._dir if os.path.isdir(self._dir) else tempfile.mkdtemp(prefix="rankmesh-warm-")
-        address = os.path.join(self._dir, f"base-{self._started}.sock")
-        log = os.path.join(self._dir, f"base-{self._started}.log")
+        address = f"rankmesh-warm-{self._token}-base-{self._started}"
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each rank sets its own
         # Ray read in a forked rank must not connect it as a hidden driver of its own (it has no
         # Ray worker): Ray's automatic ray.init() is off for the warm processes and their forks.
         env[NO_AUTO_CONNECT[0]] = NO_AUTO_CONNECT[1]
-        with open(log, "wb") as err:
-            process = subprocess.Popen([sys.executable, "-m", "rankmesh.backends.ray.warm", address, json.dumps(sys_path)],
-                                       stdout=subprocess.PIPE, stderr=err, env=env)
+        process = subprocess.Popen([sys.executable, "-m", "rankmesh.backends.ray.warm", address, json.dumps(sys_path)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        relay = _Relay(process.stderr)
         ready, _, _ = select.select([process.stdout], [], [], WARM_START_S)
         line = process.stdout.readline() if ready else b""
         if not line:
             process.kill()
             process.wait()
-            with open(log, "rb") as f:
-                tail = f.read()[-2000:].decode(errors="replace")
             raise BackendError(f"the base warm process did not start within {WARM_START_S:g} s "
-                               f"(exit code {process.returncode}); its log ends:\n{tail}")
+                               f"(exit code {process.returncode}); its log ends:\n{relay.tail()}")
         said = json.loads(line)
         for name, error in said["failed"].items():
             logger.warning("the base warm process could not import %s: %s (each rank will import it)", name, error)
         self._bases[sys_path] = (process, address, [tuple(f) for f in said["files"]])
         return address
+
+
+class _Relay:
+    """A warm process's stderr copied to the keeper's (Ray keeps it with the keeper's log: nothing
+    of rankmesh's own on disk), its last lines kept to explain a failed start."""
+
+    def __init__(self, stream: Any) -> None:
+        self._lines: collections.deque[bytes] = collections.deque(maxlen=40)
+        self._thread = threading.Thread(target=self._copy, args=(stream,), name="rankmesh-warm-log", daemon=True)
+        self._thread.start()
+
+    def _copy(self, stream: Any) -> None:
+        for line in stream:
+            self._lines.append(line)
+            os.write(2, line)
+
+    def tail(self) -> str:
+        self._thread.join(timeout=5.0)  # the process is gone: its last lines are in
+        return b"".join(self._lines).decode(errors="replace")[-2000:]
 
 
 def _exited(pidfd: int) -> bool:
@@ -499,9 +514,8 @@ class ForkedRanks:
         self._group_name = group_name
         self._modules = modules
         self._keeper = keeper_of(ray.get_runtime_context().get_node_id())
-        # The warm process imports while the group's ranks are asked for; should it fail, each fork
-        # asks again and raises why.
-        self._keeper.address.remote(self._modules, sys.path)
+        # The warm process imports while the group's ranks are asked for; the first fork reads the answer.
+        self._asked: ray.ObjectRef | None = self._keeper.address.remote(self._modules, sys.path)
         self._place = HostPlace.of_ray_worker()
         self._exec_env = _exec_environment()
         self._forks: dict[str, asyncio.Future] = {}
@@ -646,8 +660,9 @@ class ForkedRanks:
     def _warm_address(self) -> str:
         """The socket of the node's warm process for the group's modules, asked of the keeper at each
         fork: one that died, or whose source files changed, since the last is started again."""
+        asked, self._asked = self._asked, None
         try:
-            return ray.get(self._keeper.address.remote(self._modules, sys.path), timeout=WARM_START_S)
+            return ray.get(asked or self._keeper.address.remote(self._modules, sys.path), timeout=WARM_START_S)
         except ray.exceptions.RayTaskError as exc:
             if isinstance(exc.cause, BackendError):  # the keeper's refusal, told as it said it
                 raise exc.cause from None

@@ -15,8 +15,8 @@ a node costs the import of its own modules, not torch's again.  Neither starts t
 own, a torch thread pool, a CUDA context or a process group, and a warm process whose modules
 did (a Python thread started at import, a CUDA context) refuses to fork and says which modules:
 a fork would leave the rank without that thread (and with any lock it held) or unable to use
-CUDA.  The base dies with its keeper and takes the keeper's directory of sockets with it; an
-import set's warm process dies with its base.  A warm process watches each rank's holder
+CUDA.  The base dies with its keeper, and an import set's warm process with its base.  Their
+sockets are abstract (nothing on disk), and each takes connections from its own user only.  A warm process watches each rank's holder
 through a pidfd and kills the rank when its holder goes: a rank cannot be made to die with a
 process that is not its parent, and a stopped rank would never read its closed channels.
 
@@ -50,7 +50,6 @@ import os
 import pickle
 import random
 import select
-import shutil
 import signal
 import socket
 import struct
@@ -82,6 +81,8 @@ PR_SET_PDEATHSIG = 1
 CHANNEL_FDS = 5
 #: A channel message's length prefix.
 LENGTH = struct.Struct("!Q")
+#: ``SO_PEERCRED``'s answer: the connecting process's pid, uid and gid.
+PEER_CREDENTIALS = struct.Struct("3i")
 #: The modules every warm process imports: what a rank's host needs before any worker class.
 HOST_MODULES: tuple[str, ...] = ("rankmesh.backends.ray.host",)
 
@@ -433,9 +434,9 @@ def sendable(exc: BaseException) -> BaseException:
 # ----- the warm process ---------------------------------------------------------------------------
 
 
-def _die_with_parent(sig: int) -> None:
+def _die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _source_files(before: set[str]) -> list[tuple[str, int, int]]:
@@ -461,36 +462,9 @@ def serve_base(address: str, sys_path: Sequence[str]) -> None:
     Why a base: torch and rankmesh are most of every import set's cost (1.6 of a plain rank's
     1.7 CPU-s here), and every group on the node needs them.  A second worker class on the node
     then costs the import of its own modules alone."""
-    # The keeper's exit ends this process with SIGTERM rather than SIGKILL, so that the keeper's
-    # directory (every socket of its warm processes) goes with it.  The kernel sends that signal
-    # each time a thread of the keeper ends, the last one included, and only that one leaves this
-    # process a new parent: the others are ignored.
-    parent = os.getppid()
-    signal.signal(signal.SIGTERM, functools.partial(_exit_if_orphaned, parent))
-    _die_with_parent(signal.SIGTERM)
-    try:
-        _serve_base(address, sys_path, parent)
-    finally:
-        if os.getppid() != parent:
-            shutil.rmtree(os.path.dirname(address), ignore_errors=True)
-        else:  # idle: the keeper starts another on need
-            _unlink(address)
-
-
-def _exit_if_orphaned(parent: int, signum: int, frame: Any) -> None:
-    if os.getppid() != parent:
-        raise SystemExit(0)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _serve_base(address: str, sys_path: Sequence[str], parent: int) -> None:
+    _die_with_parent()
     sys.path[:] = list(sys_path)
+    parent = os.getppid()
     start_env = dict(os.environ)
     before = set(sys.modules)
     failed = _import_all(HOST_MODULES)
@@ -504,7 +478,9 @@ def _serve_base(address: str, sys_path: Sequence[str], parent: int) -> None:
         if not select.select([listener], [], [], REAP_EVERY_S)[0]:
             continue
         last = time.monotonic()
-        conn, _ = listener.accept()
+        conn = _accept(listener)
+        if conn is None:
+            continue
         with conn:
             try:
                 conn.settimeout(REAP_EVERY_S)
@@ -512,21 +488,23 @@ def _serve_base(address: str, sys_path: Sequence[str], parent: int) -> None:
             except Exception:  # noqa: BLE001 - a broken request fails its keeper, not this process
                 logger.exception("a warm process request did not arrive whole")
                 continue
+            base = os.getpid()
             pid = os.fork()
             if pid == 0:
                 listener.close()
-                _start_warm(conn, asked["address"], asked["modules"], start_env, failed)
+                _start_warm(conn, base, asked["address"], asked["modules"], start_env, failed)
             warms.add(pid)
 
 
-def _start_warm(conn: socket.socket, address: str, modules: Sequence[str], start_env: Mapping[str, str],
+def _start_warm(conn: socket.socket, base: int, address: str, modules: Sequence[str], start_env: Mapping[str, str],
                 failed: Mapping[str, str]) -> None:
-    """The life of an import set's warm process, forked from its base: import ``modules``, say
-    ready on ``conn`` (or why it may not fork ranks), then serve fork requests; never returns."""
+    """The life of an import set's warm process, forked from its ``base`` (pid): import ``modules``,
+    say ready on ``conn`` (or why it may not fork ranks), then serve fork requests; never returns."""
     code = 0
     try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _die_with_parent(signal.SIGKILL)
+        _die_with_parent()
+        if os.getppid() != base:  # the base went before this process could follow it
+            return
         before = set(sys.modules)
         failed = {**failed, **_import_all(modules)}
         unsafe = _fork_hazards(modules)
@@ -536,7 +514,6 @@ def _start_warm(conn: socket.socket, address: str, modules: Sequence[str], start
         if listener is not None:
             imported_env = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
             serve_forks(listener, imported_env)
-            _unlink(address)
     except BaseException:  # noqa: BLE001 - the child must end here, whatever happened
         code = 1
         logger.exception("the warm process for %s failed", list(modules))
@@ -575,10 +552,29 @@ def _fork_hazards(modules: Sequence[str]) -> str:
 
 
 def _listen(address: str) -> socket.socket:
+    """A socket listening at ``address`` (:func:`abstract`)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
+    listener.bind(abstract(address))
     listener.listen(64)
     return listener
+
+
+def abstract(address: str) -> str:
+    """The abstract Unix socket named ``address`` (a leading NUL): nothing on disk to leave behind
+    when a node's processes are killed, and no other user gets through (:func:`_accept`)."""
+    return "\0" + address
+
+
+def _accept(listener: socket.socket) -> socket.socket | None:
+    """The next connection, if it comes from a process of this user (an abstract socket has no
+    file permissions: any process in the network namespace may connect); ``None`` otherwise."""
+    conn, _ = listener.accept()
+    pid, uid, _ = PEER_CREDENTIALS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size))
+    if uid == os.getuid():
+        return conn
+    logger.warning("refused a connection from pid %d of user %d (this process serves user %d only)", pid, uid, os.getuid())
+    conn.close()
+    return None
 
 
 def serve_forks(listener: socket.socket, imported_env: Mapping[str, str]) -> None:
@@ -598,7 +594,9 @@ def serve_forks(listener: socket.socket, imported_env: Mapping[str, str]) -> Non
         if listener not in readable:
             continue
         last = time.monotonic()
-        conn, _ = listener.accept()
+        conn = _accept(listener)
+        if conn is None:
+            continue
         with conn:
             try:
                 message, fds, _, _ = socket.recv_fds(conn, 1 << 20, CHANNEL_FDS)
@@ -656,7 +654,7 @@ def fork_rank(address: str, request: ForkRequest, channels: Sequence[socket.sock
     sys.stderr.flush()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout)
-        conn.connect(address)
+        conn.connect(abstract(address))
         socket.send_fds(conn, [cloudpickle.dumps(request, protocol=5)], [*(c.fileno() for c in channels), 1, 2])
         (pid,) = LENGTH.unpack(_receive_exactly(conn, LENGTH.size))
     return pid
@@ -668,7 +666,7 @@ def start_warm(base: str, address: str, modules: Sequence[str], timeout: float) 
     ``failed`` to import and why, and why it is ``unsafe`` to fork from (``""``: it is not)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout)
-        conn.connect(base)
+        conn.connect(abstract(base))
         send_encoded(conn, memoryview(json.dumps({"address": address, "modules": list(modules)}).encode()))
         return receive_message(conn)
 
